@@ -1,0 +1,48 @@
+//! Cipher names -> constructors, in the Linux crypto API's composable naming (`xts(aes)`).
+
+use crate::xts::Xts;
+use crate::{CipherError, SectorCipher};
+
+/// How strictly to check keys: vector tests need IEEE 1619 vector 1 (equal XTS halves), volumes
+/// must refuse it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyPolicy {
+    /// Accept any key the algorithm can use (test vectors).
+    Permissive,
+    /// Refuse keys that are weak for storage (equal XTS halves).
+    Volume,
+}
+
+/// A cipher the registry knows: its name and what it takes.
+#[derive(Debug, Clone, Copy)]
+pub struct CipherSpec {
+    pub name: &'static str,
+    pub summary: &'static str,
+    /// Smallest data unit in bytes.
+    pub min_data_len: usize,
+}
+
+const CIPHERS: &[CipherSpec] = &[CipherSpec {
+    name: "xts(aes)",
+    summary: "XTS-AES-128/192/256 (IEEE 1619-2007); key = Key1 || Key2 (32, 48 or 64 bytes)",
+    min_data_len: 16,
+}];
+
+/// Every cipher the registry can build.
+pub fn ciphers() -> &'static [CipherSpec] {
+    CIPHERS
+}
+
+/// Builds the cipher called `name` (Linux crypto API name) with `key`.
+pub fn new_cipher(name: &str, key: &[u8], policy: KeyPolicy) -> Result<Box<dyn SectorCipher>, CipherError> {
+    match name {
+        "xts(aes)" => Ok(Box::new(match policy {
+            KeyPolicy::Permissive => Xts::new(key)?,
+            KeyPolicy::Volume => Xts::new_strict(key)?,
+        })),
+        other => Err(CipherError::UnknownCipher(
+            other.to_string(),
+            CIPHERS.iter().map(|c| c.name).collect::<Vec<_>>().join(", "),
+        )),
+    }
+}

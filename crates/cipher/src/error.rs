@@ -11,6 +11,10 @@ pub enum CipherError {
     TweakLength { cipher: &'static str, max: usize, got: usize },
     #[error("{cipher} needs a data unit of at least {min} bytes, got {got}")]
     DataTooShort { cipher: &'static str, min: usize, got: usize },
+    #[error("{cipher} works on whole 16-byte blocks; got {got} bytes")]
+    DataNotBlocks { cipher: &'static str, got: usize },
+    #[error("{0} is not safe for storage volumes: {1}")]
+    NotForVolumes(&'static str, &'static str),
     #[error("the two halves of the XTS key are equal; XTS then loses its security (IEEE 1619-2007 5.1 / FIPS 140-3 IG C.I require distinct halves)")]
     EqualKeyHalves,
 }

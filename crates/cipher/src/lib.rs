@@ -4,6 +4,7 @@
 //! addressed by their Linux crypto API names (`xts(aes)`) through [`registry::new_cipher`].
 
 mod aes_any;
+pub mod ecb;
 mod error;
 mod gf128;
 pub mod registry;

@@ -1,5 +1,6 @@
 //! Cipher names -> constructors, in the Linux crypto API's composable naming (`xts(aes)`).
 
+use crate::ecb::Ecb;
 use crate::xts::Xts;
 use crate::{CipherError, SectorCipher};
 
@@ -22,11 +23,18 @@ pub struct CipherSpec {
     pub min_data_len: usize,
 }
 
-const CIPHERS: &[CipherSpec] = &[CipherSpec {
-    name: "xts(aes)",
-    summary: "XTS-AES-128/192/256 (IEEE 1619-2007); key = Key1 || Key2 (32, 48 or 64 bytes)",
-    min_data_len: 16,
-}];
+const CIPHERS: &[CipherSpec] = &[
+    CipherSpec {
+        name: "xts(aes)",
+        summary: "XTS-AES-128/192/256 (IEEE 1619-2007); key = Key1 || Key2 (32, 48 or 64 bytes)",
+        min_data_len: 16,
+    },
+    CipherSpec {
+        name: "ecb(aes)",
+        summary: "raw AES-ECB, tweak ignored; a benchmark baseline, refused for volumes",
+        min_data_len: 16,
+    },
+];
 
 /// Every cipher the registry can build.
 pub fn ciphers() -> &'static [CipherSpec] {
@@ -40,6 +48,13 @@ pub fn new_cipher(name: &str, key: &[u8], policy: KeyPolicy) -> Result<Box<dyn S
             KeyPolicy::Permissive => Xts::new(key)?,
             KeyPolicy::Volume => Xts::new_strict(key)?,
         })),
+        "ecb(aes)" => match policy {
+            KeyPolicy::Permissive => Ok(Box::new(Ecb::new(key)?)),
+            KeyPolicy::Volume => Err(CipherError::NotForVolumes(
+                "ecb(aes)",
+                "it ignores the sector number, so equal plaintext blocks are visible as equal ciphertext",
+            )),
+        },
         other => Err(CipherError::UnknownCipher(
             other.to_string(),
             CIPHERS.iter().map(|c| c.name).collect::<Vec<_>>().join(", "),

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Install what the integration tests need (Debian 12). Idempotent: when every command and Python
+# module is already present it touches neither apt nor pip and returns in well under a second.
+#
+#   scripts/install-deps.sh            # install what is missing
+#   scripts/install-deps.sh --check    # only report what is missing (exit 1 if anything is)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+check_only=0
+[[ "${1:-}" == "--check" ]] && check_only=1
+
+export DEBIAN_FRONTEND=noninteractive
+
+# command -> Debian package that provides it
+declare -A CMD_PKG=(
+    [nbdinfo]=libnbd-bin
+    [nbdcopy]=libnbd-bin
+    [nbdfuse]=libnbd-bin      # bookworm ships nbdfuse inside libnbd-bin
+    [nbdsh]=python3-libnbd
+    [qemu-img]=qemu-utils
+    [qemu-io]=qemu-utils
+    [fio]=fio
+    [nbdkit]=nbdkit           # includes the file/memory plugins and the luks filter (>= 1.32)
+    [mkfs.ext4]=e2fsprogs
+    [fsck.ext4]=e2fsprogs
+    [losetup]=mount
+    [mount]=mount
+    [fusermount3]=fuse3
+    [sha256sum]=coreutils
+)
+# optional: only used to compare with real dm-crypt where device-mapper works
+declare -A OPT_CMD_PKG=(
+    [cryptsetup]=cryptsetup-bin
+)
+
+have_cmd() {
+    command -v "$1" >/dev/null 2>&1 || [[ -x "/usr/sbin/$1" ]] || [[ -x "/sbin/$1" ]]
+}
+
+missing_pkgs=()
+add_pkg() {
+    local p
+    for p in "${missing_pkgs[@]}"; do [[ "$p" == "$1" ]] && return 0; done
+    missing_pkgs+=("$1")
+}
+
+for cmd in "${!CMD_PKG[@]}"; do
+    have_cmd "$cmd" || add_pkg "${CMD_PKG[$cmd]}"
+done
+
+# nbdkit plugins/filters the tests may use
+if have_cmd nbdkit; then
+    plugdir="$(nbdkit --dump-config 2>/dev/null | sed -n 's/^plugindir=//p')"
+    filtdir="$(nbdkit --dump-config 2>/dev/null | sed -n 's/^filterdir=//p')"
+    [[ -n "$plugdir" && -e "$plugdir/nbdkit-file-plugin.so" ]] || add_pkg nbdkit
+    [[ -n "$filtdir" && -e "$filtdir/nbdkit-luks-filter.so" ]] || add_pkg nbdkit
+fi
+
+opt_missing=()
+for cmd in "${!OPT_CMD_PKG[@]}"; do
+    have_cmd "$cmd" || opt_missing+=("${OPT_CMD_PKG[$cmd]}")
+done
+
+if ((${#missing_pkgs[@]} + ${#opt_missing[@]})); then
+    if ((check_only)); then
+        ((${#missing_pkgs[@]})) && echo "missing packages: ${missing_pkgs[*]}"
+        ((${#opt_missing[@]})) && echo "missing optional packages: ${opt_missing[*]}"
+    else
+        SUDO=()
+        if [[ $(id -u) -ne 0 ]]; then
+            command -v sudo >/dev/null 2>&1 && SUDO=(sudo -E) || {
+                echo "install-deps: not root and no sudo; install: ${missing_pkgs[*]}" >&2
+                exit 1
+            }
+        fi
+        apt_opts=(-o DPkg::Lock::Timeout=600 -y -q --no-install-recommends)
+        echo "install-deps: apt-get install ${missing_pkgs[*]} ${opt_missing[*]}" >&2
+        "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=600 update -qq
+        if ((${#missing_pkgs[@]})); then
+            "${SUDO[@]}" apt-get "${apt_opts[@]}" install "${missing_pkgs[@]}"
+        fi
+        # optional packages one by one: a missing one must not fail the script
+        for p in "${opt_missing[@]}"; do
+            if apt-cache show "$p" >/dev/null 2>&1; then
+                "${SUDO[@]}" apt-get "${apt_opts[@]}" install "$p" ||
+                    echo "install-deps: optional package $p failed to install (ignored)" >&2
+            else
+                echo "install-deps: optional package $p not available (ignored)" >&2
+            fi
+        done
+    fi
+fi
+
+# fio must have the NBD engine (Debian's fio links libnbd)
+if have_cmd fio && ! fio --enghelp 2>/dev/null | grep -qw nbd; then
+    echo "install-deps: warning: this fio has no nbd ioengine; fio tests will be skipped" >&2
+fi
+
+# Python modules (imported name -> tests/requirements.txt)
+py_missing=0
+python3 - <<'EOF' >/dev/null 2>&1 || py_missing=1
+import cryptography.hazmat.primitives.ciphers  # noqa: F401
+import pytest  # noqa: F401
+import hypothesis  # noqa: F401
+EOF
+if ((py_missing)); then
+    if ((check_only)); then
+        echo "missing python modules (tests/requirements.txt)"
+    else
+        echo "install-deps: pip install -r tests/requirements.txt" >&2
+        python3 -m pip install -q -r tests/requirements.txt 2>/dev/null ||
+            python3 -m pip install -q --break-system-packages -r tests/requirements.txt
+    fi
+fi
+
+if ((check_only)); then
+    ((${#missing_pkgs[@]} == 0 && py_missing == 0)) || exit 1
+fi
+exit 0

@@ -189,6 +189,7 @@ class Workspace:
         tcp: bool = False,
         extra: tuple = (),
         size: Optional[str] = None,
+        cipher: Optional[str] = "aes-xts-plain64",
     ) -> Bridge:
         self._n += 1
         args: list = ["--backing", backing]
@@ -198,7 +199,9 @@ class Workspace:
             args += ["--passthrough"]
         else:
             assert key_file is not None
-            args += ["--key-file", key_file, "--cipher", "aes-xts-plain64"]
+            args += ["--key-file", key_file]
+            if cipher is not None:
+                args += ["--cipher", cipher]
             if key_size is not None:
                 args += ["--key-size", key_size]
         if sector_size is not None:

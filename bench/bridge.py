@@ -1,0 +1,849 @@
+#!/usr/bin/env python3
+"""NBD bridge benchmark: fio (ioengine=nbd) CrystalDiskMark-style profiles against cryptbridge and peers.
+
+A benchmark, not a test: targets are reported as PASS/MISS and the exit status is 0 whenever the
+measurements ran (1 only for setup failures such as a missing binary or tool).
+
+Profiles (one fio job, one NBD connection each; MB/s = 10^6 B/s, read+write for the mixed one):
+  SEQ1M Q8T1 read / write, RND4K Q32T1 read / write, RND4K Q1T1 read, RND64K Q16T1 70/30 randrw.
+
+Regimes:
+  device  Backing file on the machine's disk, opened with --direct (O_DIRECT), pre-filled with
+          data: cryptbridge encrypted vs cryptbridge --passthrough.
+          Target: encrypted >= 0.95 x passthrough per profile.
+  cpu     Backing files in the page cache (no --direct, files pre-filled and re-read before every
+          repeat): cryptbridge encrypted, cryptbridge --passthrough, `nbdkit file`,
+          `nbdkit --filter=luks file` (LUKS1 AES-256-XTS image) and `qemu-nbd` (driver=luks,
+          AES-256-XTS). All servers are up at once on unix sockets; servers are interleaved per
+          profile (order rotated) and every job is repeated --repeats times; the median is reported.
+          Targets: passthrough >= 0.9 x nbdkit file; encrypted >= 0.6 x passthrough (SEQ1M),
+          >= 0.9 x (RND4K); encrypted >= 2 x best LUKS peer (SEQ1M), >= 1.2 x (RND4K).
+
+Outputs: bench/out/bridge.json, bench/out/bridge.md (paste into README), chart PNG
+(docs/bench-bridge.png; bench/out/bench-bridge.png for --quick), per-job fio JSON under
+bench/out/fio/, server logs under bench/out/logs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    DEFAULT_BINARY,
+    OUT,
+    REPO,
+    BenchInterrupted,
+    environment,
+    fmt,
+    install_signal_handlers,
+    kill_group,
+    log,
+    median,
+    run,
+    shjoin,
+    spawn,
+    tool_version,
+    verdict,
+    warn,
+    write_json,
+)
+
+MiB = 1 << 20
+GiB = 1 << 30
+PASSPHRASE = "cryptbridge-bench-passphrase"
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    key: str
+    label: str
+    rw: str
+    bs: str
+    iodepth: int
+    group: str  # SEQ1M | RND4K | MIX (selects the target)
+    rwmixread: int | None = None
+
+    @property
+    def writes(self) -> bool:
+        return self.rw in ("write", "randwrite", "randrw", "rw")
+
+
+PROFILES = [
+    Profile("seq1m_q8t1_read", "SEQ1M Q8T1 Read", "read", "1M", 8, "SEQ1M"),
+    Profile("seq1m_q8t1_write", "SEQ1M Q8T1 Write", "write", "1M", 8, "SEQ1M"),
+    Profile("rnd4k_q32t1_read", "RND4K Q32T1 Read", "randread", "4k", 32, "RND4K"),
+    Profile("rnd4k_q32t1_write", "RND4K Q32T1 Write", "randwrite", "4k", 32, "RND4K"),
+    Profile("rnd4k_q1t1_read", "RND4K Q1T1 Read", "randread", "4k", 1, "RND4K"),
+    Profile("rnd64k_q16t1_mix", "RND64K Q16T1 R70/W30", "randrw", "64k", 16, "MIX", 70),
+]
+
+# Server keys, in display order. label = column heading.
+SERVER_LABELS = {
+    "cb-enc": "cryptbridge XTS",
+    "cb-pt": "cryptbridge passthrough",
+    "nbdkit-file": "nbdkit file",
+    "nbdkit-luks": "nbdkit luks",
+    "qemu-luks": "qemu-nbd luks",
+}
+REGIME_SERVERS = {
+    "device": ["cb-enc", "cb-pt"],
+    "cpu": ["cb-enc", "cb-pt", "nbdkit-file", "nbdkit-luks", "qemu-luks"],
+}
+REGIME_TITLES = {
+    "device": "Device-bound (backing on disk, --direct)",
+    "cpu": "CPU-bound (backing in page cache)",
+}
+LUKS_PEERS = ("nbdkit-luks", "qemu-luks")
+
+# (regime, label, numerator, denominator(s) -> best of, {profile group: target or None})
+TARGETS = [
+    ("device", "XTS / passthrough", "cb-enc", ("cb-pt",), {"SEQ1M": 0.95, "RND4K": 0.95, "MIX": 0.95}),
+    ("cpu", "passthrough / nbdkit file", "cb-pt", ("nbdkit-file",), {"SEQ1M": 0.9, "RND4K": 0.9, "MIX": 0.9}),
+    ("cpu", "XTS / passthrough", "cb-enc", ("cb-pt",), {"SEQ1M": 0.6, "RND4K": 0.9, "MIX": None}),
+    ("cpu", "XTS / best LUKS peer", "cb-enc", LUKS_PEERS, {"SEQ1M": 2.0, "RND4K": 1.2, "MIX": None}),
+]
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": MiB, "G": GiB, "T": 1 << 40}
+    if s and s[-1] in mult:
+        return int(float(s[:-1]) * mult[s[-1]])
+    return int(s)
+
+
+def human_size(n: int) -> str:
+    for unit, m in (("G", GiB), ("M", MiB)):
+        if n % m == 0:
+            return f"{n // m}{unit}"
+    return str(n)
+
+
+def fio_time(seconds: float) -> str:
+    return f"{max(0, int(round(seconds * 1000)))}ms"
+
+
+# --------------------------------------------------------------------------------------------
+# backing files
+
+
+def fill_file(path: Path, offset: int, length: int) -> None:
+    """Overwrite [offset, offset+length) with pseudo-random data (fully allocated, incompressible)."""
+    chunk = 4 * MiB
+    pool = os.urandom(32 * MiB)
+    span = len(pool) - chunk
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        done, i = 0, 0
+        while done < length:
+            n = min(chunk, length - done)
+            start = (i * 1048573) % span  # odd stride: 4K blocks differ between chunks
+            f.write(pool[start:start + n])
+            done += n
+            i += 1
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def stamp_ok(path: Path, want: dict) -> bool:
+    st = path.with_name(path.name + ".stamp")
+    try:
+        return path.exists() and json.loads(st.read_text()) == want
+    except (OSError, ValueError):
+        return False
+
+
+def write_stamp(path: Path, want: dict) -> None:
+    path.with_name(path.name + ".stamp").write_text(json.dumps(want))
+
+
+def prepare_plain(path: Path, size: int) -> None:
+    want = {"kind": "plain", "size": size, "v": 1}
+    if stamp_ok(path, want) and path.stat().st_size == size:
+        return
+    log(f"  filling {path} ({human_size(size)})")
+    path.unlink(missing_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(size)
+    fill_file(path, 0, size)
+    write_stamp(path, want)
+
+
+def prepare_luks(path: Path, size: int, passfile: Path) -> None:
+    """LUKS1, aes-xts-plain64 with a 64-byte master key (AES-256-XTS), sha256, payload filled."""
+    want = {"kind": "luks", "size": size, "pass": PASSPHRASE, "v": 1}
+    if stamp_ok(path, want):
+        return
+    log(f"  creating LUKS image {path} ({human_size(size)}, aes-256 xts-plain64)")
+    path.unlink(missing_ok=True)
+    argv = ["qemu-img", "create", "-q", "-f", "luks",
+            "--object", f"secret,id=sec0,file={passfile},format=raw",
+            "-o", "key-secret=sec0,cipher-alg=aes-256,cipher-mode=xts,ivgen-alg=plain64,"
+                  "hash-alg=sha256,iter-time=10",
+            path, str(size)]
+    r = run(argv, timeout=120)
+    if r.returncode != 0:
+        raise RuntimeError(f"{shjoin(argv)} failed: {r.stderr.strip()}")
+    header = path.stat().st_size - size
+    if header <= 0:
+        raise RuntimeError(f"unexpected LUKS image layout for {path}")
+    fill_file(path, header, size)  # random ciphertext decrypts to random plaintext: fine
+    write_stamp(path, want)
+
+
+def drop_file_cache(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        warn(f"fadvise DONTNEED {path}: {e}")
+
+
+def warm_file(path: Path) -> float | None:
+    """Read the whole file so it sits in the page cache; returns resident fraction if known."""
+    with open(path, "rb", buffering=0) as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+        buf = bytearray(8 * MiB)
+        while f.readinto(buf):
+            pass
+    if shutil.which("fincore"):
+        try:
+            r = run(["fincore", "--bytes", "--noheadings", "--output", "RES,SIZE", path], timeout=30)
+            res, size = (int(x) for x in r.stdout.split()[:2])
+            return res / size if size else None
+        except Exception:
+            return None
+    return None
+
+
+def sync_file(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        warn(f"fdatasync {path}: {e}")
+
+
+def fs_type(path: Path) -> str:
+    try:
+        r = run(["stat", "-f", "-c", "%T", path], timeout=10)
+        return r.stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+# --------------------------------------------------------------------------------------------
+# servers
+
+
+class Server:
+    def __init__(self, key: str, regime: str, argv_fn, backing: Path, rundir: Path, logdir: Path,
+                 ready_line: bool):
+        self.key = key
+        self.regime = regime
+        self.label = SERVER_LABELS[key]
+        self.backing = backing
+        self.sock = rundir / f"{regime}-{key}.sock"
+        self.pidfile = rundir / f"{regime}-{key}.pid"
+        self.argv = argv_fn(self.sock, self.pidfile)
+        self.stdout_path = logdir / f"{regime}-{key}.stdout.log"
+        self.stderr_path = logdir / f"{regime}-{key}.stderr.log"
+        self.ready_line = ready_line
+        self.proc: subprocess.Popen | None = None
+        self.uri: str | None = None
+        self.export_size: int | None = None
+        self.exit_code: int | None = None
+        self.dead_reason: str | None = None
+
+    def _tail(self, n=600) -> str:
+        try:
+            return self.stderr_path.read_text(errors="replace")[-n:].strip()
+        except OSError:
+            return ""
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.sock.unlink(missing_ok=True)
+        self.pidfile.unlink(missing_ok=True)
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.proc = spawn(self.argv, out, err)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.key} exited {self.proc.returncode} during startup: "
+                                   f"{shjoin(self.argv)}\n{self._tail()}")
+            uri = None
+            if self.ready_line:
+                try:
+                    for line in self.stdout_path.read_text(errors="replace").splitlines():
+                        if line.startswith("ready "):
+                            uri = line.split(None, 1)[1].strip()
+                            break
+                except OSError:
+                    pass
+            elif self.sock.exists() and self.pidfile.exists() and self.pidfile.stat().st_size > 0:
+                uri = f"nbd+unix:///?socket={self.sock}"
+            if uri:
+                size = probe_size(uri)
+                if size is not None or (self.ready_line and not shutil.which("nbdinfo")):
+                    self.uri, self.export_size = uri, size
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.key} not ready after {timeout:.0f}s: {shjoin(self.argv)}\n{self._tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.exit_code is None:
+            self.exit_code = kill_group(self.proc)
+
+
+def probe_size(uri: str) -> int | None:
+    if not shutil.which("nbdinfo"):
+        return None
+    try:
+        r = run(["nbdinfo", "--size", uri], timeout=15)
+        return int(r.stdout.strip()) if r.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError):
+        return None
+
+
+def qemu_opt_escape(s: str) -> str:
+    return str(s).replace(",", ",,")
+
+
+# --------------------------------------------------------------------------------------------
+# fio
+
+
+def fio_job(uri: str, prof: Profile, size: int, runtime: float, ramp: float, out_json: Path) -> dict:
+    argv = ["fio", f"--name={prof.key}", "--ioengine=nbd", f"--uri={uri}", f"--rw={prof.rw}",
+            f"--bs={prof.bs}", f"--iodepth={prof.iodepth}", "--numjobs=1", f"--size={size}",
+            "--time_based", f"--runtime={fio_time(runtime)}", f"--ramp_time={fio_time(ramp)}",
+            "--norandommap", "--randrepeat=0", "--group_reporting",
+            "--output-format=json", f"--output={out_json}"]
+    if prof.rwmixread is not None:
+        argv.append(f"--rwmixread={prof.rwmixread}")
+    out_json.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    try:
+        r = run(argv, timeout=runtime + ramp + 60)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": "fio timed out", "argv": argv}
+    wall = time.monotonic() - t0
+    try:
+        data = json.loads(out_json.read_text())
+        job = data["jobs"][0]
+    except (OSError, ValueError, KeyError, IndexError):
+        return {"ok": False, "error": f"fio rc={r.returncode}: {(r.stderr or r.stdout).strip()[-400:]}",
+                "argv": argv}
+    rd, wr = job.get("read", {}), job.get("write", {})
+    rbw, wbw = rd.get("bw_bytes", 0), wr.get("bw_bytes", 0)
+    sample = {
+        "ok": r.returncode == 0 and job.get("error", 0) == 0 and (rbw + wbw) > 0,
+        "mbps": (rbw + wbw) / 1e6,
+        "read_mbps": rbw / 1e6,
+        "write_mbps": wbw / 1e6,
+        "iops": rd.get("iops", 0) + wr.get("iops", 0),
+        "read_lat_us": rd.get("lat_ns", {}).get("mean", 0) / 1e3 if rbw else None,
+        "write_lat_us": wr.get("lat_ns", {}).get("mean", 0) / 1e3 if wbw else None,
+        "wall_s": round(wall, 2),
+    }
+    if not sample["ok"]:
+        sample["error"] = f"fio rc={r.returncode} job error={job.get('error')}: {r.stderr.strip()[-300:]}"
+    return sample
+
+
+# --------------------------------------------------------------------------------------------
+# main run
+
+
+def build_servers(regime: str, keys: list[str], args, work: Path, rundir: Path, logdir: Path,
+                  keyfile: Path, passfile: Path, size: int) -> list[Server]:
+    direct = ["--direct"] if regime == "device" else []
+    extra_cb = list(args.cb_extra)
+    if args.cb_threads:
+        extra_cb += ["--threads", str(args.cb_threads)]
+    binary = str(args.binary)
+    servers = []
+    for key in keys:
+        if regime == "device":
+            backing = work / f"device-{key}.img"
+        elif key in LUKS_PEERS:
+            backing = work / f"cpu-{key}.luks"
+        else:
+            backing = work / f"cpu-{key}.img"
+
+        if key == "cb-enc":
+            def fn(sock, _pid, b=backing):
+                return [binary, "serve", "--backing", b, "--key-file", keyfile,
+                        "--cipher", "aes-xts-plain64", "--key-size", "512",
+                        "--sector-size", str(args.sector_size), "--unix", sock] + direct + extra_cb
+            ready = True
+        elif key == "cb-pt":
+            def fn(sock, _pid, b=backing):
+                return [binary, "serve", "--backing", b, "--passthrough", "--unix", sock] + direct + extra_cb
+            ready = True
+        elif key == "nbdkit-file":
+            def fn(sock, pid, b=backing):
+                return ["nbdkit", "-f", "--exit-with-parent", "-U", sock, "-P", pid,
+                        "file", f"file={b}"]
+            ready = False
+        elif key == "nbdkit-luks":
+            def fn(sock, pid, b=backing):
+                return ["nbdkit", "-f", "--exit-with-parent", "-U", sock, "-P", pid,
+                        "--filter=luks", "file", f"file={b}", f"passphrase=+{passfile}"]
+            ready = False
+        elif key == "qemu-luks":
+            def fn(sock, pid, b=backing):
+                return ["qemu-nbd", "--persistent", "--shared=8", "--socket", sock, "--pid-file", pid,
+                        "--cache=writeback", "--aio=threads",
+                        "--object", f"secret,id=sec0,file={qemu_opt_escape(passfile)},format=raw",
+                        "--image-opts",
+                        f"driver=luks,key-secret=sec0,file.driver=file,file.filename={qemu_opt_escape(b)}"]
+            ready = False
+        else:
+            raise ValueError(key)
+        servers.append(Server(key, regime, fn, backing, rundir, logdir, ready))
+
+    # backing files
+    for s in servers:
+        if s.key in LUKS_PEERS:
+            prepare_luks(s.backing, size, passfile)
+        else:
+            prepare_plain(s.backing, size)
+    return servers
+
+
+def run_regime(regime: str, servers: list[Server], size: int, args, state: dict, checkpoint) -> None:
+    res = state["results"].setdefault(regime, {})
+    fio_dir = OUT / "fio" / regime
+    fio_dir.mkdir(parents=True, exist_ok=True)
+    if regime == "device":
+        for s in servers:
+            drop_file_cache(s.backing)
+    try:
+        for s in servers:
+            s.start()
+            if s.export_size is not None and s.export_size < size:
+                raise RuntimeError(f"{s.key}: export size {s.export_size} < {size}")
+            log(f"  {s.key:12} up at {s.uri}  (pid {s.proc.pid})")
+        state["servers"].setdefault(regime, {}).update(
+            {s.key: {"label": s.label, "argv": [str(a) for a in s.argv], "uri": s.uri,
+                     "backing": str(s.backing), "export_size": s.export_size} for s in servers})
+        n = len(servers)
+        for rep in range(args.repeats):
+            if regime == "cpu":
+                for s in servers:
+                    frac = warm_file(s.backing)
+                    if frac is not None and frac < 0.95:
+                        warn(f"{s.backing} only {frac:.0%} resident in page cache")
+            for pi, prof in enumerate(PROFILES):
+                shift = (rep + pi) % n
+                for s in servers[shift:] + servers[:shift]:
+                    cell = res.setdefault(s.key, {}).setdefault(prof.key, [])
+                    if not s.alive():
+                        if s.dead_reason is None:
+                            s.dead_reason = f"server exited with {s.proc.returncode}: {s._tail(300)}"
+                            warn(f"{regime}/{s.key}: {s.dead_reason}")
+                        cell.append({"ok": False, "error": s.dead_reason})
+                        continue
+                    out = fio_dir / f"{s.key}.{prof.key}.r{rep + 1}.json"
+                    sample = fio_job(s.uri, prof, size, args.runtime, args.ramp, out)
+                    sample["repeat"] = rep + 1
+                    cell.append(sample)
+                    if prof.writes:
+                        sync_file(s.backing)  # every write job starts with a clean page cache
+                    if sample["ok"]:
+                        log(f"  [{regime} {rep + 1}/{args.repeats}] {prof.label:22} {s.key:12}"
+                            f" {sample['mbps']:9.1f} MB/s {sample['iops']:9.0f} IOPS")
+                    else:
+                        log(f"  [{regime} {rep + 1}/{args.repeats}] {prof.label:22} {s.key:12}"
+                            f"   FAILED: {sample.get('error')}")
+            checkpoint()
+    finally:
+        for s in servers:
+            s.stop()
+            state["servers"].setdefault(regime, {}).setdefault(s.key, {})["exit_code"] = s.exit_code
+            if s.key.startswith("cb-") and s.exit_code not in (0, None):
+                warn(f"{regime}/{s.key} exited {s.exit_code} on SIGTERM (contract: 0); "
+                     f"see {s.stderr_path}")
+
+
+# --------------------------------------------------------------------------------------------
+# reporting
+
+
+def summarize(state: dict) -> dict:
+    summary = {}
+    for regime, per_server in state["results"].items():
+        reg = summary.setdefault(regime, {})
+        for key, per_prof in per_server.items():
+            for pkey, samples in per_prof.items():
+                ok = [s for s in samples if s.get("ok")]
+                vals = [s["mbps"] for s in ok]
+                reg.setdefault(key, {})[pkey] = {
+                    "median_mbps": median(vals),
+                    "min_mbps": min(vals) if vals else None,
+                    "max_mbps": max(vals) if vals else None,
+                    "median_iops": median([s["iops"] for s in ok]),
+                    "n": len(vals),
+                    "failed": len(samples) - len(vals),
+                }
+    return summary
+
+
+def get_med(summary, regime, key, pkey):
+    return summary.get(regime, {}).get(key, {}).get(pkey, {}).get("median_mbps")
+
+
+def compute_targets(summary: dict) -> list[dict]:
+    rows = []
+    for regime, label, num, dens, thresholds in TARGETS:
+        if regime not in summary:
+            continue
+        for prof in PROFILES:
+            a = get_med(summary, regime, num, prof.key)
+            dvals = [(get_med(summary, regime, d, prof.key), d) for d in dens]
+            dvals = [(v, d) for v, d in dvals if v]
+            if a is None:
+                continue  # server not run / all samples failed
+            best, best_key = max(dvals) if dvals else (None, None)
+            ratio = a / best if (a is not None and best) else None
+            target = thresholds.get(prof.group)
+            rows.append({"regime": regime, "label": label, "profile": prof.key,
+                         "profile_label": prof.label, "numerator": num, "denominator": best_key,
+                         "ratio": ratio, "target": target, "verdict": verdict(ratio, target) or None})
+    return rows
+
+
+def overhead(summary, regime, key, pkey):
+    pt = get_med(summary, regime, "cb-pt", pkey)
+    x = get_med(summary, regime, key, pkey)
+    if pt and x is not None:
+        return (1.0 - x / pt) * 100.0
+    return None
+
+
+def regime_keys(summary, regime):
+    return [k for k in REGIME_SERVERS[regime] if k in summary.get(regime, {})]
+
+
+def print_tables(summary, targets, args) -> None:
+    for regime in ("device", "cpu"):
+        if regime not in summary:
+            continue
+        keys = regime_keys(summary, regime)
+        log("")
+        log(f"{REGIME_TITLES[regime]} — MB/s, median of {args.repeats} x {args.runtime:g}s")
+        w = 14
+        log(f"{'profile':22}" + "".join(f"{k:>{w}}" for k in keys))
+        for prof in PROFILES:
+            log(f"{prof.label:22}" + "".join(f"{fmt(get_med(summary, regime, k, prof.key)):>{w}}"
+                                           for k in keys))
+        others = [k for k in keys if k != "cb-pt"]
+        if "cb-pt" in keys and others:
+            log(f"overhead vs cryptbridge passthrough (%; negative = faster)")
+            log(f"{'profile':22}" + "".join(f"{k:>{w}}" for k in others))
+            for prof in PROFILES:
+                log(f"{prof.label:22}" + "".join(
+                    f"{fmt(overhead(summary, regime, k, prof.key)):>{w}}" for k in others))
+    if targets:
+        log("")
+        log(f"{'regime':7} {'ratio':27} {'profile':22} {'value':>7} {'target':>8}  verdict")
+        for t in targets:
+            tgt = f">= {t['target']:g}" if t["target"] is not None else ""
+            den = f" ({t['denominator']})" if t["label"].startswith("XTS / best") and t["denominator"] else ""
+            log(f"{t['regime']:7} {t['label']:27} {t['profile_label']:22} {fmt(t['ratio'], 2):>7}"
+                f" {tgt:>8}  {t['verdict'] or ''}{den}")
+
+
+def markdown(summary, targets, state, args) -> str:
+    env = state["environment"]
+    lines = [
+        f"Measured {env['date'][:10]} on {env['cpu']} ({env['nproc']} CPUs, Linux {env['kernel']}); "
+        f"fio `ioengine=nbd` over unix sockets, one connection per job, "
+        f"{args.runtime:g} s per job after {args.ramp:g} s ramp, median of {args.repeats} "
+        f"interleaved repeats. MB/s = 10^6 B/s. cryptbridge XTS = AES-256-XTS "
+        f"(512-bit key), {args.sector_size}-byte sectors. "
+        f"Peers: {state['versions'].get('nbdkit') or 'nbdkit'} (file plugin, luks filter on a LUKS1 "
+        f"aes-xts-plain64 256-bit image), {state['versions'].get('qemu-nbd') or 'qemu-nbd'} (driver=luks).",
+        "",
+    ]
+    for regime in ("cpu", "device"):
+        if regime not in summary:
+            continue
+        keys = regime_keys(summary, regime)
+        size = state["config"][f"{regime}_size"]
+        lines.append(f"**{REGIME_TITLES[regime]}, {human_size(size)} export**")
+        lines.append("")
+        head = ["Profile"] + [SERVER_LABELS[k] for k in keys]
+        if "cb-enc" in keys and "cb-pt" in keys:
+            head.append("XTS overhead vs passthrough")
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" + "---:|" * (len(head) - 1))
+        for prof in PROFILES:
+            row = [prof.label] + [fmt(get_med(summary, regime, k, prof.key), 0) for k in keys]
+            if "cb-enc" in keys and "cb-pt" in keys:
+                o = overhead(summary, regime, "cb-enc", prof.key)
+                row.append("—" if o is None else f"{o:.1f} %")
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    if targets:
+        lines.append("**Targets**")
+        lines.append("")
+        lines.append("| Regime | Ratio | Profile | Value | Target | |")
+        lines.append("|---|---|---|---:|---:|---|")
+        for t in targets:
+            label = t["label"]
+            if t["label"].startswith("XTS / best") and t["denominator"]:
+                label += f" ({SERVER_LABELS[t['denominator']]})"
+            tgt = f"≥ {t['target']:g}" if t["target"] is not None else ""
+            lines.append(f"| {t['regime']} | {label} | {t['profile_label']} | {fmt(t['ratio'], 2)} "
+                         f"| {tgt} | {t['verdict'] or ''} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def chart(summary, state, args, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warn("matplotlib not installed; chart skipped (pip install matplotlib)")
+        return
+    regimes = [r for r in ("cpu", "device") if r in summary]
+    if not regimes:
+        return
+    colors = {"cb-enc": "#1f77b4", "cb-pt": "#9ecae1", "nbdkit-file": "#7f7f7f",
+              "nbdkit-luks": "#ff7f0e", "qemu-luks": "#2ca02c"}
+    fig, axes = plt.subplots(len(regimes), 1, figsize=(12, 5 * len(regimes)), squeeze=False)
+    for ax, regime in zip(axes[:, 0], regimes):
+        keys = regime_keys(summary, regime)
+        nk = len(keys)
+        width = 0.8 / max(nk, 1)
+        for i, k in enumerate(keys):
+            xs, ys, lo, hi = [], [], [], []
+            for pi, prof in enumerate(PROFILES):
+                c = summary[regime][k].get(prof.key, {})
+                m = c.get("median_mbps")
+                if m is None:
+                    continue
+                xs.append(pi - 0.4 + width * (i + 0.5))
+                ys.append(m)
+                lo.append(m - (c.get("min_mbps") or m))
+                hi.append((c.get("max_mbps") or m) - m)
+            bars = ax.bar(xs, ys, width, label=SERVER_LABELS[k], color=colors.get(k),
+                          yerr=[lo, hi] if args.repeats > 1 else None, capsize=2,
+                          error_kw={"elinewidth": 0.8})
+            for b, y in zip(bars, ys):
+                ax.annotate(f"{y:.0f}", (b.get_x() + b.get_width() / 2, y), xytext=(0, 2),
+                            textcoords="offset points", ha="center", va="bottom", fontsize=6,
+                            rotation=90)
+        ax.set_xticks(range(len(PROFILES)))
+        ax.set_xticklabels([p.label for p in PROFILES], fontsize=8)
+        ax.set_ylabel("MB/s (10^6 B/s)")
+        ax.set_title(f"{REGIME_TITLES[regime]} — median of {args.repeats}", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+        ax.margins(y=0.15)
+        ax.legend(fontsize=8, ncol=min(nk, 5), loc="upper right")
+    env = state["environment"]
+    fig.suptitle(f"cryptbridge NBD bridge, fio ioengine=nbd — {env['cpu']}, {env['nproc']} CPUs"
+                 + ("  [--quick smoke run]" if args.quick else ""), fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    log(f"wrote {path}")
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def check_tools(keys_needed: set[str], binary: Path) -> list[str]:
+    missing = []
+    for tool in ["fio", "nbdinfo"]:
+        if not shutil.which(tool):
+            missing.append(tool)
+    if {"nbdkit-file", "nbdkit-luks"} & keys_needed and not shutil.which("nbdkit"):
+        missing.append("nbdkit")
+    if "qemu-luks" in keys_needed and not shutil.which("qemu-nbd"):
+        missing.append("qemu-nbd")
+    if LUKS_PEERS[0] in keys_needed or LUKS_PEERS[1] in keys_needed:
+        if not shutil.which("qemu-img"):
+            missing.append("qemu-img")
+    if "nbdkit-luks" in keys_needed and shutil.which("nbdkit"):
+        r = run(["nbdkit", "--filter=luks", "null", "--dump-plugin"], timeout=30)
+        if r.returncode != 0:
+            missing.append("nbdkit luks filter")
+    if {"cb-enc", "cb-pt"} & keys_needed and not binary.exists():
+        missing.append(f"{binary} (cargo build --release)")
+    if shutil.which("fio"):
+        r = run(["fio", "--enghelp=nbd"], timeout=30)
+        if "uri" not in r.stdout:
+            missing.append("fio built with the nbd engine")
+    return missing
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--binary", type=Path, default=DEFAULT_BINARY)
+    ap.add_argument("--runtime", type=float, default=None, help="seconds per fio job (default 5; quick 2)")
+    ap.add_argument("--ramp", type=float, default=None, help="fio ramp_time seconds (default 1; quick 0.5)")
+    ap.add_argument("--repeats", type=int, default=None, help="repeats, median reported (default 3; quick 1)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: short jobs, 1 repeat, small files")
+    ap.add_argument("--regimes", default="device,cpu", help="comma list of device,cpu")
+    ap.add_argument("--servers", default=",".join(REGIME_SERVERS["cpu"]),
+                    help="comma list of servers to run (default all): " + ",".join(SERVER_LABELS))
+    ap.add_argument("--device-size", default=None, help="device-bound export size (default 2G; quick 512M)")
+    ap.add_argument("--cpu-size", default=None, help="CPU-bound export size (default 1G; quick 256M)")
+    ap.add_argument("--sector-size", type=int, default=4096, choices=(512, 4096),
+                    help="cryptbridge encrypted sector size (default 4096)")
+    ap.add_argument("--cb-threads", type=int, default=None, help="pass --threads N to cryptbridge serve")
+    ap.add_argument("--cb-extra", action="append", default=[], help="extra argument for cryptbridge serve (repeatable)")
+    ap.add_argument("--workdir", type=Path, default=OUT / "work",
+                    help="backing files (must be on a real disk for the device regime)")
+    ap.add_argument("--keep-files", action="store_true", help="keep backing files for a later run")
+    ap.add_argument("--out-json", type=Path, default=OUT / "bridge.json")
+    ap.add_argument("--out-md", type=Path, default=OUT / "bridge.md")
+    ap.add_argument("--chart", type=Path, default=None,
+                    help="PNG path (default docs/bench-bridge.png; bench/out/bench-bridge.png with --quick)")
+    args = ap.parse_args()
+
+    q = args.quick
+    args.runtime = args.runtime if args.runtime is not None else (2.0 if q else 5.0)
+    args.ramp = args.ramp if args.ramp is not None else (0.5 if q else 1.0)
+    args.repeats = max(1, args.repeats if args.repeats is not None else (1 if q else 3))
+    dev_size = parse_size(args.device_size or ("512M" if q else "2G"))
+    cpu_size = parse_size(args.cpu_size or ("256M" if q else "1G"))
+    chart_path = args.chart or (OUT / "bench-bridge.png" if q else REPO / "docs" / "bench-bridge.png")
+    regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
+    wanted = [s.strip() for s in args.servers.split(",") if s.strip()]
+    for r in regimes:
+        if r not in REGIME_SERVERS:
+            ap.error(f"unknown regime {r}")
+    for s in wanted:
+        if s not in SERVER_LABELS:
+            ap.error(f"unknown server {s}")
+    plan = {r: [k for k in REGIME_SERVERS[r] if k in wanted] for r in regimes}
+    plan = {r: ks for r, ks in plan.items() if ks}
+    keys_needed = {k for ks in plan.values() for k in ks}
+
+    missing = check_tools(keys_needed, args.binary)
+    if missing:
+        print("error: missing: " + ", ".join(missing) + " (bench/run.sh installs them)", file=sys.stderr)
+        return 1
+    install_signal_handlers()
+
+    njobs = sum(len(ks) for ks in plan.values()) * len(PROFILES) * args.repeats
+    log(f"bridge: {njobs} fio jobs x ({args.runtime:g}+{args.ramp:g}) s ≈ "
+        f"{njobs * (args.runtime + args.ramp + 0.7) / 60:.1f} min plus setup; plan: "
+        + "; ".join(f"{r}: {','.join(ks)}" for r, ks in plan.items()))
+
+    work = args.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    logdir = OUT / "logs"
+    logdir.mkdir(parents=True, exist_ok=True)
+    if "device" in plan:
+        fst = fs_type(work)
+        if fst in ("tmpfs", "ramfs"):
+            warn(f"{work} is on {fst}: the device-bound regime would not touch a disk (use --workdir)")
+    need_mem = cpu_size * len(plan.get("cpu", []))
+    try:
+        avail = next(int(l.split()[1]) * 1024 for l in Path("/proc/meminfo").read_text().splitlines()
+                     if l.startswith("MemAvailable:"))
+        if need_mem * 1.5 > avail:
+            warn(f"CPU-bound files ({need_mem / GiB:.1f} GiB) may not stay in the page cache "
+                 f"(MemAvailable {avail / GiB:.1f} GiB); use a smaller --cpu-size")
+    except (OSError, StopIteration):
+        pass
+
+    rundir = Path(tempfile.mkdtemp(prefix="cbbench."))  # short path for unix sockets
+    passfile = work / "luks.pass"
+    passfile.write_text(PASSPHRASE)
+    keyfile = work / "xts.key"
+
+    state = {
+        "benchmark": "bridge",
+        "config": {"runtime_s": args.runtime, "ramp_s": args.ramp, "repeats": args.repeats,
+                   "quick": q, "device_size": dev_size, "cpu_size": cpu_size,
+                   "sector_size": args.sector_size, "cb_threads": args.cb_threads,
+                   "cb_extra": args.cb_extra, "plan": plan, "workdir": str(work),
+                   "profiles": [dataclasses.asdict(p) for p in PROFILES]},
+        "units": "MB/s = 1e6 bytes/s (read+write for mixed); medians over repeats",
+        "environment": environment(args.binary),
+        "versions": {"fio": tool_version(["fio", "--version"]),
+                     "nbdkit": tool_version(["nbdkit", "--version"]) if shutil.which("nbdkit") else None,
+                     "qemu-nbd": tool_version(["qemu-nbd", "--version"]) if shutil.which("qemu-nbd") else None},
+        "servers": {},
+        "results": {},
+    }
+
+    def report(final: bool) -> None:
+        summary = summarize(state)
+        targets = compute_targets(summary)
+        state["summary"] = summary
+        state["targets"] = targets
+        state["environment"]["loadavg_end"] = list(os.getloadavg())
+        write_json(args.out_json, state)
+        if final:
+            print_tables(summary, targets, args)
+            args.out_md.parent.mkdir(parents=True, exist_ok=True)
+            args.out_md.write_text(markdown(summary, targets, state, args) + "\n")
+            chart(summary, state, args, chart_path)
+            log(f"wrote {args.out_json}")
+            log(f"wrote {args.out_md}")
+
+    created: list[Path] = []
+    rc = 0
+    try:
+        if keys_needed & {"cb-enc"}:
+            if not keyfile.exists():
+                r = run([args.binary, "keygen", "--cipher", "aes-xts-plain64", "--key-size", "512",
+                         "--force", keyfile], timeout=30)
+                if r.returncode != 0:
+                    raise RuntimeError(f"cryptbridge keygen failed: {r.stderr.strip()}")
+        for regime, keys in plan.items():
+            size = dev_size if regime == "device" else cpu_size
+            log(f"\n== {REGIME_TITLES[regime]}: {', '.join(keys)}; export {human_size(size)}")
+            servers = build_servers(regime, keys, args, work, rundir, logdir, keyfile, passfile, size)
+            created += [s.backing for s in servers]
+            run_regime(regime, servers, size, args, state, lambda: report(False))
+    except (KeyboardInterrupt, BenchInterrupted) as e:
+        warn(f"interrupted ({e}); reporting what was measured")
+        rc = 130
+    except Exception as e:
+        warn(f"aborted: {e}")
+        rc = 1
+    finally:
+        shutil.rmtree(rundir, ignore_errors=True)
+        if not args.keep_files:
+            for p in created:
+                p.unlink(missing_ok=True)
+                p.with_name(p.name + ".stamp").unlink(missing_ok=True)
+    if state["results"]:
+        report(True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -439,16 +439,31 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
     if regime == "device":
         for s in servers:
             drop_file_cache(s.backing)
+    info = state["servers"].setdefault(regime, {})
+    all_servers = servers
     try:
-        for s in servers:
-            s.start()
-            if s.export_size is not None and s.export_size < size:
-                raise RuntimeError(f"{s.key}: export size {s.export_size} < {size}")
+        up = []
+        for s in all_servers:
+            info[s.key] = {"label": s.label, "argv": [str(a) for a in s.argv],
+                           "backing": str(s.backing), "log": str(s.stderr_path)}
+            try:
+                s.start()
+                if s.export_size is not None and s.export_size < size:
+                    raise RuntimeError(f"{s.key}: export size {s.export_size} < {size}")
+            except RuntimeError as e:
+                # One broken server must not cost the others their measurements.
+                warn(f"{regime}/{s.key} not started, skipped: {e}")
+                info[s.key]["start_error"] = str(e)
+                s.stop()
+                continue
+            info[s.key].update({"uri": s.uri, "export_size": s.export_size})
+            up.append(s)
             log(f"  {s.key:12} up at {s.uri}  (pid {s.proc.pid})")
-        state["servers"].setdefault(regime, {}).update(
-            {s.key: {"label": s.label, "argv": [str(a) for a in s.argv], "uri": s.uri,
-                     "backing": str(s.backing), "export_size": s.export_size} for s in servers})
+        servers = up
         n = len(servers)
+        if n == 0:
+            warn(f"{regime}: no server started; regime skipped")
+            return
         for rep in range(args.repeats):
             if regime == "cpu":
                 for s in servers:
@@ -479,10 +494,11 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
                             f"   FAILED: {sample.get('error')}")
             checkpoint()
     finally:
-        for s in servers:
+        for s in all_servers:
+            was_up = s.uri is not None and s.dead_reason is None and s.alive()
             s.stop()
-            state["servers"].setdefault(regime, {}).setdefault(s.key, {})["exit_code"] = s.exit_code
-            if s.key.startswith("cb-") and s.exit_code not in (0, None):
+            info.setdefault(s.key, {})["exit_code"] = s.exit_code
+            if was_up and s.key.startswith("cb-") and s.exit_code not in (0, None):
                 warn(f"{regime}/{s.key} exited {s.exit_code} on SIGTERM (contract: 0); "
                      f"see {s.stderr_path}")
 
@@ -494,8 +510,10 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
 def summarize(state: dict) -> dict:
     summary = {}
     for regime, per_server in state["results"].items():
-        reg = summary.setdefault(regime, {})
+        reg = {}
         for key, per_prof in per_server.items():
+            if not any(s.get("ok") for samples in per_prof.values() for s in samples):
+                continue  # never produced a number: leave it out of tables and chart
             for pkey, samples in per_prof.items():
                 ok = [s for s in samples if s.get("ok")]
                 vals = [s["mbps"] for s in ok]
@@ -507,6 +525,8 @@ def summarize(state: dict) -> dict:
                     "n": len(vals),
                     "failed": len(samples) - len(vals),
                 }
+        if reg:
+            summary[regime] = reg
     return summary
 
 

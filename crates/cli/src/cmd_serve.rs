@@ -1,5 +1,173 @@
+//! `cryptbridge serve`: the bridge itself.
+
+use std::net::TcpListener;
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
 use std::process::ExitCode;
-use anyhow::Result;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use cryptbridge_bridge::{Backing, BackingOptions, Listener, Pipeline, Server, ServerConfig};
+use cryptbridge_cipher::registry::KeyPolicy;
+use cryptbridge_cipher::{new_cipher, SectorCipher};
+use cryptbridge_engine::{CpuBackend, Engine, SectorLayout};
+
+use crate::{keyfile, names, size};
+
 #[derive(clap::Args)]
-pub struct Args {}
-pub fn run(_args: Args) -> Result<ExitCode> { anyhow::bail!("serve: not built yet") }
+#[command(after_help = "On-disk bytes equal those of `cryptsetup open --type plain --cipher aes-xts-plain64 \
+--key-size 512 --key-file KEYFILE` for the same key and sector size.\n\
+When ready, prints `ready <NBD URI>` on stdout.")]
+pub struct Args {
+    /// Backing file or block device (a file is created sparse at --size when missing).
+    #[arg(long)]
+    backing: PathBuf,
+    /// Size of a new backing file: bytes, or a number with K/M/G/T (binary units).
+    #[arg(long, value_parser = size::parse_size)]
+    size: Option<u64>,
+    /// Raw key file (Key1 || Key2), as written by `cryptbridge keygen`.
+    #[arg(long, required_unless_present = "passthrough")]
+    key_file: Option<PathBuf>,
+    /// Key size in bits; by default taken from the key file's length.
+    #[arg(long)]
+    key_size: Option<usize>,
+    /// Volume cipher: aes-xts-plain64 (dm-crypt name), capi:xts(aes)-plain64 or xts(aes).
+    #[arg(long, default_value = "aes-xts-plain64")]
+    cipher: String,
+    /// Encryption sector size in bytes.
+    #[arg(long, default_value_t = 512, value_parser = parse_sector_size)]
+    sector_size: usize,
+    /// Count IVs in sectors of --sector-size instead of 512-byte units (dm-crypt's option).
+    #[arg(long)]
+    iv_large_sectors: bool,
+    /// Store plaintext: the same bridge without encryption, the baseline for measurements.
+    #[arg(long, conflicts_with_all = ["key_file", "key_size", "iv_large_sectors"])]
+    passthrough: bool,
+    /// TCP address to listen on.
+    #[arg(long, default_value = "127.0.0.1:10809", conflicts_with = "unix")]
+    listen: String,
+    /// Listen on a Unix socket instead of TCP.
+    #[arg(long)]
+    unix: Option<PathBuf>,
+    /// Export name (clients asking for the empty name get it too).
+    #[arg(long, default_value = "cryptbridge")]
+    export_name: String,
+    /// Refuse writes.
+    #[arg(long)]
+    read_only: bool,
+    /// Pass TRIM to the backing store. Off by default: discards show which sectors are in use.
+    #[arg(long)]
+    allow_discards: bool,
+    /// Open the backing store with O_DIRECT, bypassing the page cache.
+    #[arg(long)]
+    direct: bool,
+    /// Crypto threads for large requests (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Requests processed at once across all connections.
+    #[arg(long, default_value_t = 64)]
+    io_workers: usize,
+    /// Crypto back end.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
+    engine: String,
+}
+
+fn parse_sector_size(s: &str) -> Result<usize, String> {
+    match s {
+        "512" => Ok(512),
+        "4096" => Ok(4096),
+        _ => Err(format!("sector size must be 512 or 4096, got {s}")),
+    }
+}
+
+pub fn run(args: Args) -> Result<ExitCode> {
+    let layout = SectorLayout::new(args.sector_size, args.iv_large_sectors);
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let engine = if args.passthrough {
+        Engine::passthrough(layout)
+    } else {
+        let cipher_name = names::volume_cipher(&args.cipher)?;
+        let key_path = args.key_file.as_ref().expect("clap requires --key-file without --passthrough");
+        let key = keyfile::read_key(key_path, args.key_size)?;
+        let cipher: Arc<dyn SectorCipher> = Arc::from(
+            new_cipher(cipher_name, &key, KeyPolicy::Volume)
+                .with_context(|| format!("key file {} cannot be used", key_path.display()))?,
+        );
+        Engine::new(Arc::new(CpuBackend::new(cipher, threads)?), layout)
+    };
+    if args.io_workers == 0 {
+        bail!("--io-workers must be at least 1");
+    }
+    let backing = Backing::open(
+        &args.backing,
+        &BackingOptions { size: args.size, read_only: args.read_only, direct: args.direct, sector_size: args.sector_size },
+    )?;
+    let pipeline = Arc::new(Pipeline::new(backing, engine));
+    let mode = if args.passthrough { "passthrough (plaintext)".to_string() } else { format!("{} {}-bit", args.cipher, pipeline_key_bits(&args)) };
+    let server = Server::new(
+        Arc::clone(&pipeline),
+        ServerConfig {
+            export_name: args.export_name.clone(),
+            description: format!("cryptbridge {mode}"),
+            read_only: args.read_only,
+            allow_discards: args.allow_discards,
+            io_workers: args.io_workers,
+        },
+    );
+    let (listener, uri) = bind(&args)?;
+    install_signal_handler(Arc::clone(&pipeline))?;
+    tracing::info!(
+        "serving {} ({} bytes, {}-byte sectors, {}{}{}) as {uri}",
+        args.backing.display(),
+        pipeline.size(),
+        args.sector_size,
+        mode,
+        if args.direct { ", O_DIRECT" } else { "" },
+        if args.read_only { ", read-only" } else { "" },
+    );
+    println!("ready {uri}");
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    server.run(listener)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn pipeline_key_bits(args: &Args) -> usize {
+    args.key_size.unwrap_or_else(|| {
+        args.key_file.as_ref().and_then(|p| std::fs::metadata(p).ok()).map_or(0, |m| m.len() as usize * 8)
+    })
+}
+
+fn bind(args: &Args) -> Result<(Listener, String)> {
+    if let Some(path) = &args.unix {
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            if !meta.file_type().is_socket() {
+                bail!("{} exists and is not a socket; refusing to replace it", path.display());
+            }
+            std::fs::remove_file(path)?; // a stale socket from an earlier run
+        }
+        let l = UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
+        let abs = std::fs::canonicalize(path)?;
+        return Ok((Listener::Unix(l), format!("nbd+unix:///?socket={}", abs.display())));
+    }
+    let l = TcpListener::bind(&args.listen).with_context(|| format!("cannot listen on {}", args.listen))?;
+    let addr = l.local_addr()?;
+    Ok((Listener::Tcp(l), format!("nbd://{addr}")))
+}
+
+/// SIGINT/SIGTERM: make answered writes durable, then exit cleanly.
+fn install_signal_handler(pipeline: Arc<Pipeline>) -> Result<()> {
+    ctrlc::set_handler(move || {
+        let code = match pipeline.flush() {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("cryptbridge: flush on shutdown failed: {e}");
+                1
+            }
+        };
+        tracing::info!("stopping");
+        std::process::exit(code);
+    })
+    .context("cannot install signal handler")
+}

@@ -1,0 +1,149 @@
+//! The backing store: a regular file (created sparse when missing) or a block device, accessed
+//! with positioned I/O so that many requests can run at once.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Seek, SeekFrom};
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+#[derive(Debug, Clone)]
+pub struct BackingOptions {
+    /// Size for a file that does not exist yet; checked against one that does.
+    pub size: Option<u64>,
+    pub read_only: bool,
+    /// O_DIRECT: bypass the page cache, as an inline bridge in front of a disk would.
+    pub direct: bool,
+    pub sector_size: usize,
+}
+
+#[derive(Debug, Error)]
+pub enum BackingError {
+    #[error("backing {path} does not exist; give --size to create it")]
+    MissingNoSize { path: PathBuf },
+    #[error("backing {path} is {actual} bytes but --size asks for {wanted}; refusing to resize existing data")]
+    SizeMismatch { path: PathBuf, actual: u64, wanted: u64 },
+    #[error("size {size} is not a multiple of the {sector_size}-byte sector size")]
+    UnalignedSize { size: u64, sector_size: usize },
+    #[error("backing {path} is smaller than one {sector_size}-byte sector")]
+    TooSmall { path: PathBuf, sector_size: usize },
+    #[error("backing {path} is neither a regular file nor a block device")]
+    NotFileOrDevice { path: PathBuf },
+    #[error("backing {path}: O_DIRECT I/O with {sector_size}-byte sectors failed ({source}); the device may need larger alignment (try --sector-size 4096) or the filesystem may not support O_DIRECT")]
+    DirectUnsupported { path: PathBuf, sector_size: usize, source: io::Error },
+    #[error("backing {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+pub struct Backing {
+    file: File,
+    size: u64,
+    is_block_device: bool,
+    direct: bool,
+}
+
+impl Backing {
+    pub fn open(path: &Path, opts: &BackingOptions) -> Result<Self, BackingError> {
+        let io_err = |source| BackingError::Io { path: path.to_path_buf(), source };
+        let exists = path.exists();
+        if !exists {
+            let size = opts.size.ok_or_else(|| BackingError::MissingNoSize { path: path.to_path_buf() })?;
+            check_aligned(size, opts.sector_size)?;
+            let f = OpenOptions::new().write(true).create_new(true).open(path).map_err(io_err)?;
+            f.set_len(size).map_err(io_err)?; // sparse: no blocks allocated until written
+        }
+        let mut options = OpenOptions::new();
+        options.read(true).write(!opts.read_only);
+        if opts.direct {
+            options.custom_flags(libc::O_DIRECT);
+        }
+        let mut file = options.open(path).map_err(io_err)?;
+        let meta = file.metadata().map_err(io_err)?;
+        let is_block_device = meta.file_type().is_block_device();
+        if !is_block_device && !meta.is_file() {
+            return Err(BackingError::NotFileOrDevice { path: path.to_path_buf() });
+        }
+        let actual = if is_block_device { file.seek(SeekFrom::End(0)).map_err(io_err)? } else { meta.len() };
+        if let (true, Some(wanted)) = (exists, opts.size) {
+            if wanted != actual {
+                return Err(BackingError::SizeMismatch { path: path.to_path_buf(), actual, wanted });
+            }
+        }
+        let ss = opts.sector_size as u64;
+        let size = actual / ss * ss;
+        if size == 0 {
+            return Err(BackingError::TooSmall { path: path.to_path_buf(), sector_size: opts.sector_size });
+        }
+        if size != actual {
+            tracing::warn!("backing {} is {actual} bytes; exporting the first {size} (whole sectors)", path.display());
+        }
+        let backing = Self { file, size, is_block_device, direct: opts.direct };
+        if opts.direct {
+            backing.probe_direct(path, opts.sector_size)?;
+        }
+        Ok(backing)
+    }
+
+    /// O_DIRECT fails later, per request, when the device needs more alignment than a sector;
+    /// one aligned read now turns that into a clear start-up error.
+    fn probe_direct(&self, path: &Path, sector_size: usize) -> Result<(), BackingError> {
+        let pool = std::sync::Arc::new(crate::aligned::BufPool::new());
+        let mut buf = pool.get(sector_size);
+        self.read_at(&mut buf, self.size - sector_size as u64)
+            .map_err(|source| BackingError::DirectUnsupported { path: path.to_path_buf(), sector_size, source })
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, offset)
+    }
+
+    pub fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(buf, offset)
+    }
+
+    /// Makes every completed write durable (fdatasync).
+    pub fn flush(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    /// Deallocates `[offset, offset + len)`: punches a hole in a file, discards on a device.
+    pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        let fd = self.file.as_raw_fd();
+        if self.is_block_device {
+            let range: [u64; 2] = [offset, len];
+            // SAFETY: BLKDISCARD reads a [u64; 2] {start, length} from the pointer, which points
+            // to a live local array for the duration of the call.
+            let rc = unsafe { libc::ioctl(fd, BLKDISCARD, range.as_ptr()) };
+            return if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) };
+        }
+        // SAFETY: fallocate takes plain integers and a valid open descriptor.
+        let rc = unsafe {
+            libc::fallocate(fd, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset as i64, len as i64)
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+}
+
+/// _IO(0x12, 119) from linux/fs.h.
+const BLKDISCARD: libc::c_ulong = 0x1277;
+
+fn check_aligned(size: u64, sector_size: usize) -> Result<(), BackingError> {
+    if size == 0 || size % sector_size as u64 != 0 {
+        return Err(BackingError::UnalignedSize { size, sector_size });
+    }
+    Ok(())
+}

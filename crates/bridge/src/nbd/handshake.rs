@@ -1,0 +1,190 @@
+//! Fixed newstyle negotiation: greeting, client flags, then option haggling until the client
+//! picks the export (EXPORT_NAME or GO) or leaves.
+
+use std::io::{self, Read, Write};
+
+use super::*;
+
+/// Options longer than this are refused; a name is at most 4096 bytes, so INFO/GO fit easily.
+const MAX_OPTION_LEN: u32 = 16 * 1024;
+/// Larger option payloads are not even drained: the connection is dropped.
+const MAX_DRAIN_LEN: u32 = 1 << 20;
+
+/// How negotiation ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The client chose the export; transmission starts.
+    Transmission,
+    /// The client aborted, disconnected or asked for an export that does not exist.
+    Closed,
+}
+
+pub fn negotiate<S: Read + Write>(stream: &mut S, export: &ExportInfo) -> io::Result<Outcome> {
+    let mut greeting = Vec::with_capacity(18);
+    greeting.extend_from_slice(&NBDMAGIC.to_be_bytes());
+    greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    greeting.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    stream.write_all(&greeting)?;
+    stream.flush()?;
+
+    let client_flags = read_u32(stream)?;
+    if client_flags & !(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES) != 0 {
+        tracing::warn!("client sent unknown handshake flags {client_flags:#x}; closing");
+        return Ok(Outcome::Closed);
+    }
+    let no_zeroes = client_flags & CLIENT_NO_ZEROES != 0;
+
+    loop {
+        let magic = read_u64(stream)?;
+        if magic != IHAVEOPT {
+            tracing::warn!("bad option magic {magic:#x}; closing");
+            return Ok(Outcome::Closed);
+        }
+        let option = read_u32(stream)?;
+        let len = read_u32(stream)?;
+        if len > MAX_OPTION_LEN {
+            if len > MAX_DRAIN_LEN || option == OPT_EXPORT_NAME {
+                tracing::warn!("option {option} with {len}-byte payload; closing");
+                return Ok(Outcome::Closed);
+            }
+            io::copy(&mut Read::by_ref(stream).take(u64::from(len)), &mut io::sink())?;
+            reply(stream, option, REP_ERR_TOO_BIG, b"option payload too large")?;
+            continue;
+        }
+        let mut data = vec![0u8; len as usize];
+        stream.read_exact(&mut data)?;
+        match option {
+            OPT_EXPORT_NAME => {
+                if !export.answers_to(&data) {
+                    tracing::warn!("client asked for unknown export {:?}; closing", String::from_utf8_lossy(&data));
+                    return Ok(Outcome::Closed);
+                }
+                let mut msg = Vec::with_capacity(134);
+                msg.extend_from_slice(&export.size.to_be_bytes());
+                msg.extend_from_slice(&export.transmission_flags.to_be_bytes());
+                if !no_zeroes {
+                    msg.extend_from_slice(&[0u8; 124]);
+                }
+                stream.write_all(&msg)?;
+                stream.flush()?;
+                return Ok(Outcome::Transmission);
+            }
+            OPT_ABORT => {
+                // The client may already have closed its side; an error here changes nothing.
+                let _ = reply(stream, option, REP_ACK, &[]);
+                return Ok(Outcome::Closed);
+            }
+            OPT_LIST => {
+                if !data.is_empty() {
+                    reply(stream, option, REP_ERR_INVALID, b"NBD_OPT_LIST takes no data")?;
+                    continue;
+                }
+                let mut entry = Vec::new();
+                entry.extend_from_slice(&(export.name.len() as u32).to_be_bytes());
+                entry.extend_from_slice(export.name.as_bytes());
+                entry.extend_from_slice(export.description.as_bytes());
+                reply(stream, option, REP_SERVER, &entry)?;
+                reply(stream, option, REP_ACK, &[])?;
+            }
+            OPT_INFO | OPT_GO => match parse_info_request(&data) {
+                Err(why) => reply(stream, option, REP_ERR_INVALID, why.as_bytes())?,
+                Ok((name, _)) if !export.answers_to(name) => {
+                    reply(stream, option, REP_ERR_UNKNOWN, b"no such export")?;
+                }
+                Ok((_, requests)) => {
+                    send_info(stream, option, export, &requests)?;
+                    reply(stream, option, REP_ACK, &[])?;
+                    if option == OPT_GO {
+                        return Ok(Outcome::Transmission);
+                    }
+                }
+            },
+            OPT_STARTTLS => reply(stream, option, REP_ERR_UNSUP, b"TLS is not supported")?,
+            _ => reply(stream, option, REP_ERR_UNSUP, b"option not supported")?,
+        }
+    }
+}
+
+/// NBD_OPT_INFO/GO data: u32 name length, name, u16 count, count x u16 info types.
+fn parse_info_request(data: &[u8]) -> Result<(&[u8], Vec<u16>), &'static str> {
+    let malformed = "malformed NBD_OPT_INFO/GO request";
+    let name_len = u32::from_be_bytes(data.get(..4).ok_or(malformed)?.try_into().unwrap()) as usize;
+    let name = data.get(4..4 + name_len).ok_or(malformed)?;
+    let rest = &data[4 + name_len..];
+    let count = u16::from_be_bytes(rest.get(..2).ok_or(malformed)?.try_into().unwrap()) as usize;
+    let list = &rest[2..];
+    if list.len() != count * 2 {
+        return Err(malformed);
+    }
+    Ok((name, list.chunks_exact(2).map(|c| u16::from_be_bytes([c[0], c[1]])).collect()))
+}
+
+fn send_info<W: Write>(w: &mut W, option: u32, export: &ExportInfo, requests: &[u16]) -> io::Result<()> {
+    let mut info = Vec::new();
+    info.extend_from_slice(&INFO_EXPORT.to_be_bytes());
+    info.extend_from_slice(&export.size.to_be_bytes());
+    info.extend_from_slice(&export.transmission_flags.to_be_bytes());
+    reply(w, option, REP_INFO, &info)?;
+    // Block sizes go out unrequested too: the protocol allows it, and clients that honour them
+    // avoid the read-modify-write path entirely.
+    let mut sizes = Vec::new();
+    sizes.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
+    for v in [export.min_block, export.preferred_block, export.max_block] {
+        sizes.extend_from_slice(&v.to_be_bytes());
+    }
+    reply(w, option, REP_INFO, &sizes)?;
+    if requests.contains(&INFO_NAME) {
+        let mut name = INFO_NAME.to_be_bytes().to_vec();
+        name.extend_from_slice(export.name.as_bytes());
+        reply(w, option, REP_INFO, &name)?;
+    }
+    if requests.contains(&INFO_DESCRIPTION) {
+        let mut desc = INFO_DESCRIPTION.to_be_bytes().to_vec();
+        desc.extend_from_slice(export.description.as_bytes());
+        reply(w, option, REP_INFO, &desc)?;
+    }
+    Ok(())
+}
+
+fn reply<W: Write>(w: &mut W, option: u32, kind: u32, data: &[u8]) -> io::Result<()> {
+    let mut msg = Vec::with_capacity(20 + data.len());
+    msg.extend_from_slice(&OPTION_REPLY_MAGIC.to_be_bytes());
+    msg.extend_from_slice(&option.to_be_bytes());
+    msg.extend_from_slice(&kind.to_be_bytes());
+    msg.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    msg.extend_from_slice(data);
+    w.write_all(&msg)?;
+    w.flush()
+}
+
+fn read_u32<R: Read>(r: &mut R) -> io::Result<u32> {
+    let mut b = [0u8; 4];
+    r.read_exact(&mut b)?;
+    Ok(u32::from_be_bytes(b))
+}
+
+fn read_u64<R: Read>(r: &mut R) -> io::Result<u64> {
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b)?;
+    Ok(u64::from_be_bytes(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn info_request_parsing() {
+        let mut d = 3u32.to_be_bytes().to_vec();
+        d.extend_from_slice(b"abc");
+        d.extend_from_slice(&2u16.to_be_bytes());
+        d.extend_from_slice(&3u16.to_be_bytes());
+        d.extend_from_slice(&1u16.to_be_bytes());
+        let (name, reqs) = parse_info_request(&d).unwrap();
+        assert_eq!(name, b"abc");
+        assert_eq!(reqs, vec![3, 1]);
+        assert!(parse_info_request(&d[..d.len() - 1]).is_err());
+        assert!(parse_info_request(&[0, 0, 0, 9, 1]).is_err());
+        assert!(parse_info_request(&[]).is_err());
+    }
+}

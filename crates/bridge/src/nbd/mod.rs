@@ -1,0 +1,88 @@
+//! The NBD wire protocol (fixed newstyle handshake, simple replies), as in the NetworkBlockDevice
+//! project's doc/proto.md. This module knows bytes and numbers only; the server gives them meaning.
+
+pub mod handshake;
+pub mod transmission;
+
+pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943; // "NBDMAGIC"
+pub const IHAVEOPT: u64 = 0x4948_4156_454f_5054; // "IHAVEOPT"
+pub const OPTION_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+pub const REQUEST_MAGIC: u32 = 0x2560_9513;
+pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+
+// Handshake flags (server) and client flags.
+pub const FLAG_FIXED_NEWSTYLE: u16 = 1 << 0;
+pub const FLAG_NO_ZEROES: u16 = 1 << 1;
+pub const CLIENT_FIXED_NEWSTYLE: u32 = 1 << 0;
+pub const CLIENT_NO_ZEROES: u32 = 1 << 1;
+
+// Options.
+pub const OPT_EXPORT_NAME: u32 = 1;
+pub const OPT_ABORT: u32 = 2;
+pub const OPT_LIST: u32 = 3;
+pub const OPT_STARTTLS: u32 = 5;
+pub const OPT_INFO: u32 = 6;
+pub const OPT_GO: u32 = 7;
+
+// Option replies.
+pub const REP_ACK: u32 = 1;
+pub const REP_SERVER: u32 = 2;
+pub const REP_INFO: u32 = 3;
+pub const REP_ERR_UNSUP: u32 = (1 << 31) | 1;
+pub const REP_ERR_INVALID: u32 = (1 << 31) | 3;
+pub const REP_ERR_UNKNOWN: u32 = (1 << 31) | 6;
+pub const REP_ERR_TOO_BIG: u32 = (1 << 31) | 9;
+
+// NBD_INFO types.
+pub const INFO_EXPORT: u16 = 0;
+pub const INFO_NAME: u16 = 1;
+pub const INFO_DESCRIPTION: u16 = 2;
+pub const INFO_BLOCK_SIZE: u16 = 3;
+
+// Transmission flags.
+pub const TFLAG_HAS_FLAGS: u16 = 1 << 0;
+pub const TFLAG_READ_ONLY: u16 = 1 << 1;
+pub const TFLAG_SEND_FLUSH: u16 = 1 << 2;
+pub const TFLAG_SEND_FUA: u16 = 1 << 3;
+pub const TFLAG_SEND_TRIM: u16 = 1 << 5;
+pub const TFLAG_SEND_WRITE_ZEROES: u16 = 1 << 6;
+pub const TFLAG_CAN_MULTI_CONN: u16 = 1 << 8;
+pub const TFLAG_SEND_CACHE: u16 = 1 << 10;
+
+// Commands and command flags.
+pub const CMD_READ: u16 = 0;
+pub const CMD_WRITE: u16 = 1;
+pub const CMD_DISC: u16 = 2;
+pub const CMD_FLUSH: u16 = 3;
+pub const CMD_TRIM: u16 = 4;
+pub const CMD_CACHE: u16 = 5;
+pub const CMD_WRITE_ZEROES: u16 = 6;
+pub const CMD_FLAG_FUA: u16 = 1 << 0;
+pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
+
+// Error numbers on the wire (Linux values, fixed by the protocol).
+pub const EPERM: u32 = 1;
+pub const EIO: u32 = 5;
+pub const ENOMEM: u32 = 12;
+pub const EINVAL: u32 = 22;
+pub const ENOSPC: u32 = 28;
+pub const ENOTSUP: u32 = 95;
+
+/// Everything the handshake tells a client about the one export.
+#[derive(Debug, Clone)]
+pub struct ExportInfo {
+    pub name: String,
+    pub description: String,
+    pub size: u64,
+    pub transmission_flags: u16,
+    pub min_block: u32,
+    pub preferred_block: u32,
+    pub max_block: u32,
+}
+
+impl ExportInfo {
+    /// Clients that send an empty name mean the default export, which is this one.
+    pub fn answers_to(&self, name: &[u8]) -> bool {
+        name.is_empty() || name == self.name.as_bytes()
+    }
+}

@@ -1,0 +1,164 @@
+//! The inline pipeline: export byte ranges -> whole sectors -> engine -> backing store.
+//!
+//! Requests that do not cover whole sectors are widened to them: the edge sectors are read,
+//! decrypted, patched and re-encrypted (read-modify-write) under a range lock, so that two writes
+//! touching the same sector cannot lose each other's bytes. Every write path takes the lock.
+
+use std::io;
+use std::ops::Deref;
+use std::sync::Arc;
+
+use cryptbridge_engine::Engine;
+
+use crate::aligned::{BufPool, PooledBuf, ALIGN};
+use crate::backing::Backing;
+use crate::range_lock::RangeLocks;
+
+/// Zeroes are written in pieces of this size so a 4 GiB WRITE_ZEROES does not need 4 GiB of RAM.
+const ZERO_CHUNK: u64 = 1 << 20;
+
+pub struct Pipeline {
+    backing: Backing,
+    engine: Engine,
+    sector_size: u64,
+    locks: RangeLocks,
+    pool: Arc<BufPool>,
+}
+
+/// Plaintext returned by [`Pipeline::read`]: a window into a sector-aligned buffer.
+pub struct ReadData {
+    buf: PooledBuf,
+    start: usize,
+    len: usize,
+}
+
+impl Deref for ReadData {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[self.start..self.start + self.len]
+    }
+}
+
+impl Pipeline {
+    pub fn new(backing: Backing, engine: Engine) -> Self {
+        let sector_size = engine.layout().sector_size as u64;
+        Self { backing, engine, sector_size, locks: RangeLocks::default(), pool: Arc::new(BufPool::new()) }
+    }
+
+    pub fn size(&self) -> u64 {
+        self.backing.size()
+    }
+
+    pub fn sector_size(&self) -> u64 {
+        self.sector_size
+    }
+
+    /// An aligned buffer for a request payload.
+    pub fn buffer(&self, len: usize) -> PooledBuf {
+        self.pool.get(len)
+    }
+
+    /// The smallest whole-sector span covering `[offset, offset + len)`.
+    fn span(&self, offset: u64, len: u64) -> (u64, u64) {
+        let ss = self.sector_size;
+        (offset / ss * ss, (offset + len).div_ceil(ss) * ss)
+    }
+
+    /// Reads and decrypts `len` bytes at `offset`. The caller has checked the range.
+    pub fn read(&self, offset: u64, len: usize) -> io::Result<ReadData> {
+        let (start, end) = self.span(offset, len as u64);
+        let mut buf = self.pool.get((end - start) as usize);
+        self.read_sectors(start, &mut buf)?;
+        Ok(ReadData { buf, start: (offset - start) as usize, len })
+    }
+
+    /// Encrypts and writes `data` at `offset`; `data` may be overwritten with ciphertext.
+    pub fn write(&self, offset: u64, data: &mut [u8], fua: bool) -> io::Result<()> {
+        let (start, end) = self.span(offset, data.len() as u64);
+        {
+            let _guard = self.locks.lock(start, end);
+            self.write_locked(offset, data)?;
+        }
+        self.fua(fua)
+    }
+
+    /// Makes `[offset, offset + len)` read back as zeros: in an encrypted export that means
+    /// writing the encryption of zeros, never a hole.
+    pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
+        let (start, end) = self.span(offset, len);
+        {
+            let _guard = self.locks.lock(start, end);
+            let mut pos = offset;
+            let stop = offset + len;
+            while pos < stop {
+                let piece_end = ((pos / ZERO_CHUNK + 1) * ZERO_CHUNK).min(stop);
+                let mut zeros = self.pool.get((piece_end - pos) as usize);
+                zeros.fill(0);
+                self.write_locked(pos, &mut zeros)?;
+                pos = piece_end;
+            }
+        }
+        self.fua(fua)
+    }
+
+    /// Deallocates the whole sectors inside `[offset, offset + len)`; partial edge sectors are
+    /// left alone (a discard is advisory). Discarded sectors read back as unspecified data.
+    pub fn discard(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
+        let ss = self.sector_size;
+        let start = offset.div_ceil(ss) * ss;
+        let end = (offset + len) / ss * ss;
+        if start < end {
+            let _guard = self.locks.lock(start, end);
+            self.backing.discard(start, end - start)?;
+        }
+        self.fua(fua)
+    }
+
+    /// Makes every write answered so far durable.
+    pub fn flush(&self) -> io::Result<()> {
+        self.backing.flush()
+    }
+
+    fn fua(&self, fua: bool) -> io::Result<()> {
+        if fua {
+            self.backing.flush()
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Writes `data` at `offset`, widening to whole sectors with read-modify-write. The caller
+    /// holds the range lock for the widened span.
+    fn write_locked(&self, offset: u64, data: &mut [u8]) -> io::Result<()> {
+        let ss = self.sector_size;
+        let (start, end) = self.span(offset, data.len() as u64);
+        let aligned = start == offset && end == offset + data.len() as u64;
+        let direct_ok = !self.backing.is_direct() || data.as_ptr() as usize % ALIGN == 0;
+        if aligned && direct_ok {
+            return self.write_sectors(start, data);
+        }
+        let mut buf = self.pool.get((end - start) as usize);
+        let head_partial = offset != start;
+        let tail_partial = offset + data.len() as u64 != end;
+        if head_partial {
+            self.read_sectors(start, &mut buf[..ss as usize])?;
+        }
+        if tail_partial && (end - ss != start || !head_partial) {
+            let len = buf.len();
+            self.read_sectors(end - ss, &mut buf[len - ss as usize..])?;
+        }
+        let at = (offset - start) as usize;
+        buf[at..at + data.len()].copy_from_slice(data);
+        self.write_sectors(start, &mut buf)
+    }
+
+    fn read_sectors(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.backing.read_at(buf, offset)?;
+        self.engine.decrypt(offset / self.sector_size, buf).map_err(io::Error::other)
+    }
+
+    fn write_sectors(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.engine.encrypt(offset / self.sector_size, buf).map_err(io::Error::other)?;
+        self.backing.write_at(buf, offset)
+    }
+}

@@ -1,0 +1,352 @@
+//! Connections and concurrency. Each connection has a reader thread that decodes requests and
+//! hands them to a shared pool of I/O workers; workers run the pipeline and write replies under
+//! the connection's write lock, so many requests per connection (and many connections) are in
+//! flight at once and replies may come back out of order, as NBD allows.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::aligned::PooledBuf;
+use crate::nbd::handshake::{negotiate, Outcome};
+use crate::nbd::transmission::{read_request, write_reply, Request};
+use crate::nbd::*;
+use crate::pipeline::Pipeline;
+
+/// Largest READ or WRITE accepted, advertised as the maximum block size.
+pub const MAX_REQUEST: u32 = 32 << 20;
+/// An over-sized WRITE's payload is read and dropped up to this size; beyond it the connection is
+/// closed, since draining would let a client make the server read unbounded data.
+const MAX_DRAIN: u32 = 64 << 20;
+/// A client has this long to finish the handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub export_name: String,
+    pub description: String,
+    pub read_only: bool,
+    pub allow_discards: bool,
+    /// Threads doing backing I/O and crypto for requests; bounds the effective queue depth.
+    pub io_workers: usize,
+}
+
+pub enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener),
+}
+
+enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn try_clone(&self) -> io::Result<Stream> {
+        Ok(match self {
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+        })
+    }
+
+    fn shutdown(&self) {
+        // Already-closed sockets make this fail; there is nothing left to do then.
+        let _ = match self {
+            Stream::Tcp(s) => s.shutdown(Shutdown::Both),
+            Stream::Unix(s) => s.shutdown(Shutdown::Both),
+        };
+    }
+
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_read_timeout(t),
+            Stream::Unix(s) => s.set_read_timeout(t),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Unix(s) => s.write(buf),
+        }
+    }
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write_vectored(bufs),
+            Stream::Unix(s) => s.write_vectored(bufs),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.flush(),
+            Stream::Unix(s) => s.flush(),
+        }
+    }
+}
+
+/// What workers share with a connection's reader.
+struct Connection {
+    id: u64,
+    writer: Mutex<Stream>,
+    in_flight: Mutex<usize>,
+    drained: Condvar,
+}
+
+impl Connection {
+    fn reply(&self, handle: u64, error: u32, data: &[u8]) {
+        let mut w = self.writer.lock().expect("writer lock");
+        if let Err(e) = write_reply(&mut *w, handle, error, data) {
+            tracing::debug!(conn = self.id, "reply failed ({e}); closing");
+            w.shutdown();
+        }
+    }
+
+    fn finished_one(&self) {
+        let mut n = self.in_flight.lock().expect("in-flight lock");
+        *n -= 1;
+        if *n == 0 {
+            self.drained.notify_all();
+        }
+    }
+
+    fn wait_drained(&self) {
+        let mut n = self.in_flight.lock().expect("in-flight lock");
+        while *n > 0 {
+            n = self.drained.wait(n).expect("in-flight lock");
+        }
+    }
+}
+
+struct Job {
+    conn: Arc<Connection>,
+    request: Request,
+    payload: Option<PooledBuf>,
+}
+
+pub struct Server {
+    pipeline: Arc<Pipeline>,
+    config: ServerConfig,
+    export: ExportInfo,
+    jobs: Sender<Job>,
+    next_id: AtomicU64,
+}
+
+impl Server {
+    pub fn new(pipeline: Arc<Pipeline>, config: ServerConfig) -> Arc<Self> {
+        let export = export_info(&pipeline, &config);
+        let (tx, rx) = crossbeam_channel::bounded::<Job>(config.io_workers * 2);
+        let server = Arc::new(Self { pipeline, config, export, jobs: tx, next_id: AtomicU64::new(1) });
+        for i in 0..server.config.io_workers.max(1) {
+            let (pipeline, rx) = (server.pipeline.clone(), rx.clone());
+            std::thread::Builder::new()
+                .name(format!("io-{i}"))
+                .spawn(move || worker(&pipeline, &rx))
+                .expect("spawn I/O worker");
+        }
+        server
+    }
+
+    pub fn export(&self) -> &ExportInfo {
+        &self.export
+    }
+
+    /// Accepts connections forever, one reader thread each.
+    pub fn run(self: &Arc<Self>, listener: Listener) -> io::Result<()> {
+        loop {
+            let stream = match &listener {
+                Listener::Tcp(l) => l.accept().map(|(s, _)| {
+                    let _ = s.set_nodelay(true); // latency matters more than segment count here
+                    Stream::Tcp(s)
+                }),
+                Listener::Unix(l) => l.accept().map(|(s, _)| Stream::Unix(s)),
+            };
+            let stream = match stream {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!("accept failed: {e}");
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+            };
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let server = Arc::clone(self);
+            std::thread::Builder::new()
+                .name(format!("conn-{id}"))
+                .spawn(move || {
+                    if let Err(e) = server.connection(id, stream) {
+                        tracing::info!(conn = id, "connection ended: {e}");
+                    }
+                })?;
+        }
+    }
+
+    fn connection(&self, id: u64, mut stream: Stream) -> io::Result<()> {
+        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        if negotiate(&mut stream, &self.export)? == Outcome::Closed {
+            return Ok(());
+        }
+        stream.set_read_timeout(None)?;
+        tracing::info!(conn = id, "client connected");
+        let conn = Arc::new(Connection {
+            id,
+            writer: Mutex::new(stream.try_clone()?),
+            in_flight: Mutex::new(0),
+            drained: Condvar::new(),
+        });
+        let result = self.transmission(&conn, &mut stream);
+        conn.wait_drained();
+        stream.shutdown();
+        tracing::info!(conn = id, "client disconnected");
+        result
+    }
+
+    fn transmission(&self, conn: &Arc<Connection>, stream: &mut Stream) -> io::Result<()> {
+        loop {
+            let request = match read_request(stream)? {
+                Some(r) => r,
+                None => return Ok(()),
+            };
+            if request.command == CMD_DISC {
+                return Ok(());
+            }
+            if let Err(errno) = self.validate(&request) {
+                tracing::warn!(conn = conn.id, ?request, errno, "rejected request");
+                if request.command == CMD_WRITE {
+                    if request.length > MAX_DRAIN {
+                        return Err(io::Error::new(io::ErrorKind::InvalidData, "over-sized write payload; closing"));
+                    }
+                    io::copy(&mut Read::by_ref(stream).take(u64::from(request.length)), &mut io::sink())?;
+                }
+                conn.reply(request.handle, errno, &[]);
+                continue;
+            }
+            let payload = if request.command == CMD_WRITE {
+                let mut buf = self.pipeline.buffer(request.length as usize);
+                stream.read_exact(&mut buf)?;
+                Some(buf)
+            } else {
+                None
+            };
+            *conn.in_flight.lock().expect("in-flight lock") += 1;
+            let job = Job { conn: Arc::clone(conn), request, payload };
+            if self.jobs.send(job).is_err() {
+                conn.finished_one();
+                return Err(io::Error::other("I/O workers are gone"));
+            }
+        }
+    }
+
+    /// Checks a request against the export before any I/O; the error is the NBD errno.
+    fn validate(&self, r: &Request) -> Result<(), u32> {
+        let size = self.export.size;
+        let end = r.offset.checked_add(u64::from(r.length));
+        let in_range = end.is_some_and(|e| e <= size);
+        let allowed_flags = match r.command {
+            CMD_WRITE | CMD_TRIM => CMD_FLAG_FUA,
+            CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE,
+            _ => 0,
+        };
+        if r.flags & !allowed_flags != 0 {
+            return Err(EINVAL);
+        }
+        let writes = matches!(r.command, CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM);
+        if writes && self.config.read_only {
+            return Err(EPERM);
+        }
+        match r.command {
+            CMD_READ | CMD_WRITE if r.length > MAX_REQUEST => Err(EINVAL),
+            CMD_READ | CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM | CMD_CACHE if r.length == 0 => Err(EINVAL),
+            CMD_WRITE | CMD_WRITE_ZEROES if !in_range => Err(ENOSPC),
+            CMD_READ | CMD_TRIM | CMD_CACHE if !in_range => Err(EINVAL),
+            CMD_TRIM if !self.config.allow_discards => Err(EINVAL),
+            CMD_READ | CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM | CMD_CACHE | CMD_FLUSH => Ok(()),
+            _ => Err(EINVAL),
+        }
+    }
+}
+
+fn worker(pipeline: &Pipeline, jobs: &Receiver<Job>) {
+    for mut job in jobs.iter() {
+        let r = job.request;
+        let fua = r.flags & CMD_FLAG_FUA != 0;
+        let result = match r.command {
+            CMD_READ => match pipeline.read(r.offset, r.length as usize) {
+                Ok(data) => {
+                    job.conn.reply(r.handle, 0, &data);
+                    job.conn.finished_one();
+                    continue;
+                }
+                Err(e) => Err(e),
+            },
+            CMD_WRITE => {
+                let payload = job.payload.as_mut().expect("WRITE jobs carry their payload");
+                pipeline.write(r.offset, payload, fua)
+            }
+            CMD_WRITE_ZEROES => pipeline.write_zeroes(r.offset, u64::from(r.length), fua),
+            CMD_TRIM => pipeline.discard(r.offset, u64::from(r.length), fua),
+            CMD_FLUSH => pipeline.flush(),
+            CMD_CACHE => Ok(()),
+            _ => Err(io::Error::from_raw_os_error(libc::EINVAL)),
+        };
+        let errno = match &result {
+            Ok(()) => 0,
+            Err(e) => {
+                tracing::error!(conn = job.conn.id, request = ?r, "I/O error: {e}");
+                errno_of(e)
+            }
+        };
+        job.conn.reply(r.handle, errno, &[]);
+        job.conn.finished_one();
+    }
+}
+
+/// Maps a local I/O error to the NBD error set.
+fn errno_of(e: &io::Error) -> u32 {
+    match e.raw_os_error() {
+        Some(libc::EPERM) | Some(libc::EROFS) | Some(libc::EACCES) => EPERM,
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) | Some(libc::EFBIG) => ENOSPC,
+        Some(libc::EINVAL) => EINVAL,
+        Some(libc::ENOMEM) => ENOMEM,
+        Some(libc::EOPNOTSUPP) => ENOTSUP,
+        _ => EIO,
+    }
+}
+
+fn export_info(pipeline: &Pipeline, config: &ServerConfig) -> ExportInfo {
+    let mut flags = TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_SEND_FUA | TFLAG_SEND_WRITE_ZEROES | TFLAG_SEND_CACHE;
+    // Every connection shares one backing file and FLUSH syncs all of it, so a flush on any
+    // connection covers writes answered on all of them.
+    flags |= TFLAG_CAN_MULTI_CONN;
+    if config.read_only {
+        flags |= TFLAG_READ_ONLY;
+    }
+    if config.allow_discards {
+        flags |= TFLAG_SEND_TRIM;
+    }
+    let ss = pipeline.sector_size() as u32;
+    ExportInfo {
+        name: config.export_name.clone(),
+        description: config.description.clone(),
+        size: pipeline.size(),
+        transmission_flags: flags,
+        min_block: ss,
+        preferred_block: ss.max(4096),
+        max_block: MAX_REQUEST,
+    }
+}

@@ -580,7 +580,7 @@ def print_tables(summary, targets, args) -> None:
                                            for k in keys))
         others = [k for k in keys if k != "cb-pt"]
         if "cb-pt" in keys and others:
-            log(f"overhead vs cryptbridge passthrough (%; negative = faster)")
+            log("overhead vs cryptbridge passthrough (%; negative = faster)")
             log(f"{'profile':22}" + "".join(f"{k:>{w}}" for k in others))
             for prof in PROFILES:
                 log(f"{prof.label:22}" + "".join(

@@ -61,6 +61,8 @@ if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x "$ROOT/.venv/bin/python" ]; then PY=$ROOT/.venv/bin/python
 else PY=$(command -v python3)
 fi
+# Resolve shims (pyenv) to the real interpreter so signals reach the benchmark itself.
+PY=$("$PY" -c 'import sys; print(sys.executable)')
 if ! "$PY" -c 'import matplotlib' >/dev/null 2>&1; then
     if [ -n "${BENCH_SKIP_INSTALL:-}" ]; then
         echo "bench: warning: matplotlib missing, no chart will be drawn" >&2

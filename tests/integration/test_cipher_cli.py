@@ -176,9 +176,12 @@ def test_cipher_error_lines():
 
 @pytest.mark.parametrize("name", ["nonsense", "xts(des)", ""])
 def test_cipher_unknown_cipher_name(name):
-    p = cb("cipher", "--cipher", name, input=b"", timeout=30)
+    job = fmt(bytes(range(64)), b"\x01", bytes(32))
+    p = cb("cipher", "--cipher", name, input=(job + "\n").encode(), timeout=30)
     assert p.returncode != 0
     assert_no_panic(p.stderr.decode(errors="replace"))
+    out = p.stdout.decode(errors="replace").splitlines()
+    assert not out or out[0].startswith("error: "), out
 
 
 def test_cipher_large_job():

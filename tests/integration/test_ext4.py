@@ -104,7 +104,9 @@ def test_ext4_on_bridge(ws, sector_size, iv_large):
         _wait_for(lambda: disk.exists(), 10, "nbdfuse file missing")
         assert disk.stat().st_size == size
 
-        p = run(["losetup", "-f", "--show", disk], timeout=30)
+        # the loop device's logical block size must be the export's sector size: libnbd (inside
+        # nbdfuse) rejects requests not aligned to the advertised minimum block size
+        p = run(["losetup", "-f", "--show", "--sector-size", str(sector_size), disk], timeout=30)
         if p.returncode != 0:
             pytest.skip(f"losetup on the FUSE file failed: {p.stderr.decode()}")
         loop = p.stdout.decode().strip()

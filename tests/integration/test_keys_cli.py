@@ -219,3 +219,18 @@ def test_help_for_every_subcommand():
 def test_unknown_option_is_usage_error():
     p = cb("serve", "--no-such-option", timeout=20)
     assert p.returncode == 2
+
+
+def test_bench_cipher_json():
+    import json
+
+    p = cb("bench", "cipher", "--cipher", "xts(aes)", "--key-size", 512, "--sector-size", 4096,
+           "--threads", 1, "--seconds", 1, "--json", timeout=60)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    j = json.loads(p.stdout)
+    for k in ("encrypt_gbps", "decrypt_gbps", "ecb_gbps"):
+        assert isinstance(j[k], (int, float)) and j[k] > 0, (k, j)
+    assert j["key_size"] == 512 and j["sector_size"] == 4096 and j["threads"] == 1
+    for k in ("cipher", "seconds", "bytes"):
+        assert k in j, (k, j)
+    assert j["bytes"] > 0

@@ -4,6 +4,9 @@
 //! Speed comes from handing the `aes` crate many blocks per call (its VAES back end encrypts
 //! several blocks per instruction) and computing the tweaks of a whole batch ahead of time.
 
+#[cfg(target_arch = "x86_64")]
+mod vaes;
+
 use crate::aes_any::{as_blocks, AesAny};
 use crate::gf128::fill_xts_tweaks;
 use crate::{CipherError, SectorCipher};
@@ -19,6 +22,9 @@ pub struct Xts {
     data_key: AesAny,
     tweak_key: AesAny,
     key_len: usize,
+    /// The AVX-512 VAES path, when the CPU and key size allow it.
+    #[cfg(target_arch = "x86_64")]
+    vaes: Option<vaes::VaesXts>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -40,7 +46,29 @@ impl Xts {
             data_key: AesAny::new(k1).ok_or_else(bad_len)?,
             tweak_key: AesAny::new(k2).ok_or_else(bad_len)?,
             key_len: key.len(),
+            #[cfg(target_arch = "x86_64")]
+            vaes: vaes::VaesXts::new(k1, k2),
         })
+    }
+
+    /// Same as [`Xts::new`] but never uses the VAES path: the reference the fast path is
+    /// cross-checked against.
+    pub fn new_generic(key: &[u8]) -> Result<Self, CipherError> {
+        let mut xts = Self::new(key)?;
+        #[cfg(target_arch = "x86_64")]
+        {
+            xts.vaes = None;
+        }
+        Ok(xts)
+    }
+
+    /// Which implementation runs: `vaes-avx512` or `aes-crate`.
+    pub fn implementation(&self) -> &'static str {
+        #[cfg(target_arch = "x86_64")]
+        if self.vaes.is_some() {
+            return "vaes-avx512";
+        }
+        "aes-crate"
     }
 
     /// Like [`Xts::new`], but refuses equal key halves, which make XTS degenerate.
@@ -58,6 +86,10 @@ impl Xts {
         }
         let mut block = aes::Block::default();
         block[..tweak.len()].copy_from_slice(tweak);
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v) = &self.vaes {
+            return Ok(v.tweak_block(block.into()));
+        }
         self.tweak_key.encrypt_block(&mut block);
         Ok(u128::from_le_bytes(block.into()))
     }
@@ -80,6 +112,10 @@ impl Xts {
 
     /// Processes whole blocks: XOR tweaks, AES many blocks at once, XOR tweaks again.
     fn crypt_whole_blocks(&self, dir: Direction, t: &mut u128, data: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v) = &self.vaes {
+            return v.crypt_blocks(dir, t, data);
+        }
         let mut tweaks = [0u128; BATCH];
         for chunk in data.chunks_mut(BATCH * BLOCK) {
             let tweaks = &mut tweaks[..chunk.len() / BLOCK];

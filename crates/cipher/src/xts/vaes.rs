@@ -1,0 +1,256 @@
+//! XTS-AES-128/256 with VAES and VPCLMULQDQ on AVX-512: 32 blocks per loop iteration, tweaks
+//! computed in vector registers and XORed in the same pass as the AES rounds, so the data is read
+//! and written once. This is what lets XTS run near raw AES-ECB speed; the generic path in
+//! `mod.rs` (built on the `aes` crate) covers every other CPU, AES-192 and ciphertext stealing.
+//!
+//! Every function here needs the CPU features checked by [`VaesXts::new`]; they are `unsafe` only
+//! for that reason.
+
+use core::arch::x86_64::*;
+
+use zeroize::{Zeroize, ZeroizeOnDrop};
+
+use super::Direction;
+
+/// Round keys, encryption and decryption (the "equivalent inverse cipher" form), as bytes so that
+/// they can be zeroized on drop.
+#[derive(Zeroize, ZeroizeOnDrop)]
+struct RoundKeys {
+    enc: [[u8; 16]; 15],
+    dec: [[u8; 16]; 15],
+    rounds: usize,
+}
+
+pub(super) struct VaesXts {
+    data: RoundKeys,
+    tweak: RoundKeys,
+}
+
+impl VaesXts {
+    /// `None` unless the CPU has AVX-512 (F, BW), VAES, VPCLMULQDQ and AES-NI, and the key halves
+    /// are 16 or 32 bytes.
+    pub(super) fn new(k1: &[u8], k2: &[u8]) -> Option<Self> {
+        let cpu_ok = std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("vaes")
+            && std::is_x86_feature_detected!("vpclmulqdq")
+            && std::is_x86_feature_detected!("aes");
+        if !cpu_ok || !(k1.len() == 16 || k1.len() == 32) {
+            return None;
+        }
+        // SAFETY: AES-NI and SSE2 were detected just above.
+        unsafe { Some(Self { data: expand(k1), tweak: expand(k2) }) }
+    }
+
+    /// Encrypts the initial tweak block with Key2.
+    pub(super) fn tweak_block(&self, block: [u8; 16]) -> u128 {
+        // SAFETY: construction checked for AES-NI.
+        unsafe {
+            let mut b = _mm_loadu_si128(block.as_ptr().cast());
+            b = _mm_xor_si128(b, load(&self.tweak.enc[0]));
+            for r in 1..self.tweak.rounds {
+                b = _mm_aesenc_si128(b, load(&self.tweak.enc[r]));
+            }
+            b = _mm_aesenclast_si128(b, load(&self.tweak.enc[self.tweak.rounds]));
+            let mut out = [0u8; 16];
+            _mm_storeu_si128(out.as_mut_ptr().cast(), b);
+            u128::from_le_bytes(out)
+        }
+    }
+
+    /// Processes whole blocks starting with tweak `*t`, leaving `*t` at the tweak after them.
+    pub(super) fn crypt_blocks(&self, dir: Direction, t: &mut u128, data: &mut [u8]) {
+        debug_assert_eq!(data.len() % 16, 0);
+        // SAFETY: construction checked every feature `crypt` is compiled for.
+        unsafe { crypt(&self.data, dir, t, data) }
+    }
+}
+
+#[inline(always)]
+unsafe fn load(b: &[u8; 16]) -> __m128i {
+    _mm_loadu_si128(b.as_ptr().cast())
+}
+
+/// The x^128 reduction constant 0x87 in the low qword of every lane.
+#[inline(always)]
+unsafe fn poly() -> __m512i {
+    _mm512_set_epi64(0, 0x87, 0, 0x87, 0, 0x87, 0, 0x87)
+}
+
+/// Multiplies each 128-bit lane (an XTS tweak, little-endian) by x^K, for K <= 56: shift the
+/// lane left by K, fold the top K bits back with one carry-less multiply by 0x87.
+#[inline(always)]
+unsafe fn mul_x<const K: u32, const R: u32>(v: __m512i) -> __m512i {
+    let shifted = _mm512_slli_epi64::<K>(v);
+    let carries = _mm512_srli_epi64::<R>(v); // R = 64 - K: the bits leaving each qword
+    let into_hi = _mm512_bslli_epi128::<8>(carries); // low qword's carry moves up
+    let folded = _mm512_clmulepi64_epi128::<0x01>(carries, poly()); // high qword's carry wraps
+    _mm512_ternarylogic_epi64::<0x96>(shifted, into_hi, folded) // three-way XOR
+}
+
+#[target_feature(enable = "avx512f,avx512bw,vaes,vpclmulqdq,aes,sse2")]
+unsafe fn crypt(keys: &RoundKeys, dir: Direction, t: &mut u128, data: &mut [u8]) {
+    let rk_bytes = match dir {
+        Direction::Encrypt => &keys.enc,
+        Direction::Decrypt => &keys.dec,
+    };
+    let nr = keys.rounds;
+    let mut rk = [_mm512_setzero_si512(); 15];
+    for (r, k) in rk.iter_mut().zip(rk_bytes.iter()).take(nr + 1) {
+        *r = _mm512_broadcast_i32x4(load(k));
+    }
+
+    // Four consecutive tweaks per register: T, Tx, Tx^2, Tx^3 in lanes 0..3.
+    let mut first = [0u8; 64];
+    let mut s = *t;
+    for lane in first.chunks_exact_mut(16) {
+        lane.copy_from_slice(&s.to_le_bytes());
+        s = super::super::gf128::xts_mul_alpha(s);
+    }
+    let mut tw = [_mm512_loadu_si512(first.as_ptr().cast()); 8];
+    for j in 1..8 {
+        tw[j] = mul_x::<4, 60>(tw[j - 1]);
+    }
+
+    let blocks = data.len() / 16;
+    let mut done = 0;
+    let ptr = data.as_mut_ptr();
+    // Main loop: 32 blocks (8 registers) per iteration.
+    while blocks - done >= 32 {
+        let p = ptr.add(done * 16);
+        let mut x = [_mm512_setzero_si512(); 8];
+        for j in 0..8 {
+            x[j] = _mm512_ternarylogic_epi64::<0x96>(_mm512_loadu_si512(p.add(64 * j).cast()), tw[j], rk[0]);
+        }
+        rounds(dir, &rk, nr, &mut x);
+        for j in 0..8 {
+            _mm512_storeu_si512(p.add(64 * j).cast(), _mm512_xor_si512(x[j], tw[j]));
+            tw[j] = mul_x::<32, 32>(tw[j]);
+        }
+        done += 32;
+    }
+    // Tail: four blocks per register, then single blocks in lane 0.
+    let mut cur = tw[0];
+    while blocks - done >= 4 {
+        let p = ptr.add(done * 16);
+        let mut x = [_mm512_ternarylogic_epi64::<0x96>(_mm512_loadu_si512(p.cast()), cur, rk[0])];
+        rounds(dir, &rk, nr, &mut x);
+        _mm512_storeu_si512(p.cast(), _mm512_xor_si512(x[0], cur));
+        cur = mul_x::<4, 60>(cur);
+        done += 4;
+    }
+    let mut lanes = [0u8; 64];
+    _mm512_storeu_si512(lanes.as_mut_ptr().cast(), cur);
+    let mut next = u128::from_le_bytes(lanes[..16].try_into().unwrap());
+    while done < blocks {
+        let p = ptr.add(done * 16);
+        let tv = _mm_loadu_si128(next.to_le_bytes().as_ptr().cast());
+        let mut b = _mm_xor_si128(_mm_loadu_si128(p.cast()), tv);
+        b = _mm_xor_si128(b, _mm512_castsi512_si128(rk[0]));
+        for k in rk.iter().take(nr).skip(1) {
+            let k = _mm512_castsi512_si128(*k);
+            b = match dir {
+                Direction::Encrypt => _mm_aesenc_si128(b, k),
+                Direction::Decrypt => _mm_aesdec_si128(b, k),
+            };
+        }
+        let last = _mm512_castsi512_si128(rk[nr]);
+        b = match dir {
+            Direction::Encrypt => _mm_aesenclast_si128(b, last),
+            Direction::Decrypt => _mm_aesdeclast_si128(b, last),
+        };
+        _mm_storeu_si128(p.cast(), _mm_xor_si128(b, tv));
+        next = super::super::gf128::xts_mul_alpha(next);
+        done += 1;
+    }
+    *t = next;
+    // Do not leave broadcast round keys behind in this stack frame.
+    rk = [_mm512_setzero_si512(); 15];
+    core::hint::black_box(&rk);
+}
+
+/// Rounds 1..=nr over N registers, round 0 (the whitening XOR) already applied.
+#[inline(always)]
+unsafe fn rounds<const N: usize>(dir: Direction, rk: &[__m512i; 15], nr: usize, x: &mut [__m512i; N]) {
+    match dir {
+        Direction::Encrypt => {
+            for k in &rk[1..nr] {
+                for v in x.iter_mut() {
+                    *v = _mm512_aesenc_epi128(*v, *k);
+                }
+            }
+            for v in x.iter_mut() {
+                *v = _mm512_aesenclast_epi128(*v, rk[nr]);
+            }
+        }
+        Direction::Decrypt => {
+            for k in &rk[1..nr] {
+                for v in x.iter_mut() {
+                    *v = _mm512_aesdec_epi128(*v, *k);
+                }
+            }
+            for v in x.iter_mut() {
+                *v = _mm512_aesdeclast_epi128(*v, rk[nr]);
+            }
+        }
+    }
+}
+
+/// AES key expansion with AESKEYGENASSIST (FIPS 197 section 5.2), plus the inverse-cipher keys.
+#[target_feature(enable = "aes,sse2")]
+unsafe fn expand(key: &[u8]) -> RoundKeys {
+    let mut enc = [_mm_setzero_si128(); 15];
+    let rounds = if key.len() == 32 { 14 } else { 10 };
+    #[inline(always)]
+    unsafe fn fold(k: __m128i) -> __m128i {
+        let k = _mm_xor_si128(k, _mm_slli_si128::<4>(k));
+        let k = _mm_xor_si128(k, _mm_slli_si128::<4>(k));
+        _mm_xor_si128(k, _mm_slli_si128::<4>(k))
+    }
+    macro_rules! assist {
+        ($k:expr, $rcon:literal) => {
+            _mm_aeskeygenassist_si128::<$rcon>($k)
+        };
+    }
+    if rounds == 10 {
+        let mut k = _mm_loadu_si128(key.as_ptr().cast());
+        enc[0] = k;
+        macro_rules! step {
+            ($i:literal, $rcon:literal) => {
+                k = _mm_xor_si128(fold(k), _mm_shuffle_epi32::<0xff>(assist!(k, $rcon)));
+                enc[$i] = k;
+            };
+        }
+        step!(1, 0x01); step!(2, 0x02); step!(3, 0x04); step!(4, 0x08); step!(5, 0x10);
+        step!(6, 0x20); step!(7, 0x40); step!(8, 0x80); step!(9, 0x1b); step!(10, 0x36);
+    } else {
+        let mut a = _mm_loadu_si128(key.as_ptr().cast());
+        let mut b = _mm_loadu_si128(key.as_ptr().add(16).cast());
+        enc[0] = a;
+        enc[1] = b;
+        macro_rules! step {
+            ($i:literal, $rcon:literal) => {
+                a = _mm_xor_si128(fold(a), _mm_shuffle_epi32::<0xff>(assist!(b, $rcon)));
+                enc[2 * $i] = a;
+                if 2 * $i + 1 <= 14 {
+                    b = _mm_xor_si128(fold(b), _mm_shuffle_epi32::<0xaa>(assist!(a, 0x00)));
+                    if 2 * $i + 1 <= 13 {
+                        enc[2 * $i + 1] = b;
+                    }
+                }
+            };
+        }
+        step!(1, 0x01); step!(2, 0x02); step!(3, 0x04); step!(4, 0x08); step!(5, 0x10);
+        step!(6, 0x20); step!(7, 0x40);
+    }
+    let mut keys = RoundKeys { enc: [[0; 16]; 15], dec: [[0; 16]; 15], rounds };
+    for r in 0..=rounds {
+        _mm_storeu_si128(keys.enc[r].as_mut_ptr().cast(), enc[r]);
+        let d = if r == 0 || r == rounds { enc[rounds - r] } else { _mm_aesimc_si128(enc[rounds - r]) };
+        _mm_storeu_si128(keys.dec[r].as_mut_ptr().cast(), d);
+    }
+    // The __m128i copies on the stack are overwritten before return.
+    enc = [_mm_setzero_si128(); 15];
+    core::hint::black_box(&enc);
+    keys
+}

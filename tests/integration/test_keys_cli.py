@@ -234,3 +234,48 @@ def test_bench_cipher_json():
     for k in ("cipher", "seconds", "bytes"):
         assert k in j, (k, j)
     assert j["bytes"] > 0
+
+
+def test_unix_socket_of_live_server_not_stolen(ws):
+    """Starting a second server on the Unix socket path of a running one must not silently take
+    the path over (unlinking it cuts every future client off from the first server, and two
+    bridges on one backing file corrupt each other's read-modify-write). Beyond docs/cli.md, but
+    a stale-socket cleanup should only remove sockets nobody listens on."""
+    kf, _ = ws.key(64)
+    backing = ws.backing(1 << 20)
+    first = ws.serve(backing, kf)
+    sock = first.args[first.args.index("--unix") + 1]
+    other = ws.backing(2 << 20, name="other.img")  # different size tells the servers apart
+    second = subprocess.Popen(
+        [str(require_binary()), "serve", "--backing", str(other), "--key-file", str(kf), "--unix", sock],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        try:
+            out, err = second.communicate(timeout=3)
+            exited = True
+        except subprocess.TimeoutExpired:
+            exited = False
+        # whatever the second one did, the first server must still be the one at its path
+        with NBDClient(first.uri) as c:
+            c.connect()
+            assert c.size == 1 << 20, "a client of the first server's socket reached the second server"
+        if exited:
+            assert second.returncode != 0
+            assert_no_panic(err.decode(errors="replace"))
+        else:
+            second.terminate()
+            second.wait(10)
+        with NBDClient(first.uri) as c:  # and still after the second one is gone
+            c.connect()
+            assert c.size == 1 << 20
+    except (ConnectionError, FileNotFoundError, OSError) as e:
+        pytest.fail(f"second `serve --unix {sock}` took the socket of a live server: {e!r}")
+    finally:
+        if second.poll() is None:
+            second.terminate()
+            try:
+                second.wait(10)
+            except subprocess.TimeoutExpired:
+                second.kill()
+                second.wait(10)

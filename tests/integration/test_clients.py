@@ -245,7 +245,7 @@ def test_matches_real_dm_crypt(ws, sector_size, iv_large):
             cmd.append("--iv-large-sectors")
         p = run(cmd + [loop, name], timeout=60)
         if p.returncode != 0:
-            pytest.skip(f"cryptsetup open failed: {p.stderr.decode()}")
+            pytest.skip(f"cryptsetup open failed: {p.stderr.decode().strip().splitlines()[0]}")
         with open(f"/dev/mapper/{name}", "rb") as f:
             assert f.read(size) == pt
     finally:

@@ -282,6 +282,24 @@ def test_trim_with_allow_discards(ws):
         assert r.error == nbd.NBD_EINVAL, "trim past end -> EINVAL"
 
 
+@pytest.mark.parametrize("sector_size", [512, 4096])
+def test_unaligned_trim_keeps_neighbours(ws, sector_size):
+    """A trim that covers part of a sector must not destroy the rest of that sector."""
+    v = Vol(ws, size=1 * MiB, sector_size=sector_size, extra=("--allow-discards",))
+    ss = sector_size
+    with v.client() as c:
+        for a, ln in [(100, 1000), (1, ss - 2), (ss + 7, 2 * ss), (3 * ss - 1, 2)]:
+            data = os.urandom(6 * ss)
+            c.write(0, data)
+            c.trim(a, ln)
+            c.flush()
+            got = c.read(0, 6 * ss)
+            disk = v.plaintext_on_disk(0, 6 * ss)
+            for name, buf in (("read", got), ("disk", disk)):
+                assert buf[:a] == data[:a], f"{name}: bytes before trim({a},{ln}) changed"
+                assert buf[a + ln :] == data[a + ln :], f"{name}: bytes after trim({a},{ln}) changed"
+
+
 def test_fua_accepted_on_all_commands(ws):
     """NBD spec (proto.md, "Command flags"): NBD_CMD_FLAG_FUA "is valid for all commands, provided
     NBD_FLAG_SEND_FUA has been negotiated, in which case the server MUST accept all commands with
@@ -376,6 +394,23 @@ def test_oversized_read(vol64):
             assert r.error == nbd.NBD_EINVAL, f"read of {ln} bytes: {nbd.errno_name(r.error)}"
         # exactly the maximum is fine
         assert c.read(0, MAX_REQ) == vol64.plaintext_on_disk(0, MAX_REQ)
+
+
+def test_max_size_unaligned_requests(vol64):
+    """Exactly 32 MiB at an unaligned offset: allowed, and both partial end sectors are right."""
+    zoff, zlen = 4096 + 3, MAX_REQ - 8192
+    with vol64.client() as c:
+        data = os.urandom(MAX_REQ)
+        c.write(100, data)
+        assert c.read(100, MAX_REQ) == data
+        c.write_zeroes(zoff, zlen)
+        c.flush()
+        assert c.read(100, zoff - 100) == data[: zoff - 100]
+        assert c.read(zoff, zlen) == bytes(zlen)
+        assert c.read(zoff + zlen, 100 + MAX_REQ - zoff - zlen) == data[zoff + zlen - 100 :]
+    assert vol64.plaintext_on_disk(100, zoff - 100) == data[: zoff - 100]
+    assert vol64.plaintext_on_disk(zoff, zlen) == bytes(zlen)
+    assert vol64.plaintext_on_disk(zoff + zlen, 100 + MAX_REQ - zoff - zlen) == data[zoff + zlen - 100 :]
 
 
 def test_oversized_write_is_drained(vol64):
@@ -689,8 +724,12 @@ def test_concurrent_unaligned_writes_odd_offsets(ws):
                     for s in range(nsectors):
                         a = s * 4096 + bounds[t]
                         ln = bounds[t + 1] - bounds[t]
-                        d = rng.randbytes(ln)
-                        c.write(a, d)
+                        if t % 2 and rng.random() < 0.5:
+                            d = bytes(ln)
+                            c.write_zeroes(a, ln)
+                        else:
+                            d = rng.randbytes(ln)
+                            c.write(a, d)
                         expect[a : a + ln] = d
         except Exception as e:  # noqa: BLE001
             errors.append(f"thread {t}: {e!r}")

@@ -249,6 +249,7 @@ try:
     settings.register_profile(
         "cryptbridge",
         deadline=None,
+        database=None,
         max_examples=60,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
     )

@@ -186,13 +186,19 @@ def prepare_luks(path: Path, size: int, passfile: Path) -> None:
         return
     log(f"  creating LUKS image {path} ({human_size(size)}, aes-256 xts-plain64)")
     path.unlink(missing_ok=True)
-    argv = ["qemu-img", "create", "-q", "-f", "luks",
-            "--object", f"secret,id=sec0,file={passfile},format=raw",
-            "-o", "key-secret=sec0,cipher-alg=aes-256,cipher-mode=xts,ivgen-alg=plain64,"
-                  "hash-alg=sha256,iter-time=10",
-            path, str(size)]
-    r = run(argv, timeout=120)
-    if r.returncode != 0:
+    # qemu calibrates PBKDF2 against CPU time and fails ("Unable to get accurate CPU usage") when a
+    # loaded machine gives it too little of it within iter-time: retry with longer times.
+    for iter_ms in (50, 200, 1000):
+        argv = ["qemu-img", "create", "-q", "-f", "luks",
+                "--object", f"secret,id=sec0,file={passfile},format=raw",
+                "-o", "key-secret=sec0,cipher-alg=aes-256,cipher-mode=xts,ivgen-alg=plain64,"
+                      f"hash-alg=sha256,iter-time={iter_ms}",
+                path, str(size)]
+        r = run(argv, timeout=300)
+        if r.returncode == 0:
+            break
+        path.unlink(missing_ok=True)
+    else:
         raise RuntimeError(f"{shjoin(argv)} failed: {r.stderr.strip()}")
     header = path.stat().st_size - size
     if header <= 0:
@@ -375,6 +381,10 @@ def fio_job(uri: str, prof: Profile, size: int, runtime: float, ramp: float, out
 # main run
 
 
+def backing_path(work: Path, regime: str, key: str) -> Path:
+    return work / f"{regime}-{key}.{'luks' if key in LUKS_PEERS else 'img'}"
+
+
 def build_servers(regime: str, keys: list[str], args, work: Path, rundir: Path, logdir: Path,
                   keyfile: Path, passfile: Path, size: int) -> list[Server]:
     direct = ["--direct"] if regime == "device" else []
@@ -384,12 +394,7 @@ def build_servers(regime: str, keys: list[str], args, work: Path, rundir: Path, 
     binary = str(args.binary)
     servers = []
     for key in keys:
-        if regime == "device":
-            backing = work / f"device-{key}.img"
-        elif key in LUKS_PEERS:
-            backing = work / f"cpu-{key}.luks"
-        else:
-            backing = work / f"cpu-{key}.img"
+        backing = backing_path(work, regime, key)
 
         if key == "cb-enc":
             def fn(sock, _pid, b=backing):
@@ -424,12 +429,17 @@ def build_servers(regime: str, keys: list[str], args, work: Path, rundir: Path, 
         servers.append(Server(key, regime, fn, backing, rundir, logdir, ready))
 
     # backing files
+    ready = []
     for s in servers:
-        if s.key in LUKS_PEERS:
-            prepare_luks(s.backing, size, passfile)
-        else:
-            prepare_plain(s.backing, size)
-    return servers
+        try:
+            if s.key in LUKS_PEERS:
+                prepare_luks(s.backing, size, passfile)
+            else:
+                prepare_plain(s.backing, size)
+            ready.append(s)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+            warn(f"{regime}/{s.key}: backing file not prepared, server skipped: {e}")
+    return ready
 
 
 def run_regime(regime: str, servers: list[Server], size: int, args, state: dict, checkpoint) -> None:
@@ -845,8 +855,8 @@ def main() -> int:
         for regime, keys in plan.items():
             size = dev_size if regime == "device" else cpu_size
             log(f"\n== {REGIME_TITLES[regime]}: {', '.join(keys)}; export {human_size(size)}")
+            created += [backing_path(work, regime, k) for k in keys]
             servers = build_servers(regime, keys, args, work, rundir, logdir, keyfile, passfile, size)
-            created += [s.backing for s in servers]
             run_regime(regime, servers, size, args, state, lambda: report(False))
     except (KeyboardInterrupt, BenchInterrupted) as e:
         warn(f"interrupted ({e}); reporting what was measured")

@@ -636,6 +636,9 @@ def markdown(summary, targets, state, args) -> str:
                 row.append("—" if o is None else f"{o:.1f} %")
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
+    if not args.quick and args.chart is None:
+        lines.append("![NBD bridge benchmark](docs/bench-bridge.png)")
+        lines.append("")
     if targets:
         lines.append("**Targets**")
         lines.append("")
@@ -694,12 +697,12 @@ def chart(summary, state, args, path: Path) -> None:
         ax.set_title(f"{REGIME_TITLES[regime]} — median of {args.repeats}", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
-        ax.margins(y=0.15)
+        ax.margins(y=0.22)
         ax.legend(fontsize=8, ncol=min(nk, 5), loc="upper right")
     env = state["environment"]
     fig.suptitle(f"cryptbridge NBD bridge, fio ioengine=nbd — {env['cpu']}, {env['nproc']} CPUs"
                  + ("  [--quick smoke run]" if args.quick else ""), fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -31,10 +31,11 @@ pub enum BackingError {
     TooSmall { path: PathBuf, sector_size: usize },
     #[error("backing {path} is neither a regular file nor a block device")]
     NotFileOrDevice { path: PathBuf },
-    #[error("backing {path}: O_DIRECT I/O with {sector_size}-byte sectors failed ({source}); the device may need larger alignment (try --sector-size 4096) or the filesystem may not support O_DIRECT")]
-    DirectUnsupported { path: PathBuf, sector_size: usize, source: io::Error },
-    #[error("backing {path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
+    // The io::Error is part of the message, not a `source`, so that error chains print it once.
+    #[error("backing {path}: O_DIRECT I/O with {sector_size}-byte sectors failed ({error}); the device may need larger alignment (try --sector-size 4096) or the filesystem may not support O_DIRECT")]
+    DirectUnsupported { path: PathBuf, sector_size: usize, error: io::Error },
+    #[error("backing {path}: {error}")]
+    Io { path: PathBuf, error: io::Error },
 }
 
 pub struct Backing {
@@ -46,7 +47,7 @@ pub struct Backing {
 
 impl Backing {
     pub fn open(path: &Path, opts: &BackingOptions) -> Result<Self, BackingError> {
-        let io_err = |source| BackingError::Io { path: path.to_path_buf(), source };
+        let io_err = |error| BackingError::Io { path: path.to_path_buf(), error };
         let exists = path.exists();
         if !exists {
             let size = opts.size.ok_or_else(|| BackingError::MissingNoSize { path: path.to_path_buf() })?;
@@ -92,7 +93,7 @@ impl Backing {
         let pool = std::sync::Arc::new(crate::aligned::BufPool::new());
         let mut buf = pool.get(sector_size);
         self.read_at(&mut buf, self.size - sector_size as u64)
-            .map_err(|source| BackingError::DirectUnsupported { path: path.to_path_buf(), sector_size, source })
+            .map_err(|error| BackingError::DirectUnsupported { path: path.to_path_buf(), sector_size, error })
     }
 
     pub fn size(&self) -> u64 {

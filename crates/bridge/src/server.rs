@@ -1,16 +1,12 @@
-//! Connections and concurrency. Each connection has a reader thread that decodes requests and
-//! hands them to a shared pool of I/O workers; workers run the pipeline and write replies under
-//! the connection's write lock, so many requests per connection (and many connections) are in
-//! flight at once and replies may come back out of order, as NBD allows.
+//! Connections and concurrency: a thread group per connection, many requests in flight per
+//! connection and many connections at once.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-use crossbeam_channel::{Receiver, Sender};
 
 use crate::aligned::PooledBuf;
 use crate::nbd::handshake::{negotiate, Outcome};
@@ -32,7 +28,7 @@ pub struct ServerConfig {
     pub description: String,
     pub read_only: bool,
     pub allow_discards: bool,
-    /// Threads doing backing I/O and crypto for requests; bounds the effective queue depth.
+    /// Threads per connection; bounds the requests in flight (queue depth) per connection.
     pub io_workers: usize,
 }
 
@@ -100,12 +96,15 @@ impl Write for Stream {
     }
 }
 
-/// What workers share with a connection's reader.
+/// One client connection, shared by its worker threads. Workers take turns reading a request
+/// (leader/follower, as nbdkit does): the thread that decodes a request also runs it and writes
+/// the reply, so a request costs no thread hand-off, and up to `io_workers` requests per
+/// connection are in flight at once. Replies may go out of order, as NBD allows.
 struct Connection {
     id: u64,
+    reader: Mutex<Stream>,
     writer: Mutex<Stream>,
-    in_flight: Mutex<usize>,
-    drained: Condvar,
+    closing: AtomicBool,
 }
 
 impl Connection {
@@ -113,60 +112,37 @@ impl Connection {
         let mut w = self.writer.lock().expect("writer lock");
         if let Err(e) = write_reply(&mut *w, handle, error, data) {
             tracing::debug!(conn = self.id, "reply failed ({e}); closing");
+            self.closing.store(true, Ordering::SeqCst);
             w.shutdown();
-        }
-    }
-
-    fn finished_one(&self) {
-        let mut n = self.in_flight.lock().expect("in-flight lock");
-        *n -= 1;
-        if *n == 0 {
-            self.drained.notify_all();
-        }
-    }
-
-    fn wait_drained(&self) {
-        let mut n = self.in_flight.lock().expect("in-flight lock");
-        while *n > 0 {
-            n = self.drained.wait(n).expect("in-flight lock");
         }
     }
 }
 
-struct Job {
-    conn: Arc<Connection>,
-    request: Request,
-    payload: Option<PooledBuf>,
+/// What a worker got from the socket.
+enum Next {
+    Run(Request, Option<PooledBuf>),
+    Rejected(Request, u32),
+    Stop,
 }
 
 pub struct Server {
     pipeline: Arc<Pipeline>,
     config: ServerConfig,
     export: ExportInfo,
-    jobs: Sender<Job>,
     next_id: AtomicU64,
 }
 
 impl Server {
     pub fn new(pipeline: Arc<Pipeline>, config: ServerConfig) -> Arc<Self> {
         let export = export_info(&pipeline, &config);
-        let (tx, rx) = crossbeam_channel::bounded::<Job>(config.io_workers * 2);
-        let server = Arc::new(Self { pipeline, config, export, jobs: tx, next_id: AtomicU64::new(1) });
-        for i in 0..server.config.io_workers.max(1) {
-            let (pipeline, rx) = (server.pipeline.clone(), rx.clone());
-            std::thread::Builder::new()
-                .name(format!("io-{i}"))
-                .spawn(move || worker(&pipeline, &rx))
-                .expect("spawn I/O worker");
-        }
-        server
+        Arc::new(Self { pipeline, config, export, next_id: AtomicU64::new(1) })
     }
 
     pub fn export(&self) -> &ExportInfo {
         &self.export
     }
 
-    /// Accepts connections forever, one reader thread each.
+    /// Accepts connections forever, one thread group each.
     pub fn run(self: &Arc<Self>, listener: Listener) -> io::Result<()> {
         loop {
             let stream = match &listener {
@@ -203,53 +179,113 @@ impl Server {
         }
         stream.set_read_timeout(None)?;
         tracing::info!(conn = id, "client connected");
-        let conn = Arc::new(Connection {
+        let conn = Connection {
             id,
             writer: Mutex::new(stream.try_clone()?),
-            in_flight: Mutex::new(0),
-            drained: Condvar::new(),
+            reader: Mutex::new(stream.try_clone()?),
+            closing: AtomicBool::new(false),
+        };
+        std::thread::scope(|scope| {
+            for i in 0..self.config.io_workers.max(1) {
+                let conn = &conn;
+                std::thread::Builder::new()
+                    .name(format!("conn-{id}-io-{i}"))
+                    .spawn_scoped(scope, move || self.worker(conn))
+                    .map(drop)
+                    .unwrap_or_else(|e| tracing::error!(conn = id, "cannot start I/O thread: {e}"));
+            }
         });
-        let result = self.transmission(&conn, &mut stream);
-        conn.wait_drained();
+        // Every worker has finished its request and replied; only now close the socket.
         stream.shutdown();
         tracing::info!(conn = id, "client disconnected");
-        result
+        Ok(())
     }
 
-    fn transmission(&self, conn: &Arc<Connection>, stream: &mut Stream) -> io::Result<()> {
+    fn worker(&self, conn: &Connection) {
         loop {
-            let request = match read_request(stream)? {
-                Some(r) => r,
-                None => return Ok(()),
-            };
-            if request.command == CMD_DISC {
-                return Ok(());
-            }
-            if let Err(errno) = self.validate(&request) {
-                tracing::warn!(conn = conn.id, ?request, errno, "rejected request");
-                if request.command == CMD_WRITE {
-                    if request.length > MAX_DRAIN {
-                        return Err(io::Error::new(io::ErrorKind::InvalidData, "over-sized write payload; closing"));
-                    }
-                    io::copy(&mut Read::by_ref(stream).take(u64::from(request.length)), &mut io::sink())?;
-                }
-                conn.reply(request.handle, errno, &[]);
-                continue;
-            }
-            let payload = if request.command == CMD_WRITE {
-                let mut buf = self.pipeline.buffer(request.length as usize);
-                stream.read_exact(&mut buf)?;
-                Some(buf)
-            } else {
-                None
-            };
-            *conn.in_flight.lock().expect("in-flight lock") += 1;
-            let job = Job { conn: Arc::clone(conn), request, payload };
-            if self.jobs.send(job).is_err() {
-                conn.finished_one();
-                return Err(io::Error::other("I/O workers are gone"));
+            match self.next_request(conn) {
+                Next::Stop => return,
+                Next::Rejected(request, errno) => conn.reply(request.handle, errno, &[]),
+                Next::Run(request, payload) => self.execute(conn, request, payload),
             }
         }
+    }
+
+    /// Reads the next request (and a WRITE's payload) while holding the connection's read side.
+    fn next_request(&self, conn: &Connection) -> Next {
+        let mut stream = conn.reader.lock().expect("reader lock");
+        if conn.closing.load(Ordering::SeqCst) {
+            return Next::Stop;
+        }
+        let stop = |why: &dyn std::fmt::Display| {
+            tracing::info!(conn = conn.id, "{why}");
+            conn.closing.store(true, Ordering::SeqCst);
+            Next::Stop
+        };
+        let request = match read_request(&mut *stream) {
+            Ok(Some(r)) => r,
+            Ok(None) => return stop(&"client closed the connection"),
+            Err(e) => {
+                if e.kind() == io::ErrorKind::InvalidData {
+                    tracing::warn!(conn = conn.id, "{e}; closing the connection");
+                }
+                return stop(&e);
+            }
+        };
+        if request.command == CMD_DISC {
+            return stop(&"client sent NBD_CMD_DISC");
+        }
+        if let Err(errno) = self.validate(&request) {
+            tracing::warn!(conn = conn.id, ?request, errno, "rejected request");
+            if request.command == CMD_WRITE {
+                if request.length > MAX_DRAIN {
+                    return stop(&"over-sized write payload; closing the connection");
+                }
+                let drained = io::copy(&mut Read::by_ref(&mut *stream).take(u64::from(request.length)), &mut io::sink());
+                if !matches!(drained, Ok(n) if n == u64::from(request.length)) {
+                    return stop(&"connection lost while draining a rejected write");
+                }
+            }
+            return Next::Rejected(request, errno);
+        }
+        let payload = if request.command == CMD_WRITE {
+            let mut buf = self.pipeline.buffer(request.length as usize);
+            if let Err(e) = stream.read_exact(&mut buf) {
+                return stop(&format!("connection lost inside a write payload: {e}"));
+            }
+            Some(buf)
+        } else {
+            None
+        };
+        Next::Run(request, payload)
+    }
+
+    fn execute(&self, conn: &Connection, r: Request, mut payload: Option<PooledBuf>) {
+        let pipeline = &self.pipeline;
+        let fua = r.flags & CMD_FLAG_FUA != 0;
+        let result = match r.command {
+            CMD_READ => match pipeline.read(r.offset, r.length as usize) {
+                Ok(data) => return conn.reply(r.handle, 0, &data),
+                Err(e) => Err(e),
+            },
+            CMD_WRITE => {
+                let payload = payload.as_mut().expect("WRITE requests carry their payload");
+                pipeline.write(r.offset, payload, fua)
+            }
+            CMD_WRITE_ZEROES => pipeline.write_zeroes(r.offset, u64::from(r.length), fua),
+            CMD_TRIM => pipeline.discard(r.offset, u64::from(r.length), fua),
+            CMD_FLUSH => pipeline.flush(),
+            CMD_CACHE => Ok(()),
+            _ => Err(io::Error::from_raw_os_error(libc::EINVAL)),
+        };
+        let errno = match &result {
+            Ok(()) => 0,
+            Err(e) => {
+                tracing::error!(conn = conn.id, request = ?r, "I/O error: {e}");
+                errno_of(e)
+            }
+        };
+        conn.reply(r.handle, errno, &[]);
     }
 
     /// Checks a request against the export before any I/O; the error is the NBD errno.
@@ -257,10 +293,11 @@ impl Server {
         let size = self.export.size;
         let end = r.offset.checked_add(u64::from(r.length));
         let in_range = end.is_some_and(|e| e <= size);
+        // FUA is valid on every command once SEND_FUA is advertised (proto.md: the server MUST
+        // accept it, even by ignoring it); older qemu sets it on FLUSH.
         let allowed_flags = match r.command {
-            CMD_WRITE | CMD_TRIM => CMD_FLAG_FUA,
             CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE,
-            _ => 0,
+            _ => CMD_FLAG_FUA,
         };
         if r.flags & !allowed_flags != 0 {
             return Err(EINVAL);
@@ -278,41 +315,6 @@ impl Server {
             CMD_READ | CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM | CMD_CACHE | CMD_FLUSH => Ok(()),
             _ => Err(EINVAL),
         }
-    }
-}
-
-fn worker(pipeline: &Pipeline, jobs: &Receiver<Job>) {
-    for mut job in jobs.iter() {
-        let r = job.request;
-        let fua = r.flags & CMD_FLAG_FUA != 0;
-        let result = match r.command {
-            CMD_READ => match pipeline.read(r.offset, r.length as usize) {
-                Ok(data) => {
-                    job.conn.reply(r.handle, 0, &data);
-                    job.conn.finished_one();
-                    continue;
-                }
-                Err(e) => Err(e),
-            },
-            CMD_WRITE => {
-                let payload = job.payload.as_mut().expect("WRITE jobs carry their payload");
-                pipeline.write(r.offset, payload, fua)
-            }
-            CMD_WRITE_ZEROES => pipeline.write_zeroes(r.offset, u64::from(r.length), fua),
-            CMD_TRIM => pipeline.discard(r.offset, u64::from(r.length), fua),
-            CMD_FLUSH => pipeline.flush(),
-            CMD_CACHE => Ok(()),
-            _ => Err(io::Error::from_raw_os_error(libc::EINVAL)),
-        };
-        let errno = match &result {
-            Ok(()) => 0,
-            Err(e) => {
-                tracing::error!(conn = job.conn.id, request = ?r, "I/O error: {e}");
-                errno_of(e)
-            }
-        };
-        job.conn.reply(r.handle, errno, &[]);
-        job.conn.finished_one();
     }
 }
 

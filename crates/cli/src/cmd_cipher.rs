@@ -30,6 +30,10 @@ fn cipher_list_help() -> String {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
+    if !ciphers().iter().any(|c| c.name == args.cipher) {
+        let known: Vec<_> = ciphers().iter().map(|c| c.name).collect();
+        anyhow::bail!("unknown cipher `{}` (known: {})", args.cipher, known.join(", "));
+    }
     let stdin = io::stdin().lock();
     let mut out = BufWriter::new(io::stdout().lock());
     let mut failed = false;

@@ -65,8 +65,8 @@ pub struct Args {
     /// Crypto threads for large requests (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Requests processed at once across all connections.
-    #[arg(long, default_value_t = 64)]
+    /// I/O threads per connection: the most requests in flight on one connection.
+    #[arg(long, default_value_t = 32)]
     io_workers: usize,
     /// Crypto back end.
     #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
@@ -116,7 +116,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         },
     );
     let (listener, uri) = bind(&args)?;
-    install_signal_handler(Arc::clone(&pipeline))?;
+    install_signal_handler(Arc::clone(&pipeline), args.unix.clone())?;
     tracing::info!(
         "serving {} ({} bytes, {}-byte sectors, {}{}{}) as {uri}",
         args.backing.display(),
@@ -145,6 +145,9 @@ fn bind(args: &Args) -> Result<(Listener, String)> {
             if !meta.file_type().is_socket() {
                 bail!("{} exists and is not a socket; refusing to replace it", path.display());
             }
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                bail!("another server is listening on {}; refusing to take its socket", path.display());
+            }
             std::fs::remove_file(path)?; // a stale socket from an earlier run
         }
         let l = UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
@@ -156,9 +159,12 @@ fn bind(args: &Args) -> Result<(Listener, String)> {
     Ok((Listener::Tcp(l), format!("nbd://{addr}")))
 }
 
-/// SIGINT/SIGTERM: make answered writes durable, then exit cleanly.
-fn install_signal_handler(pipeline: Arc<Pipeline>) -> Result<()> {
+/// SIGINT/SIGTERM: make answered writes durable, remove our socket, then exit cleanly.
+fn install_signal_handler(pipeline: Arc<Pipeline>, socket: Option<PathBuf>) -> Result<()> {
     ctrlc::set_handler(move || {
+        if let Some(path) = &socket {
+            let _ = std::fs::remove_file(path); // nothing to do if it is already gone
+        }
         let code = match pipeline.flush() {
             Ok(()) => 0,
             Err(e) => {

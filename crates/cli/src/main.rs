@@ -2,6 +2,7 @@
 
 mod cmd_bench;
 mod cmd_cipher;
+mod cmd_file;
 mod cmd_keygen;
 mod cmd_serve;
 mod keyfile;
@@ -33,6 +34,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(cmd_bench::Command),
+    /// Encrypt or decrypt files: AES-256-GCM (chunked, authenticated) or OpenSSL-compatible CTR/CBC/ECB.
+    #[command(subcommand)]
+    File(cmd_file::Command),
 }
 
 fn main() -> ExitCode {
@@ -43,6 +47,7 @@ fn main() -> ExitCode {
         Command::Keygen(args) => cmd_keygen::run(args),
         Command::Cipher(args) => cmd_cipher::run(args),
         Command::Bench(cmd) => cmd_bench::run(cmd),
+        Command::File(cmd) => cmd_file::run(cmd),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,374 @@
+//! Reader thread → cipher workers → writer thread, with bounded queues and a fixed pool of chunk
+//! buffers (so memory stays bounded and no buffer is allocated or page-faulted in after start-up).
+//!
+//! * The reader fills a buffer with one chunk, and looks one chunk ahead so that the last chunk is
+//!   known as such (GCM's final-chunk flag, CBC/ECB padding).
+//! * Workers transform chunks in place. Every chunk is independent for CTR (its counter follows
+//!   from its offset), ECB, GCM (its nonce follows from its index) and CBC decryption (it needs
+//!   only the ciphertext block before it, which the reader attaches). CBC encryption chains every
+//!   block to the previous ciphertext block, so it runs on exactly one worker, in order, while the
+//!   reader and writer still overlap with it.
+//! * The writer puts chunks back in order, writes them (or drops them in sink mode) and returns
+//!   the buffers to the pool. After the first error nothing more is written.
+
+use std::collections::BTreeMap;
+use std::io::{self, Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::bounded;
+
+use crate::error::{Error, Result};
+use crate::format::{gcm_open, gcm_seal, Direction, FileSetup, Keys, Mode, GCM_NONCE_LEN, GCM_OVERHEAD};
+use crate::modes::{self, BLOCK};
+
+/// Extra room in every buffer: GCM nonce + tag, or a PKCS#7 padding block.
+const SLACK: usize = 64;
+
+pub(crate) struct Job {
+    pub seq: u64,
+    /// Byte offset of this chunk in the stream being transformed (after the header).
+    pub offset: u64,
+    pub last: bool,
+    /// CBC decryption: the ciphertext block before this chunk (the IV for the first chunk).
+    pub prev: [u8; 16],
+    pub buf: Vec<u8>,
+    /// The bytes read from the input.
+    pub in_len: usize,
+    /// `buf[start..end]` is the chunk's data: input before the transform, output after it.
+    pub start: usize,
+    pub end: usize,
+}
+
+/// Transforms one chunk in place. `chain` is the CBC-encryption IV carried from chunk to chunk
+/// (only used with one worker).
+pub(crate) fn transform(setup: &FileSetup, dir: Direction, chain: &Mutex<[u8; 16]>, job: &mut Job) -> Result<()> {
+    let Job { seq, offset, last, prev, buf, start, end, .. } = job;
+    let len = *end - *start;
+    match (&setup.keys, dir) {
+        (Keys::Gcm { aead, header, .. }, Direction::Encrypt) => {
+            debug_assert_eq!(*start, GCM_NONCE_LEN);
+            let tag = gcm_seal(aead, header, *seq, *last, &mut buf[*start..*end]);
+            buf[..GCM_NONCE_LEN].copy_from_slice(&crate::format::gcm_nonce(*seq, *last));
+            buf[*end..*end + 16].copy_from_slice(&tag);
+            *start = 0;
+            *end += 16;
+        }
+        (Keys::Gcm { aead, header, .. }, Direction::Decrypt) => {
+            let r = gcm_open(aead, header, *seq, *last, &mut buf[*start..*end])?;
+            *end = *start + r.end;
+            *start += r.start;
+        }
+        (Keys::Ctr { aes, iv }, _) => {
+            debug_assert_eq!(*offset % BLOCK as u64, 0);
+            let counter = iv.wrapping_add(u128::from(*offset / BLOCK as u64));
+            modes::ctr_apply(aes, counter, &mut buf[*start..*end]);
+        }
+        (Keys::Ecb { aes }, Direction::Encrypt) => {
+            if *last {
+                *end = *start + modes::pkcs7_pad(&mut buf[*start..], len);
+            }
+            modes::ecb_encrypt(aes, &mut buf[*start..*end]);
+        }
+        (Keys::Cbc { aes, .. }, Direction::Encrypt) => {
+            if *last {
+                *end = *start + modes::pkcs7_pad(&mut buf[*start..], len);
+            }
+            let mut iv = chain.lock().unwrap_or_else(|e| e.into_inner());
+            modes::cbc_encrypt(aes, &mut iv, &mut buf[*start..*end]);
+        }
+        (Keys::Ecb { .. } | Keys::Cbc { .. }, Direction::Decrypt) => {
+            if len % BLOCK != 0 {
+                return Err(Error::NotBlockMultiple { len: *offset + len as u64 });
+            }
+            if len == 0 {
+                return Err(Error::EmptyCiphertext);
+            }
+            match &setup.keys {
+                Keys::Ecb { aes } => modes::ecb_decrypt(aes, &mut buf[*start..*end]),
+                Keys::Cbc { aes, .. } => modes::cbc_decrypt(aes, prev, &mut buf[*start..*end]),
+                _ => unreachable!(),
+            }
+            if *last {
+                *end = *start + modes::pkcs7_unpad(&buf[*start..*end])?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Pipeline settings.
+#[derive(Clone, Debug)]
+pub struct PipelineConfig {
+    /// Cipher worker threads (CBC encryption always uses one).
+    pub threads: usize,
+    /// Plaintext bytes per chunk for encryption and for decrypting OpenSSL containers (GCM
+    /// decryption uses the chunk size recorded in the file).
+    pub chunk: usize,
+    /// Show a progress bar on stderr (only honoured when stderr is a terminal).
+    pub progress: bool,
+    /// Expected input size, for the progress bar.
+    pub total_hint: Option<u64>,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        Self {
+            threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            chunk: crate::format::DEFAULT_CHUNK,
+            progress: false,
+            total_hint: None,
+        }
+    }
+}
+
+/// What a pipeline run did.
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    /// Bytes read after the header.
+    pub bytes_in: u64,
+    /// Bytes written (or discarded in sink mode) after the header.
+    pub bytes_out: u64,
+    pub chunks: u64,
+    pub workers: usize,
+    pub elapsed: Duration,
+}
+
+/// Reads until `buf` is full or the input ends; returns the number of bytes read.
+pub(crate) fn read_full(input: &mut (impl Read + ?Sized), buf: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match input.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+/// First error by chunk order wins, so that the report names the earliest bad chunk.
+struct FirstError(Mutex<Option<(u64, Error)>>);
+
+impl FirstError {
+    fn set(&self, seq: u64, e: Error) {
+        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if g.as_ref().is_none_or(|(s, _)| seq < *s) {
+            *g = Some((seq, e));
+        }
+    }
+    fn take(&self) -> Option<Error> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take().map(|(_, e)| e)
+    }
+}
+
+/// Runs the pipeline over everything after the header. `output` is `None` in sink mode.
+pub(crate) fn run(
+    setup: &FileSetup,
+    dir: Direction,
+    input: &mut (dyn Read + Send),
+    output: Option<&mut (dyn Write + Send)>,
+    cfg: &PipelineConfig,
+) -> Result<Stats> {
+    let started = Instant::now();
+    let mode = setup.mode;
+    let workers = if mode == Mode::Cbc && dir == Direction::Encrypt { 1 } else { cfg.threads.max(1) };
+    // What the reader reads per chunk and where in the buffer it puts it.
+    let (read_len, read_off) = match (mode, dir) {
+        (Mode::Gcm, Direction::Encrypt) => (setup.gcm_chunk().unwrap(), GCM_NONCE_LEN),
+        (Mode::Gcm, Direction::Decrypt) => (setup.gcm_chunk().unwrap() + GCM_OVERHEAD, 0),
+        _ => (cfg.chunk, 0),
+    };
+    crate::format::check_chunk(read_len - if mode == Mode::Gcm && dir == Direction::Decrypt { GCM_OVERHEAD } else { 0 })?;
+    let initial_prev = match &setup.keys {
+        Keys::Cbc { iv, .. } => *iv,
+        _ => [0u8; 16],
+    };
+    let chain = Mutex::new(initial_prev);
+    let buf_len = read_off + read_len + SLACK;
+    let nbufs = workers * 2 + 2;
+
+    let (free_tx, free_rx) = bounded::<Vec<u8>>(nbufs);
+    for _ in 0..nbufs {
+        free_tx.send(vec![0u8; buf_len]).expect("pool has room");
+    }
+    let (work_tx, work_rx) = bounded::<Job>(nbufs);
+    let (done_tx, done_rx) = bounded::<(Job, Result<()>)>(nbufs);
+    let abort = AtomicBool::new(false);
+    let first_error = FirstError(Mutex::new(None));
+    let progress = make_progress(cfg);
+
+    let mut stats = Stats { workers, ..Stats::default() };
+    std::thread::scope(|s| {
+        // ---- reader ----
+        let reader = {
+            let (free_rx, work_tx, abort, first_error) = (&free_rx, work_tx, &abort, &first_error);
+            s.spawn(move || -> (u64, u64) {
+                let mut seq = 0u64;
+                let mut offset = 0u64;
+                let mut prev = initial_prev;
+                let mut pending: Option<Job> = None;
+                loop {
+                    if abort.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let Ok(mut buf) = free_rx.recv() else { break };
+                    let n = match read_full(input, &mut buf[read_off..read_off + read_len]) {
+                        Ok(n) => n,
+                        Err(e) => {
+                            first_error.set(seq, Error::io("cannot read the input", e));
+                            abort.store(true, Ordering::Relaxed);
+                            break;
+                        }
+                    };
+                    if n == 0 {
+                        let job = match pending.take() {
+                            Some(mut p) => {
+                                p.last = true;
+                                p
+                            }
+                            // Empty input: one empty last chunk (GCM's final chunk, the padding
+                            // block, or the "no ciphertext" error).
+                            None => Job { seq, offset, last: true, prev, buf, in_len: 0, start: read_off, end: read_off },
+                        };
+                        let _ = work_tx.send(job);
+                        break;
+                    }
+                    if let Some(p) = pending.take() {
+                        if work_tx.send(p).is_err() {
+                            break;
+                        }
+                    }
+                    let job = Job {
+                        seq,
+                        offset,
+                        last: n < read_len,
+                        prev,
+                        buf,
+                        in_len: n,
+                        start: read_off,
+                        end: read_off + n,
+                    };
+                    if n >= BLOCK {
+                        prev.copy_from_slice(&job.buf[read_off + n - BLOCK..read_off + n]);
+                    }
+                    seq += 1;
+                    offset += n as u64;
+                    if job.last {
+                        let _ = work_tx.send(job);
+                        break;
+                    }
+                    pending = Some(job);
+                }
+                (offset, seq)
+            })
+        };
+
+        // ---- workers ----
+        for _ in 0..workers {
+            let (work_rx, done_tx, abort, chain) = (work_rx.clone(), done_tx.clone(), &abort, &chain);
+            s.spawn(move || {
+                for mut job in work_rx.iter() {
+                    let r = if abort.load(Ordering::Relaxed) {
+                        Ok(()) // the writer drops it; keep the buffers flowing
+                    } else {
+                        transform(setup, dir, chain, &mut job)
+                    };
+                    if done_tx.send((job, r)).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        drop(work_rx);
+        drop(done_tx);
+
+        // ---- writer (this thread) ----
+        let mut output = output;
+        let mut next = 0u64;
+        let mut parked: BTreeMap<u64, Job> = BTreeMap::new();
+        for (job, r) in done_rx.iter() {
+            if abort.load(Ordering::Relaxed) {
+                if let Err(e) = r {
+                    first_error.set(job.seq, e);
+                }
+                let _ = free_tx.send(job.buf);
+                continue;
+            }
+            if let Err(e) = r {
+                first_error.set(job.seq, e);
+                abort.store(true, Ordering::Relaxed);
+                let _ = free_tx.send(job.buf);
+                continue;
+            }
+            parked.insert(job.seq, job);
+            while let Some(job) = parked.remove(&next) {
+                let data = &job.buf[job.start..job.end];
+                if let Some(out) = output.as_deref_mut() {
+                    if let Err(e) = out.write_all(data) {
+                        first_error.set(job.seq, Error::io("cannot write the output", e));
+                        abort.store(true, Ordering::Relaxed);
+                    }
+                }
+                stats.bytes_out += data.len() as u64;
+                stats.chunks += 1;
+                if let Some(pb) = &progress {
+                    pb.inc(job.in_len as u64);
+                }
+                next += 1;
+                let _ = free_tx.send(job.buf);
+                if abort.load(Ordering::Relaxed) {
+                    break;
+                }
+            }
+            if abort.load(Ordering::Relaxed) {
+                for (_, j) in std::mem::take(&mut parked) {
+                    let _ = free_tx.send(j.buf);
+                }
+            }
+        }
+        match reader.join() {
+            Ok((bytes_in, _)) => stats.bytes_in = bytes_in,
+            Err(_) => first_error.set(u64::MAX, Error::WorkerPanic),
+        }
+    });
+    if let Some(pb) = &progress {
+        pb.finish_and_clear();
+    }
+    if let Some(e) = first_error.take() {
+        return Err(e);
+    }
+    stats.elapsed = started.elapsed();
+    Ok(stats)
+}
+
+fn make_progress(cfg: &PipelineConfig) -> Option<indicatif::ProgressBar> {
+    use std::io::IsTerminal;
+    if !cfg.progress || !io::stderr().is_terminal() {
+        return None;
+    }
+    let target = indicatif::ProgressDrawTarget::stderr_with_hz(5);
+    let pb = match cfg.total_hint {
+        Some(total) => {
+            let pb = indicatif::ProgressBar::with_draw_target(Some(total), target);
+            pb.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            pb
+        }
+        None => {
+            let pb = indicatif::ProgressBar::with_draw_target(None, target);
+            pb.set_style(
+                indicatif::ProgressStyle::with_template("{spinner} {binary_bytes} {binary_bytes_per_sec}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+            );
+            pb
+        }
+    };
+    Some(pb)
+}

@@ -6,8 +6,10 @@
 mod aes_any;
 pub mod ecb;
 mod error;
+pub mod fast;
 mod gf128;
 pub mod registry;
+pub mod tes_common;
 pub mod xts;
 
 pub use error::CipherError;

@@ -1,6 +1,7 @@
 //! Cipher names -> constructors, in the Linux crypto API's composable naming (`xts(aes)`).
 
 use crate::ecb::Ecb;
+use crate::fast::{Fast, FastHash};
 use crate::xts::Xts;
 use crate::{CipherError, SectorCipher};
 
@@ -34,6 +35,16 @@ const CIPHERS: &[CipherSpec] = &[
         summary: "raw AES-ECB, tweak ignored; a benchmark baseline, refused for volumes",
         min_data_len: 16,
     },
+    CipherSpec {
+        name: "fast-horner(aes)",
+        summary: "FAST wide-block TES, Horner hash (Chakraborty et al.); key = AES key (16/24/32); 16-byte tweak; >= 48 bytes, whole blocks",
+        min_data_len: 48,
+    },
+    CipherSpec {
+        name: "fast-brw(aes)",
+        summary: "FAST wide-block TES, BRW hash; key = AES key (16/24/32); 16-byte tweak; >= 48 bytes, whole blocks",
+        min_data_len: 48,
+    },
 ];
 
 /// Every cipher the registry can build.
@@ -55,6 +66,8 @@ pub fn new_cipher(name: &str, key: &[u8], policy: KeyPolicy) -> Result<Box<dyn S
                 "it ignores the sector number, so equal plaintext blocks are visible as equal ciphertext",
             )),
         },
+        "fast-horner(aes)" => Ok(Box::new(Fast::new(key, FastHash::Horner)?)),
+        "fast-brw(aes)" => Ok(Box::new(Fast::new(key, FastHash::Brw)?)),
         other => Err(CipherError::UnknownCipher(
             other.to_string(),
             CIPHERS.iter().map(|c| c.name).collect::<Vec<_>>().join(", "),

@@ -1,0 +1,180 @@
+//! FAST (Chakraborty, Ghosh, Mancillas-López, Sarkar, "FAST: Disk encryption and beyond", ePrint
+//! 2017/849) in its fixed-length disk setting, FAST[Fx_m, Horner] and FAST[Fx_m, BRW], as specified
+//! in `shared/specs/fast.md` (taken from the authors' reference code).
+//!
+//! - Key: an AES key (16 bytes as in the reference code; 24 or 32 bytes replace AES-128 by
+//!   AES-192/256 everywhere, a project extension). tau = E_K(0^128).
+//! - Tweak: one 16-byte block (shorter tweaks are zero-padded).
+//! - Data: m >= 3 whole 16-byte blocks. The BRW hash does not bind the length, so one key must
+//!   serve one sector size only (the bridge does that).
+//! - Field: little-endian blocks, x^128 + x^7 + x^2 + x + 1, plain product ([`Field::Le`]).
+//!
+//! Cost per sector of m blocks: m AES calls (m - 2 counter blocks, 2 Feistel rounds), two hashes
+//! over m - 1 blocks and three multiplications by tau. Horner: m multiplications per hash. BRW:
+//! floor((m - 1) / 2) + 1 per hash. Decryption uses the AES forward cipher only.
+
+use zeroize::{Zeroize, ZeroizeOnDrop};
+
+use crate::aes_any::AesAny;
+use crate::gf128::{Acc, Field, PolyHash};
+use crate::tes_common::{block_at, ctr_xor, tweak_block};
+use crate::{CipherError, SectorCipher};
+
+/// Which hash FAST uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FastHash {
+    /// tau times a Horner polynomial with a leading 1: m multiplications for m - 1 blocks.
+    Horner,
+    /// tau times the Bernstein-Rabin-Winograd polynomial: floor(k/2) multiplications for k blocks.
+    Brw,
+}
+
+/// Precomputed tau^(2^i), i = 0..16, for BRW.
+#[derive(Zeroize, ZeroizeOnDrop)]
+struct BrwPowers([u128; 17]);
+
+pub struct Fast {
+    aes: AesAny,
+    /// Horner evaluator keyed by tau (also gives single products by tau).
+    hash: PolyHash,
+    tau: u128,
+    brw: BrwPowers,
+    variant: FastHash,
+    key_len: usize,
+}
+
+impl Fast {
+    pub fn new(key: &[u8], variant: FastHash) -> Result<Self, CipherError> {
+        let name = Self::name_of(variant);
+        let aes = AesAny::new(key).ok_or(CipherError::KeyLength { cipher: name, expected: "16, 24 or 32", got: key.len() })?;
+        let mut t = aes::Block::default();
+        aes.encrypt_block(&mut t);
+        let mut tau_bytes: [u8; 16] = t.into();
+        let hash = PolyHash::new(Field::Le, &tau_bytes);
+        let tau = u128::from_le_bytes(tau_bytes);
+        tau_bytes.zeroize();
+        let mut brw = BrwPowers([0; 17]);
+        brw.0[0] = tau;
+        for i in 1..brw.0.len() {
+            brw.0[i] = hash.mul(brw.0[i - 1], brw.0[i - 1]);
+        }
+        Ok(Self { aes, hash, tau, brw, variant, key_len: key.len() })
+    }
+
+    fn name_of(variant: FastHash) -> &'static str {
+        match variant {
+            FastHash::Horner => "fast-horner(aes)",
+            FastHash::Brw => "fast-brw(aes)",
+        }
+    }
+
+    /// Whether the carry-less multiply instruction is in use.
+    pub fn implementation(&self) -> &'static str {
+        if self.hash.uses_clmul() { "aes-crate+pclmulqdq" } else { "aes-crate+portable-clmul" }
+    }
+
+    fn check(&self, tweak: &[u8], data: &[u8]) -> Result<[u8; 16], CipherError> {
+        let name = Self::name_of(self.variant);
+        let t = tweak_block(tweak).ok_or(CipherError::TweakLength { cipher: name, max: 16, got: tweak.len() })?;
+        if data.len() < 48 {
+            return Err(CipherError::DataTooShort { cipher: name, min: 48, got: data.len() });
+        }
+        if data.len() % 16 != 0 {
+            return Err(CipherError::DataNotBlocks { cipher: name, got: data.len() });
+        }
+        Ok(t)
+    }
+
+    /// h(X_1..X_k) with X = (blocks of `body`, tweak), as an internal (little-endian) value.
+    fn h(&self, body: &[u8], tweak: u128) -> u128 {
+        match self.variant {
+            FastHash::Horner => {
+                // tau * (tau^k ^ X_1 tau^(k-1) ^ ... ^ X_k) is Horner over (1, X_1, ..., X_k).
+                let mut acc = Acc::default();
+                self.hash.update_value(&mut acc, 1);
+                self.hash.update(&mut acc, body);
+                self.hash.update_value(&mut acc, tweak);
+                acc.0
+            }
+            FastHash::Brw => {
+                let k = body.len() / 16 + 1;
+                let get = |i: usize| if i + 1 == k { tweak } else { u128::from_le_bytes(block_at(body, i)) };
+                self.hash.mul(self.brw_eval(&get, 0, k), self.tau)
+            }
+        }
+    }
+
+    /// BRW(X_start .. X_{start+len-1}) with the recursion of fast.md 2.2: floor(len/2)
+    /// multiplications.
+    fn brw_eval(&self, get: &impl Fn(usize) -> u128, start: usize, len: usize) -> u128 {
+        let m = |a, b| self.hash.mul(a, b);
+        let p = &self.brw.0; // p[i] = tau^(2^i)
+        match len {
+            0 => 0,
+            1 => get(start),
+            2 => m(get(start), p[0]) ^ get(start + 1),
+            3 => m(p[0] ^ get(start), p[1] ^ get(start + 1)) ^ get(start + 2),
+            _ => {
+                let e = usize::BITS - 1 - len.leading_zeros(); // t = 2^e <= len
+                let t = 1usize << e;
+                let left = self.brw_eval(get, start, t - 1);
+                m(left, p[e as usize] ^ get(start + t - 1)) ^ self.brw_eval(get, start + t, len - t)
+            }
+        }
+    }
+
+    fn e(&self, x: u128) -> u128 {
+        let mut b = aes::Block::from(x.to_le_bytes());
+        self.aes.encrypt_block(&mut b);
+        u128::from_le_bytes(b.into())
+    }
+
+    /// C_i ^= E_K(Z ^ bin(i - 2)) for i = 3..m: the counter is XORed in, little-endian, from 1.
+    fn ctr(&self, z: u128, body: &mut [u8]) {
+        ctr_xor(&self.aes, body, |i| (z ^ (i as u128 + 1)).to_le_bytes());
+    }
+}
+
+impl SectorCipher for Fast {
+    fn name(&self) -> &'static str {
+        Self::name_of(self.variant)
+    }
+
+    fn key_len(&self) -> usize {
+        self.key_len
+    }
+
+    fn encrypt(&self, tweak: &[u8], data: &mut [u8]) -> Result<(), CipherError> {
+        let t = u128::from_le_bytes(self.check(tweak, data)?);
+        let (head, body) = data.split_at_mut(32);
+        let p1 = u128::from_le_bytes(block_at(head, 0));
+        let p2 = u128::from_le_bytes(block_at(head, 1));
+        let a1 = p1 ^ self.h(body, t);
+        let f1 = p2 ^ self.hash.mul(self.tau, a1);
+        let f2 = a1 ^ self.e(f1);
+        let b2 = f1 ^ self.e(f2);
+        self.ctr(f1 ^ f2, body);
+        let c1 = f2 ^ self.hash.mul(self.tau, b2);
+        let c2 = b2 ^ self.hash.mul(self.tau, self.h(body, t));
+        head[..16].copy_from_slice(&c1.to_le_bytes());
+        head[16..].copy_from_slice(&c2.to_le_bytes());
+        Ok(())
+    }
+
+    fn decrypt(&self, tweak: &[u8], data: &mut [u8]) -> Result<(), CipherError> {
+        let t = u128::from_le_bytes(self.check(tweak, data)?);
+        let (head, body) = data.split_at_mut(32);
+        let c1 = u128::from_le_bytes(block_at(head, 0));
+        let c2 = u128::from_le_bytes(block_at(head, 1));
+        let b2 = c2 ^ self.hash.mul(self.tau, self.h(body, t));
+        let f2 = c1 ^ self.hash.mul(self.tau, b2);
+        let f1 = b2 ^ self.e(f2);
+        let a1 = f2 ^ self.e(f1);
+        self.ctr(f1 ^ f2, body);
+        let p1 = a1 ^ self.h(body, t);
+        let p2 = f1 ^ self.hash.mul(self.tau, a1);
+        head[..16].copy_from_slice(&p1.to_le_bytes());
+        head[16..].copy_from_slice(&p2.to_le_bytes());
+        Ok(())
+    }
+}

@@ -90,9 +90,10 @@ pub struct CryptArgs {
     #[arg(long)]
     stats: bool,
     /// Input file, or `-` for stdin.
+    #[arg(value_name = "IN")]
     input: String,
     /// Output file, or `-` for stdout. Not allowed with --sink.
-    #[arg(required_unless_present = "sink", conflicts_with = "sink")]
+    #[arg(value_name = "OUT", required_unless_present = "sink", conflicts_with = "sink")]
     output: Option<String>,
 }
 

@@ -82,6 +82,9 @@ fn parse_sector_size(s: &str) -> Result<usize, String> {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
+    if args.io_workers == 0 || args.threads == Some(0) {
+        bail!("--io-workers and --threads must be at least 1");
+    }
     let layout = SectorLayout::new(args.sector_size, args.iv_large_sectors);
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let engine = if args.passthrough {
@@ -96,9 +99,6 @@ pub fn run(args: Args) -> Result<ExitCode> {
         );
         Engine::new(Arc::new(CpuBackend::new(cipher, threads)?), layout)
     };
-    if args.io_workers == 0 {
-        bail!("--io-workers must be at least 1");
-    }
     let backing = Backing::open(
         &args.backing,
         &BackingOptions { size: args.size, read_only: args.read_only, direct: args.direct, sector_size: args.sector_size },

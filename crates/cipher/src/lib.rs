@@ -3,11 +3,13 @@
 //! This crate is pure computation: no I/O, no threads, no allocation on the hot path. Ciphers are
 //! addressed by their Linux crypto API names (`xts(aes)`) through [`registry::new_cipher`].
 
+pub mod adiantum;
 mod aes_any;
 pub mod ecb;
 mod error;
 pub mod fast;
 mod gf128;
+pub mod hctr2;
 pub mod registry;
 pub mod tes_common;
 pub mod xts;

@@ -1,7 +1,9 @@
 //! Cipher names -> constructors, in the Linux crypto API's composable naming (`xts(aes)`).
 
+use crate::adiantum::{Adiantum, XChaChaRounds};
 use crate::ecb::Ecb;
 use crate::fast::{Fast, FastHash};
+use crate::hctr2::Hctr2;
 use crate::xts::Xts;
 use crate::{CipherError, SectorCipher};
 
@@ -45,6 +47,21 @@ const CIPHERS: &[CipherSpec] = &[
         summary: "FAST wide-block TES, BRW hash; key = AES key (16/24/32); 16-byte tweak; >= 48 bytes, whole blocks",
         min_data_len: 48,
     },
+    CipherSpec {
+        name: "hctr2(aes)",
+        summary: "HCTR2 wide-block TES as in Linux/fscrypt; key = AES key (16/24/32); tweak of any length (Linux: 32); >= 16 bytes",
+        min_data_len: 16,
+    },
+    CipherSpec {
+        name: "adiantum(xchacha12,aes)",
+        summary: "Adiantum (XChaCha12, AES-256, NH-Poly1305) as in Linux/fscrypt; key = 32 bytes; tweak of any length (Linux: 32); >= 16 bytes",
+        min_data_len: 16,
+    },
+    CipherSpec {
+        name: "adiantum(xchacha20,aes)",
+        summary: "Adiantum with XChaCha20; key = 32 bytes; tweak of any length (Linux: 32); >= 16 bytes",
+        min_data_len: 16,
+    },
 ];
 
 /// Every cipher the registry can build.
@@ -68,6 +85,9 @@ pub fn new_cipher(name: &str, key: &[u8], policy: KeyPolicy) -> Result<Box<dyn S
         },
         "fast-horner(aes)" => Ok(Box::new(Fast::new(key, FastHash::Horner)?)),
         "fast-brw(aes)" => Ok(Box::new(Fast::new(key, FastHash::Brw)?)),
+        "hctr2(aes)" => Ok(Box::new(Hctr2::new(key)?)),
+        "adiantum(xchacha12,aes)" => Ok(Box::new(Adiantum::new(key, XChaChaRounds::R12)?)),
+        "adiantum(xchacha20,aes)" => Ok(Box::new(Adiantum::new(key, XChaChaRounds::R20)?)),
         other => Err(CipherError::UnknownCipher(
             other.to_string(),
             CIPHERS.iter().map(|c| c.name).collect::<Vec<_>>().join(", "),

@@ -49,6 +49,11 @@ impl Pipeline {
         self.backing.size()
     }
 
+    /// Whether the backing store bypasses the page cache (every request waits for the device).
+    pub fn is_direct(&self) -> bool {
+        self.backing.is_direct()
+    }
+
     pub fn sector_size(&self) -> u64 {
         self.sector_size
     }

@@ -6,6 +6,7 @@
 pub mod adiantum;
 mod aes_any;
 pub mod ecb;
+pub mod eme2;
 mod error;
 pub mod fast;
 mod gf128;

@@ -2,6 +2,7 @@
 
 use crate::adiantum::{Adiantum, XChaChaRounds};
 use crate::ecb::Ecb;
+use crate::eme2::Eme2;
 use crate::fast::{Fast, FastHash};
 use crate::hctr2::Hctr2;
 use crate::xts::Xts;
@@ -35,6 +36,11 @@ const CIPHERS: &[CipherSpec] = &[
     CipherSpec {
         name: "ecb(aes)",
         summary: "raw AES-ECB, tweak ignored; a benchmark baseline, refused for volumes",
+        min_data_len: 16,
+    },
+    CipherSpec {
+        name: "eme2(aes)",
+        summary: "EME2-AES wide-block TES (IEEE 1619.2-2010); key = K_AD || K_ECB || AES key (48 or 64 bytes); tweak of any length; >= 16 bytes",
         min_data_len: 16,
     },
     CipherSpec {
@@ -83,6 +89,7 @@ pub fn new_cipher(name: &str, key: &[u8], policy: KeyPolicy) -> Result<Box<dyn S
                 "it ignores the sector number, so equal plaintext blocks are visible as equal ciphertext",
             )),
         },
+        "eme2(aes)" => Ok(Box::new(Eme2::new(key)?)),
         "fast-horner(aes)" => Ok(Box::new(Fast::new(key, FastHash::Horner)?)),
         "fast-brw(aes)" => Ok(Box::new(Fast::new(key, FastHash::Brw)?)),
         "hctr2(aes)" => Ok(Box::new(Hctr2::new(key)?)),

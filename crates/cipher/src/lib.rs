@@ -13,6 +13,7 @@ mod gf128;
 pub mod hctr2;
 pub mod registry;
 pub mod tes_common;
+pub mod xcb;
 pub mod xts;
 
 pub use error::CipherError;

@@ -5,6 +5,7 @@ use crate::ecb::Ecb;
 use crate::eme2::Eme2;
 use crate::fast::{Fast, FastHash};
 use crate::hctr2::Hctr2;
+use crate::xcb::Xcb;
 use crate::xts::Xts;
 use crate::{CipherError, SectorCipher};
 
@@ -41,6 +42,11 @@ const CIPHERS: &[CipherSpec] = &[
     CipherSpec {
         name: "eme2(aes)",
         summary: "EME2-AES wide-block TES (IEEE 1619.2-2010); key = K_AD || K_ECB || AES key (48 or 64 bytes); tweak of any length; >= 16 bytes",
+        min_data_len: 16,
+    },
+    CipherSpec {
+        name: "xcb(aes)",
+        summary: "LEGACY, broken (plaintext recovery: Bhati-Andreeva ePrint 2024/1554): XCB-AES (IEEE 1619.2); key = AES key (16/32); tweak of any length; >= 16 bytes",
         min_data_len: 16,
     },
     CipherSpec {
@@ -90,6 +96,7 @@ pub fn new_cipher(name: &str, key: &[u8], policy: KeyPolicy) -> Result<Box<dyn S
             )),
         },
         "eme2(aes)" => Ok(Box::new(Eme2::new(key)?)),
+        "xcb(aes)" => Ok(Box::new(Xcb::new(key)?)),
         "fast-horner(aes)" => Ok(Box::new(Fast::new(key, FastHash::Horner)?)),
         "fast-brw(aes)" => Ok(Box::new(Fast::new(key, FastHash::Brw)?)),
         "hctr2(aes)" => Ok(Box::new(Hctr2::new(key)?)),

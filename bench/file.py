@@ -15,8 +15,9 @@ every tool):
               `openssl enc -aes-256-ctr` on the same plaintext: the same AES work without the
               authentication, a stricter baseline than any GCM tool.
 
-Decryption inputs are made once per size and mode (openssl's output for ctr/cbc/ecb, ours for
-gcm), so both tools decrypt the same bytes. Outputs are deleted before every run (not timed).
+Before every timed run the previous output is deleted and `sync` is called (not timed), so no
+run pays for an earlier run's writeback. Decryption inputs are made once per size and mode (openssl's output for ctr/cbc/ecb, ours for
+gcm), so both tools decrypt the same bytes.
 `openssl speed -elapsed -evp aes-256-M [-decrypt] -bytes 16384` is recorded as the library
 ceiling (one core, no I/O), and `cryptbridge file sweep --json` as the per-call-overhead sweep of
 the synchronous API (16 B .. 256 KiB).
@@ -232,6 +233,9 @@ def main() -> int:
                         k = rep % len(variants)
                         for name, argv in variants[k:] + variants[:k]:
                             out.unlink(missing_ok=True)
+                            # Start every run without a backlog of dirty pages (ours fsyncs OUT,
+                            # openssl does not; neither should pay for earlier runs' writeback).
+                            os.sync()
                             try:
                                 slot[name].append(timed(argv, timeout))
                             except Exception as e:  # noqa: BLE001

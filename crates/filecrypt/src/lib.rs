@@ -181,7 +181,13 @@ pub fn run_file(dir: Direction, secret: &Secret, input: Input, output: Output, o
         Direction::Decrypt => t.saturating_sub(header_bytes as u64),
     });
 
-    let cfg = PipelineConfig { threads: opts.threads, chunk: opts.chunk_size, progress: opts.progress, total_hint };
+    let mut cfg = PipelineConfig {
+        threads: opts.threads,
+        chunk: opts.chunk_size,
+        progress: opts.progress,
+        total_hint,
+        ..PipelineConfig::default()
+    };
 
     let mut commit_time = Duration::ZERO;
     let stats = match output {
@@ -197,6 +203,9 @@ pub fn run_file(dir: Direction, secret: &Secret, input: Input, output: Output, o
         }
         Output::Path(p) => {
             let mut file = AtomicFile::create(&p)?;
+            if opts.fsync {
+                cfg.sync_file = file.file().try_clone().ok().map(std::sync::Arc::new);
+            }
             if dir == Direction::Encrypt {
                 file.file().write_all(&setup.header).map_err(|e| Error::io("cannot write the output", e))?;
             }

@@ -212,7 +212,8 @@ def main() -> int:
                     timed(["openssl", "enc", "-aes-256-ctr", "-pbkdf2", "-iter", args.iter,
                            "-pass", f"file:{pw}", "-in", plain, "-out", ctr], timeout=600)
                     cts["gcm-baseline"] = ctr
-            reps = args.repeats if size >= MiB else max(args.repeats, 5)
+            # small files are cheap and noisy (process start, PBKDF2, fsync): more repeats
+            reps = args.repeats if size > 16 * MiB else max(args.repeats, 5)
             timeout = 120 + size / (50 * MiB)
             for rep in range(reps):
                 for mode in modes:

@@ -26,6 +26,8 @@ use crate::modes::{self, BLOCK};
 
 /// Extra room in every buffer: GCM nonce + tag, or a PKCS#7 padding block.
 const SLACK: usize = 64;
+/// Upper bound on the memory held in chunk buffers.
+const BUFFER_BUDGET: usize = 512 << 20;
 
 pub(crate) struct Job {
     pub seq: u64,
@@ -181,7 +183,7 @@ pub(crate) fn run(
 ) -> Result<Stats> {
     let started = Instant::now();
     let mode = setup.mode;
-    let workers = if mode == Mode::Cbc && dir == Direction::Encrypt { 1 } else { cfg.threads.max(1) };
+    let mut workers = if mode == Mode::Cbc && dir == Direction::Encrypt { 1 } else { cfg.threads.max(1) };
     // What the reader reads per chunk and where in the buffer it puts it.
     let (read_len, read_off) = match (mode, dir) {
         (Mode::Gcm, Direction::Encrypt) => (setup.gcm_chunk().unwrap(), GCM_NONCE_LEN),
@@ -195,7 +197,14 @@ pub(crate) fn run(
     };
     let chain = Mutex::new(initial_prev);
     let buf_len = read_off + read_len + SLACK;
-    let nbufs = workers * 2 + 2;
+    // Two buffers per worker plus the reader's two (one filling, one held back as lookahead),
+    // within a memory budget: a GCM header may ask for 64 MiB chunks.
+    let mut nbufs = workers * 2 + 2;
+    let cap = (BUFFER_BUDGET / buf_len).max(3);
+    if nbufs > cap {
+        nbufs = cap;
+        workers = workers.min(nbufs - 2).max(1);
+    }
 
     let (free_tx, free_rx) = bounded::<Vec<u8>>(nbufs);
     for _ in 0..nbufs {

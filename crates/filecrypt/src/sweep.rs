@@ -95,9 +95,9 @@ fn fit(points: &[Point]) -> Fit {
 }
 
 fn encryptor(mode: Mode, size: usize) -> Result<Encryptor> {
-    let mut key = [0u8; 32];
-    crate::kdf::random_bytes(&mut key)?;
-    let secret = Secret::key(&key)?;
+    let mut key = zeroize::Zeroizing::new([0u8; 32]);
+    crate::kdf::random_bytes(&mut key[..])?;
+    let secret = Secret::key(&key[..])?;
     let mut opts = FileOptions::new(mode);
     opts.allow_ecb = true;
     opts.chunk_size = size.max(16).next_multiple_of(16);

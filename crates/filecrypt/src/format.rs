@@ -164,7 +164,7 @@ impl GcmHeader {
             other => return Err(Error::BadHeader(format!("unknown key derivation {other}"))),
         }
         let cs = chunk_size as usize;
-        if !(MIN_CHUNK..=MAX_CHUNK).contains(&cs) || cs % BLOCK != 0 {
+        if !(MIN_CHUNK..=MAX_CHUNK).contains(&cs) || !cs.is_multiple_of(BLOCK) {
             return Err(Error::BadHeader(format!("chunk size {chunk_size} (must be a multiple of 16 in {MIN_CHUNK}..={MAX_CHUNK})")));
         }
         Ok(GcmHeader {
@@ -366,7 +366,7 @@ impl FileSetup {
 }
 
 pub(crate) fn check_chunk(chunk: usize) -> Result<()> {
-    if !(MIN_CHUNK..=MAX_CHUNK).contains(&chunk) || chunk % BLOCK != 0 {
+    if !(MIN_CHUNK..=MAX_CHUNK).contains(&chunk) || !chunk.is_multiple_of(BLOCK) {
         return Err(Error::Param(format!(
             "chunk size {chunk} must be a multiple of 16 between {MIN_CHUNK} and {MAX_CHUNK} bytes"
         )));

@@ -77,7 +77,7 @@ pub fn ecb_decrypt(aes: &Aes256, data: &mut [u8]) {
 /// block depends only on two ciphertext blocks, so this batches like ECB (and chunks of one file can
 /// be decrypted in parallel given each chunk's preceding ciphertext block).
 pub fn cbc_decrypt(aes: &Aes256, iv: &mut [u8; 16], data: &mut [u8]) {
-    assert!(data.len() % BLOCK == 0, "CBC data must be whole blocks");
+    assert!(data.len().is_multiple_of(BLOCK), "CBC data must be whole blocks");
     let mut saved = [0u8; BATCH];
     let mut prev = *iv;
     for piece in data.chunks_mut(BATCH) {
@@ -129,7 +129,7 @@ pub fn pkcs7_pad(buf: &mut [u8], len: usize) -> usize {
 
 /// Checks PKCS#7 padding on the decrypted last block(s) and returns the unpadded length.
 pub fn pkcs7_unpad(data: &[u8]) -> Result<usize> {
-    if data.is_empty() || data.len() % BLOCK != 0 {
+    if data.is_empty() || !data.len().is_multiple_of(BLOCK) {
         return Err(Error::BadPadding);
     }
     let pad = *data.last().unwrap() as usize;

@@ -353,3 +353,34 @@ def test_key_and_pass_are_exclusive_and_required(tmp_path):
     # Secrets never appear in output.
     p = ours("encrypt", "--pass-file", pw, "--iter", ITER, "--stats", tmp_path / "p", tmp_path / "c")
     assert b"pa ss" not in p.stderr and b"pa ss" not in p.stdout
+
+
+def test_sigterm_removes_the_temporary_file(tmp_path):
+    """Interrupted mid-stream (stdin still open): no OUT and no temporary file remain."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import require_binary
+
+    pw = passfile(tmp_path)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([str(require_binary()), "file", "encrypt", "--pass-file", str(pw), "--iter", ITER,
+                             "--chunk-size", "4K", "-", str(out)],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        proc.stdin.write(os.urandom(1 << 20))
+        proc.stdin.flush()
+        deadline = time.monotonic() + 20
+        while not leftovers(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert leftovers(tmp_path), "temporary output file never appeared"
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert rc != 0
+    assert not out.exists()
+    assert leftovers(tmp_path) == []

@@ -26,10 +26,23 @@ fn unregister(p: &Path) {
 /// Removes every temporary output file not yet committed. Meant for SIGINT/SIGTERM handlers
 /// (the process exits right after); safe to call from any thread.
 pub fn remove_pending_temp_files() {
-    // try_lock: a handler must not deadlock against a thread that holds the lock.
-    if let Ok(list) = PENDING.try_lock() {
-        for p in list.iter() {
-            let _ = fs::remove_file(p);
+    // try_lock: a handler must not deadlock against a thread that holds the lock (only ever
+    // held for a push or a retain), so retry for a moment instead of blocking.
+    for _ in 0..200 {
+        match PENDING.try_lock() {
+            Ok(list) => {
+                for p in list.iter() {
+                    let _ = fs::remove_file(p);
+                }
+                return;
+            }
+            Err(std::sync::TryLockError::Poisoned(e)) => {
+                for p in e.into_inner().iter() {
+                    let _ = fs::remove_file(p);
+                }
+                return;
+            }
+            Err(std::sync::TryLockError::WouldBlock) => std::thread::sleep(std::time::Duration::from_millis(1)),
         }
     }
 }

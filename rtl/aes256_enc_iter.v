@@ -26,6 +26,11 @@ module aes256_enc_iter (
     reg [3:0]   rnd;             // round run next (1..14); 0 = idle, 15 = done
     reg [7:0]   rcon;
 
+    wire [127:0] round_out, next_key;
+    aes_round #(.HAS_DEC(0)) u_round (.dec(1'b0), .last(rnd == 4'd14), .x(state), .k(win_b), .y(round_out));
+    // key of round rnd+1 (even index: RotWord/SubWord/Rcon; odd: SubWord)
+    aes256_ks_step u_ks (.a(win_a), .b3(win_b[127:96]), .odd_rk(~rnd[0]), .rcon(rcon), .n(next_key));
+
     always @(posedge clk) begin
         if (rst || clear) begin
             state <= 128'h0;
@@ -41,10 +46,9 @@ module aes256_enc_iter (
                 rnd   <= 4'd1;
                 rcon  <= 8'h01;
             end else if (rnd != 4'd0 && rnd != 4'd15) begin
-                state <= aes_round_u(state, 1'b0, rnd == 4'd14, win_b);
+                state <= round_out;
                 win_a <= win_b;
-                // key of round rnd+1 (even index: RotWord/SubWord/Rcon; odd: SubWord)
-                win_b <= aes_ks_step(win_a, win_b[127:96], ~rnd[0], rcon);
+                win_b <= next_key;
                 if (rnd[0])
                     rcon <= aes_xt(rcon);
                 rnd <= rnd + 4'd1;

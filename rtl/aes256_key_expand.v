@@ -24,7 +24,8 @@ module aes256_key_expand #(
     reg [3:0]   idx;               // index of the round key produced in this cycle (2..14)
     reg [7:0]   rcon;
 
-    wire [127:0] next_rk = aes_ks_step(win_a, win_b[127:96], idx[0], rcon);
+    wire [127:0] next_rk;
+    aes256_ks_step u_ks (.a(win_a), .b3(win_b[127:96]), .odd_rk(idx[0]), .rcon(rcon), .n(next_rk));
 
     always @(posedge clk) begin
         if (rst || clear) begin

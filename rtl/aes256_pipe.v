@@ -30,7 +30,6 @@ module aes256_pipe #(
     output wire [TAG_W-1:0]  out_tag,
     output wire [14:0]       stage_valid   // occupancy of stages 0..14 (for drain detection)
 );
-`include "aes_funcs.vh"
 
     reg [127:0]     st  [0:14];
     reg [TAG_W-1:0] tag [0:14];
@@ -61,9 +60,11 @@ module aes256_pipe #(
             wire         d = HAS_DEC ? dir[r-1] : 1'b0;
             wire [127:0] k = !d ? rk_flat[128*r +: 128]
                                 : (r == 14 ? rk_flat[127:0] : dkm_flat[128*r +: 128]);
+            wire [127:0] nxt;
+            aes_round #(.HAS_DEC(HAS_DEC)) u_round (.dec(d), .last(r == 14), .x(st[r-1]), .k(k), .y(nxt));
             always @(posedge clk) begin
                 if (ce) begin
-                    st[r]  <= aes_round_u(st[r-1], d, r == 14, k);
+                    st[r]  <= nxt;
                     tag[r] <= tag[r-1];
                     dir[r] <= d;
                 end

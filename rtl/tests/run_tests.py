@@ -36,7 +36,7 @@ WORK = os.path.join(BUILD, "tests")
 sys.path.insert(0, HERE)
 import vectors  # noqa: E402
 
-RTL_FILES = ["aes256_key_expand.v", "aes256_pipe.v", "aes256_enc_iter.v", "xts_core.v", "xts_csr.v", "xts_top.v"]
+RTL_FILES = open(os.path.join(RTL, "sources.f")).read().split()
 
 results = []      # (name, ok, detail)
 metrics = {}
@@ -60,7 +60,8 @@ def run(cmd, timeout=600, **kw):
 # ---------------------------------------------------------------- reference: cryptbridge
 
 def cryptbridge():
-    exe = os.path.join(REPO, "target", "release", "cryptbridge")
+    # CRYPTBRIDGE names another build of the same binary (used by tests/mutants.py on copies)
+    exe = os.environ.get("CRYPTBRIDGE") or os.path.join(REPO, "target", "release", "cryptbridge")
     if not os.path.exists(exe):
         log("cryptbridge binary missing: cargo build --release --locked")
         rc, out, _ = run(["cargo", "build", "--release", "--locked", "-j", "2"], timeout=1800, cwd=REPO)
@@ -189,7 +190,7 @@ def step_aes_kat(quick):
             f.write(f"{dec:01x}{vectors.le_hex(key)}{vectors.le_hex(src)}{vectors.le_hex(exp)}\n")
     vvp = os.path.join(WORK, "tb_aes_kat.vvp")
     rc, out, _ = run(["iverilog", "-g2005", "-I", RTL, "-o", vvp, os.path.join(HERE, "tb_aes_kat.v")] +
-                     [os.path.join(RTL, f) for f in ("aes256_pipe.v", "aes256_key_expand.v")])
+                     [os.path.join(RTL, f) for f in RTL_FILES])
     if rc == 0:
         rc, out, dt = run(["vvp", "-n", vvp, f"+vec={path2}", f"+n={len(sub)}"])
     ok = rc == 0 and "PASS aes_kat" in out
@@ -392,6 +393,59 @@ def step_perf(seed):
                f"{m.get('boundary_gaps')} gaps at sector boundaries; {m.get('stall_in_after_first')} input stalls")
 
 
+def step_coproc(seed):
+    sys.path.insert(0, os.path.join(RTL, "tools"))
+    import xts_sim_client as xc
+    rng = random.Random(seed + 3)
+    sim = xc.XtsSim(os.path.join(BUILD, "xts_sim"))
+    problems = []
+    try:
+        try:
+            sim.encrypt(b"\0" * 512, 512, 0)
+            problems.append("ENCRYPT without keys did not fail")
+        except xc.XtsSimError:
+            pass
+        key = rand_key(rng)
+        sim.set_keys(key)
+        speed = []
+        for size, n, dec in ((4096, 64, False), (512, 256, True), (4096, 16, True), (512, 64, False)):
+            data = rng.randbytes(size * n)
+            first = rng.getrandbits(60)
+            step = size // 512
+            out = (sim.decrypt if dec else sim.encrypt)(data, size, first, step)
+            cycles, _, wall = sim.last
+            speed.append((cycles, wall, len(data)))
+            jobs = [(1 if dec else 0, key, ((first + i * step) % (1 << 128)).to_bytes(16, "little"),
+                     data[i * size:(i + 1) * size]) for i in range(n)]
+            ref = b"".join(reference(jobs))
+            if out != ref:
+                problems.append(f"{'decrypt' if dec else 'encrypt'} {n} x {size}: result differs from cryptbridge")
+            if cycles > len(data) // 16 + 64:
+                problems.append(f"{n} x {size}: {cycles} cycles for {len(data) // 16} blocks")
+        b = rng.randbytes(4096)
+        if sim.bypass(b, 512) != b:
+            problems.append("BYPASS changed the data")
+        st = sim.stats()
+        if st["id"] != 0x58545331 or st["stall_in"] != 0 or st["sectors"] != 64 + 256 + 16 + 64 + 8:
+            problems.append(f"STATS {st}")
+        try:
+            sim.encrypt(b"\0" * 100, 100, 0)
+            problems.append("sector size 100 accepted")
+        except xc.XtsSimError:
+            pass
+    finally:
+        sim.close()
+    cyc = sum(c for c, _, _ in speed)
+    ns = sum(w for _, w, _ in speed)
+    nbytes = sum(n for _, _, n in speed)
+    metrics["coproc_cycles_per_s"] = round(cyc / (ns / 1e9))
+    metrics["coproc_MB_per_s"] = round(nbytes / (ns / 1e9) / 1e6, 2)
+    record("co-process xts_sim serve (framing; results vs cryptbridge; errors; STATS)", not problems,
+           "; ".join(problems) if problems else
+           f"{nbytes} bytes in {cyc} simulated cycles; {metrics['coproc_cycles_per_s']} cycles/s, "
+           f"{metrics['coproc_MB_per_s']} MB/s of simulation")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -409,7 +463,7 @@ def main():
     log(f"rtl tests: seed {a.seed}; vectors from {vectors.vectors_dir()}; reference {cryptbridge()}")
     steps = [("aes", lambda: step_aes_kat(a.quick)), ("xts", step_xts_vectors),
              ("random", lambda: step_random(a.seed, a.quick)), ("reset", lambda: step_reset(a.seed)),
-             ("perf", lambda: step_perf(a.seed))]
+             ("perf", lambda: step_perf(a.seed)), ("coproc", lambda: step_coproc(a.seed))]
     for name, fn in steps:
         if a.only and name not in a.only.split(","):
             continue
@@ -417,7 +471,8 @@ def main():
     dt = time.time() - t0
     fails = [r for r in results if not r[1]]
     summary = [f"rtl tests: {len(results) - len(fails)}/{len(results)} passed in {dt:.0f}s (seed {a.seed})"]
-    for k in ("aes_pipe_latency", "latency_512", "throughput_512", "latency_4096", "throughput_4096"):
+    for k in ("aes_pipe_latency", "latency_512", "throughput_512", "latency_4096", "throughput_4096",
+              "coproc_cycles_per_s", "coproc_MB_per_s"):
         if k in metrics:
             summary.append(f"  {k} = {metrics[k]}")
     log("\n".join(summary))

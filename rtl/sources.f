@@ -1,0 +1,9 @@
+aes_sbox.v
+aes_round.v
+aes256_ks_step.v
+aes256_key_expand.v
+aes256_pipe.v
+aes256_enc_iter.v
+xts_core.v
+xts_csr.v
+xts_top.v

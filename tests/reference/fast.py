@@ -48,6 +48,7 @@ class Fast:
         self.variant = variant
         self._aes = Cipher(algorithms.AES(key), modes.ECB()).encryptor()
         self.tau = to_int(self.E(bytes(16)))
+        self._pow: dict[int, int] = {}
 
     def E(self, b: bytes) -> bytes:
         return self._aes.update(b)
@@ -63,10 +64,12 @@ class Fast:
         return gf_mul(acc, self.tau)
 
     def tau_pow(self, e: int) -> int:
-        r = 1
-        for _ in range(e):
-            r = gf_mul(r, self.tau)
-        return r
+        if e not in self._pow:
+            r = 1
+            for _ in range(e):
+                r = gf_mul(r, self.tau)
+            self._pow[e] = r
+        return self._pow[e]
 
     def brw(self, xs: list[int]) -> int:
         j = len(xs)

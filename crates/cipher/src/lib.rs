@@ -5,6 +5,7 @@
 
 pub mod adiantum;
 mod aes_any;
+pub mod aez;
 pub mod ecb;
 pub mod eme2;
 mod error;

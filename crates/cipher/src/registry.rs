@@ -1,6 +1,7 @@
 //! Cipher names -> constructors, in the Linux crypto API's composable naming (`xts(aes)`).
 
 use crate::adiantum::{Adiantum, XChaChaRounds};
+use crate::aez::Aez;
 use crate::ecb::Ecb;
 use crate::eme2::Eme2;
 use crate::fast::{Fast, FastHash};
@@ -60,6 +61,11 @@ const CIPHERS: &[CipherSpec] = &[
         min_data_len: 48,
     },
     CipherSpec {
+        name: "aez",
+        summary: "AEZ v5 enciphering (tau = 0, tweak = nonce, no AD); key of any length (48 bytes used as is, else BLAKE2b Extract); >= 1 byte",
+        min_data_len: 1,
+    },
+    CipherSpec {
         name: "hctr2(aes)",
         summary: "HCTR2 wide-block TES as in Linux/fscrypt; key = AES key (16/24/32); tweak of any length (Linux: 32); >= 16 bytes",
         min_data_len: 16,
@@ -99,6 +105,7 @@ pub fn new_cipher(name: &str, key: &[u8], policy: KeyPolicy) -> Result<Box<dyn S
         "xcb(aes)" => Ok(Box::new(Xcb::new(key)?)),
         "fast-horner(aes)" => Ok(Box::new(Fast::new(key, FastHash::Horner)?)),
         "fast-brw(aes)" => Ok(Box::new(Fast::new(key, FastHash::Brw)?)),
+        "aez" => Ok(Box::new(Aez::new(key))),
         "hctr2(aes)" => Ok(Box::new(Hctr2::new(key)?)),
         "adiantum(xchacha12,aes)" => Ok(Box::new(Adiantum::new(key, XChaChaRounds::R12)?)),
         "adiantum(xchacha20,aes)" => Ok(Box::new(Adiantum::new(key, XChaChaRounds::R20)?)),

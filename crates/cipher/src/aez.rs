@@ -1,0 +1,710 @@
+//! AEZ v5 (Hoang, Krovetz, Rogaway; CAESAR round 3), as specified in `shared/specs/aez.md`: the
+//! full Encrypt/Decrypt (nonce, any number of associated-data strings, tag length tau) and, as a
+//! sector cipher, pure enciphering with tau = 0 and the tweak as the nonce.
+//!
+//! - Key: any length. A 48-byte key is used as I || J || L; any other length goes through
+//!   Extract = BLAKE2b with a 48-byte digest.
+//! - Sector cipher: Delta = AEZ-hash([0]_128, N) with N = the tweak (any length; the bridge passes
+//!   the sector number as a 16-byte little-endian block), C = Encipher(Delta, P). Data: at least
+//!   one byte (AEZ-tiny below 32 bytes, AEZ-core from 32).
+//! - AES4 and AES10 are not AES: 4 or 10 full rounds (MixColumns included) keyed by I, J, L
+//!   directly, no key schedule. With AES-NI each round is one AESENC.
+//!
+//! Background: AEZ did not reach the CAESAR final portfolio; it is here for comparison with the
+//! FPGA paper's Table 4/5.
+
+use zeroize::{Zeroize, ZeroizeOnDrop};
+
+use crate::{CipherError, SectorCipher};
+
+const NAME: &str = "aez";
+
+type B = [u8; 16];
+
+#[inline(always)]
+fn x(a: B, b: B) -> B {
+    (u128::from_ne_bytes(a) ^ u128::from_ne_bytes(b)).to_ne_bytes()
+}
+
+/// CMAC/OCB doubling on a big-endian block.
+#[inline]
+fn dbl(a: B) -> B {
+    let v = u128::from_be_bytes(a);
+    let carry = ((v as i128) >> 127) as u128;
+    ((v << 1) ^ (carry & 0x87)).to_be_bytes()
+}
+
+/// k * X by linearity.
+fn mul(k: u64, a: B) -> B {
+    let mut r = [0u8; 16];
+    let mut p = a;
+    let mut k = k;
+    while k > 0 {
+        if k & 1 == 1 {
+            r = x(r, p);
+        }
+        p = dbl(p);
+        k >>= 1;
+    }
+    r
+}
+
+/// `10*` padding of a 0..15-byte string into one block.
+fn pad10(s: &[u8]) -> B {
+    let mut b = [0u8; 16];
+    b[..s.len()].copy_from_slice(s);
+    b[s.len()] = 0x80;
+    b
+}
+
+fn be128(v: u64) -> B {
+    u128::from(v).to_be_bytes()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The AES round, with AES-NI where present.
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Round {
+    #[cfg(target_arch = "x86_64")]
+    AesNi,
+    Soft,
+}
+
+impl Round {
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("aes") && std::is_x86_feature_detected!("sse2") {
+            return Round::AesNi;
+        }
+        Round::Soft
+    }
+}
+
+/// Applies `keys.len()` full AES rounds (SubBytes, ShiftRows, MixColumns, AddRoundKey) to every
+/// block of `blocks`.
+#[inline]
+fn rounds(r: Round, blocks: &mut [B], keys: &[B]) {
+    match r {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Round::AesNi` is only chosen when AES-NI and SSE2 were detected.
+        Round::AesNi => unsafe { aesni::rounds(blocks, keys) },
+        Round::Soft => {
+            for b in blocks.iter_mut() {
+                let mut blk = aes::Block::from(*b);
+                for k in keys {
+                    aes::hazmat::cipher_round(&mut blk, &aes::Block::from(*k));
+                }
+                *b = blk.into();
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod aesni {
+    use core::arch::x86_64::*;
+
+    use super::B;
+
+    /// `keys.len()` AESENC rounds over every block, eight blocks interleaved.
+    #[target_feature(enable = "aes,sse2")]
+    pub(super) unsafe fn rounds(blocks: &mut [B], keys: &[B]) {
+        let mut ks = [_mm_setzero_si128(); 10];
+        for (k, src) in ks.iter_mut().zip(keys) {
+            *k = _mm_loadu_si128(src.as_ptr().cast());
+        }
+        let ks = &ks[..keys.len()];
+        let mut chunks = blocks.chunks_exact_mut(8);
+        for c in &mut chunks {
+            let mut v = [_mm_setzero_si128(); 8];
+            for (vi, b) in v.iter_mut().zip(c.iter()) {
+                *vi = _mm_loadu_si128(b.as_ptr().cast());
+            }
+            for k in ks {
+                for vi in v.iter_mut() {
+                    *vi = _mm_aesenc_si128(*vi, *k);
+                }
+            }
+            for (vi, b) in v.iter().zip(c.iter_mut()) {
+                _mm_storeu_si128(b.as_mut_ptr().cast(), *vi);
+            }
+        }
+        for b in chunks.into_remainder() {
+            let mut v = _mm_loadu_si128(b.as_ptr().cast());
+            for k in ks {
+                v = _mm_aesenc_si128(v, *k);
+            }
+            _mm_storeu_si128(b.as_mut_ptr().cast(), v);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Keys and the tweakable block cipher E^{j,i}.
+// ---------------------------------------------------------------------------------------------
+
+/// Largest i for which 2^ceil(i/8) * I is tabulated (AEZ-core block index up to 8 * 64).
+const IPOW: usize = 65;
+
+#[derive(Zeroize, ZeroizeOnDrop)]
+struct Keys {
+    i: B,
+    j: B,
+    l: B,
+    /// 2^k * I for k < IPOW.
+    ipow: [B; IPOW],
+    /// k * L for k < 8.
+    lmul: [B; 8],
+    /// AES4 round keys J, I, L, 0 and AES10 round keys I, J, L, I, J, L, I, J, L, I.
+    aes4: [B; 4],
+    aes10: [B; 10],
+}
+
+/// AEZ v5 under one key.
+pub struct Aez {
+    k: Keys,
+    round: Round,
+    key_len: usize,
+}
+
+impl Aez {
+    /// Any key length; 48 bytes are used directly, others through Extract (BLAKE2b-384).
+    pub fn new(key: &[u8]) -> Self {
+        let mut kk = extract(key);
+        let (i, j, l): (B, B, B) = (kk[..16].try_into().unwrap(), kk[16..32].try_into().unwrap(), kk[32..].try_into().unwrap());
+        kk.zeroize();
+        let mut ipow = [[0u8; 16]; IPOW];
+        ipow[0] = i;
+        for n in 1..IPOW {
+            ipow[n] = dbl(ipow[n - 1]);
+        }
+        let mut lmul = [[0u8; 16]; 8];
+        for (n, m) in lmul.iter_mut().enumerate() {
+            *m = mul(n as u64, l);
+        }
+        let k = Keys { i, j, l, ipow, lmul, aes4: [j, i, l, [0; 16]], aes10: [i, j, l, i, j, l, i, j, l, i] };
+        Self { k, round: Round::detect(), key_len: key.len() }
+    }
+
+    /// The same with the portable AES round (for cross-checking the AES-NI path).
+    pub fn new_portable(key: &[u8]) -> Self {
+        let mut a = Self::new(key);
+        a.round = Round::Soft;
+        a
+    }
+
+    /// 2^ceil(i/8) * I.
+    fn i_mult(&self, i: u64) -> B {
+        let e = i.div_ceil(8) as usize;
+        if e < IPOW {
+            self.k.ipow[e]
+        } else {
+            let mut v = self.k.ipow[IPOW - 1];
+            for _ in IPOW - 1..e {
+                v = dbl(v);
+            }
+            v
+        }
+    }
+
+    /// The offset of E^{j,i}, j >= 0.
+    fn offset(&self, j: u64, i: u64) -> B {
+        let jj = match j {
+            0 => [0u8; 16],
+            1 => self.k.j,
+            _ => mul(j, self.k.j),
+        };
+        x(x(jj, self.i_mult(i)), self.k.lmul[(i % 8) as usize])
+    }
+
+    fn aes4(&self, blocks: &mut [B]) {
+        rounds(self.round, blocks, &self.k.aes4);
+    }
+
+    fn aes10(&self, blocks: &mut [B]) {
+        rounds(self.round, blocks, &self.k.aes10);
+    }
+
+    /// E^{j,i}(X) for j >= 0.
+    fn e(&self, j: u64, i: u64, v: B) -> B {
+        let mut b = [x(v, self.offset(j, i))];
+        self.aes4(&mut b);
+        b[0]
+    }
+
+    /// E^{-1,i}(X) = AES10(X ^ i*L).
+    fn e_neg(&self, i: u64, v: B) -> B {
+        let mut b = [x(v, mul(i, self.k.l))];
+        self.aes10(&mut b);
+        b[0]
+    }
+
+    // ---- AEZ-hash and AEZ-prf ----
+
+    /// AEZ-hash over (T_1, ..., T_t): T_p uses j = p + 2.
+    pub fn hash(&self, t: &[&[u8]]) -> [u8; 16] {
+        let mut delta = [0u8; 16];
+        for (p, s) in t.iter().enumerate() {
+            let j = p as u64 + 3;
+            if s.is_empty() {
+                delta = x(delta, self.e(j, 0, pad10(&[])));
+                continue;
+            }
+            let r = s.len().div_ceil(16);
+            for (n, piece) in s.chunks(16).enumerate() {
+                let idx = n as u64 + 1;
+                let v = if piece.len() == 16 {
+                    self.e(j, idx, piece.try_into().unwrap())
+                } else {
+                    debug_assert_eq!(n + 1, r);
+                    self.e(j, 0, pad10(piece))
+                };
+                delta = x(delta, v);
+            }
+        }
+        delta
+    }
+
+    /// AEZ-prf: `taubytes` bytes from E^{-1,3}(Delta ^ [k]_128), k = 0, 1, ...
+    pub fn prf(&self, delta: &[u8; 16], taubytes: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(taubytes.next_multiple_of(16));
+        let mut k = 0u64;
+        while out.len() < taubytes {
+            out.extend_from_slice(&self.e_neg(3, x(*delta, be128(k))));
+            k += 1;
+        }
+        out.truncate(taubytes);
+        out
+    }
+
+    // ---- Encipher / Decipher ----
+
+    /// Enciphers (d = false) or deciphers (d = true) `m` in place under `delta`.
+    pub fn encipher(&self, delta: &[u8; 16], m: &mut [u8], decipher: bool) {
+        match m.len() {
+            0 => {}
+            1..=31 => self.tiny(delta, m, decipher),
+            _ => self.core(delta, m, decipher),
+        }
+    }
+
+    fn core(&self, delta: &B, msg: &mut [u8], d: bool) {
+        let len = msg.len();
+        let m = (len - 32) / 32;
+        let uv = len - 32 - 32 * m; // |Muv|, 0..31
+        let (pairs, rest) = msg.split_at_mut(32 * m);
+        let (muv, xy) = rest.split_at_mut(uv);
+        let (mx, my): (B, B) = (xy[..16].try_into().unwrap(), xy[16..].try_into().unwrap());
+        let dd = u64::from(d);
+
+        // Pass 1, eight pairs per batch: W_i = M_i ^ E^{1,i}(M'_i); X_i = M'_i ^ E^{0,0}(W_i).
+        let off00 = self.offset(0, 0);
+        let mut sum_x = [0u8; 16];
+        let mut buf = [[0u8; 16]; 8];
+        for (c, chunk) in pairs.chunks_mut(256).enumerate() {
+            let n = chunk.len() / 32;
+            for (k, b) in buf[..n].iter_mut().enumerate() {
+                let i = (8 * c + k + 1) as u64;
+                *b = x(chunk[32 * k + 16..32 * k + 32].try_into().unwrap(), self.offset(1, i));
+            }
+            self.aes4(&mut buf[..n]);
+            for (k, b) in buf[..n].iter_mut().enumerate() {
+                let w = x(chunk[32 * k..32 * k + 16].try_into().unwrap(), *b);
+                chunk[32 * k..32 * k + 16].copy_from_slice(&w);
+                *b = x(w, off00);
+            }
+            self.aes4(&mut buf[..n]);
+            for (k, b) in buf[..n].iter().enumerate() {
+                let xi = x(chunk[32 * k + 16..32 * k + 32].try_into().unwrap(), *b);
+                chunk[32 * k + 16..32 * k + 32].copy_from_slice(&xi);
+                sum_x = x(sum_x, xi);
+            }
+        }
+        let (mu, mv) = muv.split_at_mut(uv.min(16));
+        if uv >= 1 && uv <= 15 {
+            sum_x = x(sum_x, self.e(0, 4, pad10(mu)));
+        } else if uv >= 16 {
+            sum_x = x(sum_x, self.e(0, 4, (&*mu).try_into().unwrap()));
+            sum_x = x(sum_x, self.e(0, 5, pad10(mv)));
+        }
+
+        // Middle.
+        let sx = x(x(x(mx, *delta), sum_x), self.e(0, 1 + dd, my));
+        let sy = x(my, self.e_neg(1 + dd, sx));
+        let s = x(sx, sy);
+
+        // Pass 2: S' = E^{2,i}(S); Y_i = W_i ^ S'; Z_i = X_i ^ S'; C'_i = Y_i ^ E^{0,0}(Z_i);
+        // C_i = Z_i ^ E^{1,i}(C'_i).
+        let mut sum_y = [0u8; 16];
+        let mut z = [[0u8; 16]; 8];
+        for (c, chunk) in pairs.chunks_mut(256).enumerate() {
+            let n = chunk.len() / 32;
+            for (k, b) in buf[..n].iter_mut().enumerate() {
+                *b = x(s, self.offset(2, (8 * c + k + 1) as u64));
+            }
+            self.aes4(&mut buf[..n]);
+            for k in 0..n {
+                let sp = buf[k];
+                let y = x(chunk[32 * k..32 * k + 16].try_into().unwrap(), sp);
+                z[k] = x(chunk[32 * k + 16..32 * k + 32].try_into().unwrap(), sp);
+                sum_y = x(sum_y, y);
+                chunk[32 * k..32 * k + 16].copy_from_slice(&y); // keep Y_i for a moment
+                buf[k] = x(z[k], off00);
+            }
+            self.aes4(&mut buf[..n]);
+            for k in 0..n {
+                let cp = x(chunk[32 * k..32 * k + 16].try_into().unwrap(), buf[k]); // C'_i
+                chunk[32 * k + 16..32 * k + 32].copy_from_slice(&cp);
+                buf[k] = x(cp, self.offset(1, (8 * c + k + 1) as u64));
+            }
+            self.aes4(&mut buf[..n]);
+            for k in 0..n {
+                let ci = x(z[k], buf[k]);
+                chunk[32 * k..32 * k + 16].copy_from_slice(&ci);
+            }
+        }
+        if uv >= 1 && uv <= 15 {
+            let ks = self.e_neg(4, s);
+            for (b, k) in mu.iter_mut().zip(ks.iter()) {
+                *b ^= k;
+            }
+            sum_y = x(sum_y, self.e(0, 4, pad10(mu)));
+        } else if uv >= 16 {
+            let cu = x((&*mu).try_into().unwrap(), self.e_neg(4, s));
+            mu.copy_from_slice(&cu);
+            let ks = self.e_neg(5, s);
+            for (b, k) in mv.iter_mut().zip(ks.iter()) {
+                *b ^= k;
+            }
+            sum_y = x(sum_y, self.e(0, 4, cu));
+            sum_y = x(sum_y, self.e(0, 5, pad10(mv)));
+        }
+        let cy = x(sx, self.e_neg(2 - dd, sy));
+        let cx = x(x(x(sy, *delta), sum_y), self.e(0, 2 - dd, cy));
+        xy[..16].copy_from_slice(&cx);
+        xy[16..].copy_from_slice(&cy);
+        buf.zeroize();
+        z.zeroize();
+    }
+
+    fn tiny(&self, delta: &B, m: &mut [u8], d: bool) {
+        let nbytes = m.len();
+        let h = 4 * nbytes; // half the bits
+        let rounds_n = match nbytes {
+            1 => 24,
+            2 => 16,
+            3..=15 => 10,
+            _ => 8,
+        };
+        let k = if nbytes <= 15 { 7 } else { 6 };
+        if d && nbytes <= 15 {
+            self.fix(delta, m);
+        }
+        let mask = if h == 128 { u128::MAX } else { (1u128 << h) - 1 };
+        let mut l = get_bits(m, 0, h);
+        let mut r = get_bits(m, h, h);
+        let off = self.offset(0, k);
+        let step = |l: u128, r: u128, round: u64| -> u128 {
+            // blk = R || 1 || 0*, as a 128-bit big-endian integer.
+            let blk = ((r << 1) | 1) << (127 - h);
+            let mut b = [x(x(blk.to_be_bytes(), *delta), x(be128(round), off))];
+            self.aes4(&mut b);
+            let f = u128::from_be_bytes(b[0]) >> (128 - h);
+            l ^ (f & mask)
+        };
+        if !d {
+            for round in 0..rounds_n {
+                let nr = step(l, r, round);
+                l = r;
+                r = nr;
+            }
+        } else {
+            for round in (0..rounds_n).rev() {
+                let nr = step(l, r, round);
+                l = r;
+                r = nr;
+            }
+        }
+        // C = R || L
+        put_bits(m, 0, h, r);
+        put_bits(m, h, h, l);
+        if !d && nbytes <= 15 {
+            self.fix(delta, m);
+        }
+    }
+
+    /// Flips the first bit of `v` when the first bit of E^{0,3}(Delta ^ (v | 1000...)) is 1.
+    fn fix(&self, delta: &B, v: &mut [u8]) {
+        let mut q = [0u8; 16];
+        q[..v.len()].copy_from_slice(v);
+        q[0] |= 0x80;
+        let e = self.e(0, 3, x(*delta, q));
+        v[0] ^= e[0] & 0x80;
+    }
+
+    // ---- The AEAD ----
+
+    /// AEZ v5 Encrypt: `abytes` = tau (tag length in bytes).
+    pub fn encrypt_aead(&self, nonce: &[u8], ad: &[&[u8]], abytes: usize, m: &[u8]) -> Vec<u8> {
+        let delta = self.delta(nonce, ad, abytes);
+        if m.is_empty() {
+            return self.prf(&delta, abytes);
+        }
+        let mut out = m.to_vec();
+        out.resize(m.len() + abytes, 0);
+        self.encipher(&delta, &mut out, false);
+        out
+    }
+
+    /// AEZ v5 Decrypt: `None` when the ciphertext is not authentic.
+    pub fn decrypt_aead(&self, nonce: &[u8], ad: &[&[u8]], abytes: usize, c: &[u8]) -> Option<Vec<u8>> {
+        let delta = self.delta(nonce, ad, abytes);
+        if c.len() < abytes {
+            return None;
+        }
+        if c.len() == abytes {
+            let want = self.prf(&delta, abytes);
+            return (want.iter().zip(c).fold(0u8, |a, (p, q)| a | (p ^ q)) == 0).then(Vec::new);
+        }
+        let mut out = c.to_vec();
+        self.encipher(&delta, &mut out, true);
+        let tail = out.split_off(c.len() - abytes);
+        (tail.iter().fold(0u8, |a, b| a | b) == 0).then_some(out)
+    }
+
+    fn delta(&self, nonce: &[u8], ad: &[&[u8]], abytes: usize) -> B {
+        let tau = be128(8 * abytes as u64);
+        let mut t: Vec<&[u8]> = Vec::with_capacity(ad.len() + 2);
+        t.push(&tau);
+        t.push(nonce);
+        t.extend_from_slice(ad);
+        self.hash(&t)
+    }
+
+    /// Delta of a sector: AEZ-hash([0]_128, N) = E^{3,1}([0]_128) ^ E^{4,.}(N).
+    fn sector_delta(&self, tweak: &[u8]) -> B {
+        self.hash(&[&[0u8; 16], tweak])
+    }
+
+    pub fn implementation(&self) -> &'static str {
+        match self.round {
+            #[cfg(target_arch = "x86_64")]
+            Round::AesNi => "aes-ni",
+            Round::Soft => "aes-crate-hazmat",
+        }
+    }
+}
+
+/// `len` bits of `m` from bit `start` (big-endian bit order), as an integer; len <= 128.
+fn get_bits(m: &[u8], start: usize, len: usize) -> u128 {
+    let mut v = 0u128;
+    for b in start..start + len {
+        let bit = (m[b / 8] >> (7 - b % 8)) & 1;
+        v = (v << 1) | u128::from(bit);
+    }
+    v
+}
+
+fn put_bits(m: &mut [u8], start: usize, len: usize, v: u128) {
+    for (n, b) in (start..start + len).enumerate() {
+        let bit = ((v >> (len - 1 - n)) & 1) as u8;
+        let mask = 0x80u8 >> (b % 8);
+        m[b / 8] = (m[b / 8] & !mask) | (bit << (7 - b % 8));
+    }
+}
+
+impl SectorCipher for Aez {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn key_len(&self) -> usize {
+        self.key_len
+    }
+
+    fn encrypt(&self, tweak: &[u8], data: &mut [u8]) -> Result<(), CipherError> {
+        if data.is_empty() {
+            return Err(CipherError::DataTooShort { cipher: NAME, min: 1, got: 0 });
+        }
+        let delta = self.sector_delta(tweak);
+        self.encipher(&delta, data, false);
+        Ok(())
+    }
+
+    fn decrypt(&self, tweak: &[u8], data: &mut [u8]) -> Result<(), CipherError> {
+        if data.is_empty() {
+            return Err(CipherError::DataTooShort { cipher: NAME, min: 1, got: 0 });
+        }
+        let delta = self.sector_delta(tweak);
+        self.encipher(&delta, data, true);
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Extract: BLAKE2b (RFC 7693) with a 48-byte digest, unkeyed.
+// ---------------------------------------------------------------------------------------------
+
+/// AEZ's Extract: a 48-byte key as it is, any other length through BLAKE2b-384.
+pub fn extract(key: &[u8]) -> [u8; 48] {
+    if let Ok(k) = <[u8; 48]>::try_from(key) {
+        return k;
+    }
+    let mut out = blake2b(key, 48);
+    let k = out[..48].try_into().unwrap();
+    out.zeroize();
+    k
+}
+
+const IV: [u64; 8] = [
+    0x6a09e667f3bcc908, 0xbb67ae8584caa73b, 0x3c6ef372fe94f82b, 0xa54ff53a5f1d36f1,
+    0x510e527fade682d1, 0x9b05688c2b3e6c1f, 0x1f83d9abfb41bd6b, 0x5be0cd19137e2179,
+];
+
+const SIGMA: [[usize; 16]; 12] = [
+    [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+    [14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3],
+    [11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4],
+    [7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8],
+    [9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13],
+    [2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9],
+    [12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11],
+    [13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10],
+    [6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5],
+    [10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0],
+    [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+    [14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3],
+];
+
+fn compress(h: &mut [u64; 8], block: &[u8; 128], t: u128, last: bool) {
+    let mut m = [0u64; 16];
+    for (w, c) in m.iter_mut().zip(block.chunks_exact(8)) {
+        *w = u64::from_le_bytes(c.try_into().unwrap());
+    }
+    let mut v = [0u64; 16];
+    v[..8].copy_from_slice(h);
+    v[8..].copy_from_slice(&IV);
+    v[12] ^= t as u64;
+    v[13] ^= (t >> 64) as u64;
+    if last {
+        v[14] = !v[14];
+    }
+    #[inline(always)]
+    fn g(v: &mut [u64; 16], a: usize, b: usize, c: usize, d: usize, x: u64, y: u64) {
+        v[a] = v[a].wrapping_add(v[b]).wrapping_add(x);
+        v[d] = (v[d] ^ v[a]).rotate_right(32);
+        v[c] = v[c].wrapping_add(v[d]);
+        v[b] = (v[b] ^ v[c]).rotate_right(24);
+        v[a] = v[a].wrapping_add(v[b]).wrapping_add(y);
+        v[d] = (v[d] ^ v[a]).rotate_right(16);
+        v[c] = v[c].wrapping_add(v[d]);
+        v[b] = (v[b] ^ v[c]).rotate_right(63);
+    }
+    for s in &SIGMA {
+        g(&mut v, 0, 4, 8, 12, m[s[0]], m[s[1]]);
+        g(&mut v, 1, 5, 9, 13, m[s[2]], m[s[3]]);
+        g(&mut v, 2, 6, 10, 14, m[s[4]], m[s[5]]);
+        g(&mut v, 3, 7, 11, 15, m[s[6]], m[s[7]]);
+        g(&mut v, 0, 5, 10, 15, m[s[8]], m[s[9]]);
+        g(&mut v, 1, 6, 11, 12, m[s[10]], m[s[11]]);
+        g(&mut v, 2, 7, 8, 13, m[s[12]], m[s[13]]);
+        g(&mut v, 3, 4, 9, 14, m[s[14]], m[s[15]]);
+    }
+    for i in 0..8 {
+        h[i] ^= v[i] ^ v[i + 8];
+    }
+    m.zeroize();
+    v.zeroize();
+}
+
+/// Unkeyed BLAKE2b with an `outlen`-byte digest (1..=64).
+fn blake2b(data: &[u8], outlen: usize) -> [u8; 64] {
+    let mut h = IV;
+    h[0] ^= 0x0101_0000 ^ outlen as u64;
+    let mut t = 0u128;
+    let mut block = [0u8; 128];
+    if data.is_empty() {
+        compress(&mut h, &block, 0, true);
+    } else {
+        let n = data.len().div_ceil(128);
+        for (k, c) in data.chunks(128).enumerate() {
+            block = [0u8; 128];
+            block[..c.len()].copy_from_slice(c);
+            t += c.len() as u128;
+            compress(&mut h, &block, t, k + 1 == n);
+        }
+    }
+    block.zeroize();
+    let mut out = [0u8; 64];
+    for (o, w) in out.chunks_exact_mut(8).zip(h.iter()) {
+        o.copy_from_slice(&w.to_le_bytes());
+    }
+    h.zeroize();
+    for b in out[outlen..].iter_mut() {
+        *b = 0;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+
+    fn vectors(name: &str) -> Vec<Value> {
+        let dir = std::env::var_os("CRYPTBRIDGE_VECTORS")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/vectors"));
+        let path = dir.join("aez").join(name);
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+    }
+
+    fn h(v: &Value) -> Vec<u8> {
+        hex::decode(v.as_str().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn blake2b_rfc7693_abc() {
+        let d = blake2b(b"abc", 64);
+        assert_eq!(
+            hex::encode(d),
+            "ba80a53f981c4d0d6a2797b69f12f6e94c212f14685ac4b74b12bb6fdbffa2d17d87c5392aab792dc252d5de4533cc9518d38aa8dbf1925ab92386edd4009923"
+        );
+    }
+
+    #[test]
+    fn extract_vectors() {
+        let cases = vectors("extract.json");
+        assert_eq!(cases.len(), 110);
+        for c in cases {
+            assert_eq!(hex::encode(extract(&h(&c["a"]))), c["b"].as_str().unwrap());
+        }
+    }
+
+    #[test]
+    fn hash_vectors() {
+        let cases = vectors("hash.json");
+        assert_eq!(cases.len(), 27);
+        for c in cases {
+            let a = Aez::new(&h(&c["k"]));
+            let tau = be128(c["tau"].as_u64().unwrap());
+            let data: Vec<Vec<u8>> = c["data"].as_array().unwrap().iter().map(h).collect();
+            let mut t: Vec<&[u8]> = vec![&tau];
+            t.extend(data.iter().map(|d| d.as_slice()));
+            assert_eq!(hex::encode(a.hash(&t)), c["v"].as_str().unwrap());
+        }
+    }
+
+    #[test]
+    fn prf_vectors() {
+        let cases = vectors("prf.json");
+        assert_eq!(cases.len(), 16);
+        for c in cases {
+            let a = Aez::new(&h(&c["k"]));
+            let delta: B = h(&c["delta"]).try_into().unwrap();
+            assert_eq!(hex::encode(a.prf(&delta, c["tau"].as_u64().unwrap() as usize)), c["r"].as_str().unwrap());
+        }
+    }
+}

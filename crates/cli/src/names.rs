@@ -3,8 +3,22 @@
 
 use anyhow::{bail, Result};
 
+/// Wide-block schemes a volume may use: (Linux crypto API name, dm-crypt `cipher-mode` spelling
+/// without the IV suffix, if any).
+const WIDE_BLOCK: &[(&str, Option<&str>)] = &[
+    ("hctr2(aes)", Some("aes-hctr2")),
+    ("adiantum(xchacha12,aes)", Some("xchacha12,aes-adiantum")),
+    ("adiantum(xchacha20,aes)", Some("xchacha20,aes-adiantum")),
+    ("eme2(aes)", Some("aes-eme2")),
+    ("xcb(aes)", Some("aes-xcb")),
+    ("fast-horner(aes)", None),
+    ("fast-brw(aes)", None),
+    ("aez", None),
+];
+
 /// Maps a volume cipher spec to (Linux crypto API name, IV generator). Only `plain64` exists
-/// here: the tweak is the sector number as a 16-byte little-endian block.
+/// here: the tweak is the sector number as a 16-byte little-endian block (zero-padded to 32 bytes
+/// for HCTR2 and Adiantum, as Linux does).
 pub fn volume_cipher(spec: &str) -> Result<&'static str> {
     Ok(match spec {
         "aes-xts-plain64" | "capi:xts(aes)-plain64" | "xts(aes)" => "xts(aes)",
@@ -14,6 +28,50 @@ pub fn volume_cipher(spec: &str) -> Result<&'static str> {
         "aes-ecb" | "ecb(aes)" => {
             bail!("cipher `{spec}`: ECB ignores the sector number and shows equal plaintext blocks; refused for volumes")
         }
-        _ => bail!("unknown volume cipher `{spec}` (supported: aes-xts-plain64, capi:xts(aes)-plain64, xts(aes))"),
+        _ => match wide_block(spec) {
+            Some(name) => name,
+            None => bail!(
+                "unknown volume cipher `{spec}` (supported: aes-xts-plain64, capi:xts(aes)-plain64, xts(aes); wide-block: {})",
+                WIDE_BLOCK.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+            ),
+        },
     })
+}
+
+/// `NAME`, `capi:NAME-plain64` or the dm-crypt spelling `cipher-mode-plain64`.
+fn wide_block(spec: &str) -> Option<&'static str> {
+    for &(name, dm) in WIDE_BLOCK {
+        if spec == name || spec.strip_prefix("capi:").and_then(|s| s.strip_suffix("-plain64")) == Some(name) {
+            return Some(name);
+        }
+        if let Some(dm) = dm {
+            if spec.strip_suffix("-plain64") == Some(dm) {
+                return Some(name);
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spellings() {
+        assert_eq!(volume_cipher("aes-xts-plain64").unwrap(), "xts(aes)");
+        assert_eq!(volume_cipher("xts(aes)").unwrap(), "xts(aes)");
+        assert_eq!(volume_cipher("hctr2(aes)").unwrap(), "hctr2(aes)");
+        assert_eq!(volume_cipher("capi:hctr2(aes)-plain64").unwrap(), "hctr2(aes)");
+        assert_eq!(volume_cipher("aes-hctr2-plain64").unwrap(), "hctr2(aes)");
+        assert_eq!(volume_cipher("xchacha12,aes-adiantum-plain64").unwrap(), "adiantum(xchacha12,aes)");
+        assert_eq!(volume_cipher("capi:adiantum(xchacha20,aes)-plain64").unwrap(), "adiantum(xchacha20,aes)");
+        for n in ["eme2(aes)", "xcb(aes)", "fast-horner(aes)", "fast-brw(aes)", "aez"] {
+            assert_eq!(volume_cipher(n).unwrap(), n);
+        }
+        assert!(volume_cipher("ecb(aes)").is_err());
+        assert!(volume_cipher("aes-ecb").is_err());
+        assert!(volume_cipher("aes-hctr2-essiv:sha256").is_err());
+        assert!(volume_cipher("fast-horner(aes)-plain64").is_err());
+    }
 }

@@ -7,8 +7,9 @@ For each file size (16 sizes, 32 KiB, 64 KiB, ... 1 GiB) x mode (gcm, ctr, cbc, 
 (encrypt, decrypt), interleaved and repeated (median wall time, process start included for
 every tool):
 
-  ours file:  cryptbridge file encrypt|decrypt --cipher aes-256-M --pass-file P --iter N IN OUT
-              (default settings: all cores, OUT fsynced and renamed into place)
+  ours file:  cryptbridge file encrypt|decrypt --cipher aes-256-M --pass-file P --iter N --stats IN OUT
+              (default settings: all cores, OUT fsynced and renamed into place; --stats splits
+              the time into key derivation, pipeline and fsync+rename, reported per row)
   ours sink:  the same with --sink (transform and discard: no output I/O)
   openssl:    openssl enc [-d] -aes-256-M -pbkdf2 -iter N -pass file:P -in IN -out OUT
               `openssl enc` has no AEAD mode, so the gcm rows compare against
@@ -88,12 +89,22 @@ def make_file(path: Path, size: int) -> None:
                 block = os.urandom(len(block))
 
 
-def timed(argv, timeout: float) -> float:
+def timed(argv, timeout: float, stats: list | None = None) -> float:
     t0 = time.perf_counter()
     r = run(argv, timeout=timeout)
     dt = time.perf_counter() - t0
     if r.returncode != 0:
         raise RuntimeError(f"{shjoin(argv)} exited {r.returncode}: {r.stderr.strip()[-400:]}")
+    if stats is not None:
+        # `cryptbridge file --stats`: one JSON line on stderr (kdf / pipeline / fsync+rename)
+        import json
+
+        for line in r.stderr.splitlines():
+            if line.startswith("{"):
+                try:
+                    stats.append(json.loads(line))
+                except ValueError:
+                    pass
     return dt
 
 
@@ -182,6 +193,7 @@ def main() -> int:
 
     # results[(mode, dir, size)][variant] = [seconds...]
     results: dict = {}
+    breakdown: dict = {}
     ceiling: dict = {}
     sweeps: dict = {}
     try:
@@ -220,11 +232,12 @@ def main() -> int:
                     for d in dirs:
                         key = (mode, d, size)
                         slot = results.setdefault(key, {"ours_file": [], "ours_sink": [], "openssl": []})
+                        st = breakdown.setdefault(key, [])
                         src = plain if d == "encrypt" else cts[mode]
                         out = work / "out"
                         base = [args.binary, "file", d, "--cipher", f"aes-256-{mode}", "--insecure-ecb",
                                 "--pass-file", pw, "--iter", args.iter, "--no-progress"]
-                        variants = [("ours_file", base + [src, out]), ("ours_sink", base + ["--sink", src])]
+                        variants = [("ours_file", base + ["--stats", src, out]), ("ours_sink", base + ["--sink", src])]
                         if have_openssl:
                             osrc = cts.get("gcm-baseline", src) if (mode == "gcm" and d == "decrypt") else src
                             variants.append(("openssl", ["openssl", "enc"] + (["-d"] if d == "decrypt" else [])
@@ -238,7 +251,7 @@ def main() -> int:
                             # openssl does not; neither should pay for earlier runs' writeback).
                             os.sync()
                             try:
-                                slot[name].append(timed(argv, timeout))
+                                slot[name].append(timed(argv, timeout, st if name == "ours_file" else None))
                             except Exception as e:  # noqa: BLE001
                                 warn(str(e))
                                 slot[name].append(None)
@@ -275,26 +288,31 @@ def main() -> int:
             target = TARGET_ALL
         if size >= GiB and mode in BIG_MODES:
             target = TARGET_BIG
+        bd = breakdown.get((mode, d, size), [])
+        parts = {k: median([b.get(k) for b in bd]) for k in ("kdf_s", "pipeline_s", "commit_s", "total_s")}
         rows.append({
-            "mode": mode, "direction": d, "size": size,
+            "mode": mode, "direction": d, "size": size, "ours_file_breakdown_s": parts,
             "seconds": t, "gbps": gb, "speedup_file": sp, "speedup_sink": sp_sink,
             "target": target, "verdict": verdict(sp, target) or None,
             "samples": s,
         })
 
-    md = ["| mode | dir | size | ours file GB/s | ours sink GB/s | openssl enc GB/s | ours/openssl | sink/openssl | target |",
-          "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    md = ["| mode | dir | size | ours file GB/s | ours sink GB/s | openssl enc GB/s | ours/openssl | sink/openssl "
+          "| ours: pipeline s | ours: fsync+rename s | target |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     log("")
-    log(f"{'mode':5} {'dir':8} {'size':>5} {'ours':>7} {'sink':>7} {'openssl':>8} {'x':>6} {'sink x':>7}  target")
+    log(f"{'mode':5} {'dir':8} {'size':>5} {'ours':>7} {'sink':>7} {'openssl':>8} {'x':>6} {'sink x':>7} "
+        f"{'pipe s':>8} {'fsync s':>8}  target")
     for r in rows:
         g = r["gbps"]
+        bd = r["ours_file_breakdown_s"]
         tgt = f">= {r['target']} {r['verdict'] or ''}" if r["target"] else ""
         log(f"{r['mode']:5} {r['direction']:8} {human(r['size']):>5} {fmt(g['ours_file'], 2):>7} "
             f"{fmt(g['ours_sink'], 2):>7} {fmt(g['openssl'], 2):>8} {fmt(r['speedup_file'], 2):>6} "
-            f"{fmt(r['speedup_sink'], 2):>7}  {tgt}")
+            f"{fmt(r['speedup_sink'], 2):>7} {fmt(bd['pipeline_s'], 3):>8} {fmt(bd['commit_s'], 3):>8}  {tgt}")
         md.append(f"| {r['mode']} | {r['direction']} | {human(r['size'])} | {fmt(g['ours_file'], 2)} | "
                   f"{fmt(g['ours_sink'], 2)} | {fmt(g['openssl'], 2)} | {fmt(r['speedup_file'], 2)} | "
-                  f"{fmt(r['speedup_sink'], 2)} | {tgt} |")
+                  f"{fmt(r['speedup_sink'], 2)} | {fmt(bd['pipeline_s'], 3)} | {fmt(bd['commit_s'], 3)} | {tgt} |")
     judged = [r for r in rows if r["target"]]
     passed = sum(1 for r in judged if r["verdict"] == "PASS")
     summary = f"targets: {passed}/{len(judged)} PASS"

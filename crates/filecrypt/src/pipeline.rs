@@ -12,10 +12,9 @@
 //!   the buffers to the pool. After the first error nothing more is written.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::{self, Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::bounded;
@@ -113,10 +112,6 @@ pub struct PipelineConfig {
     pub progress: bool,
     /// Expected input size, for the progress bar.
     pub total_hint: Option<u64>,
-    /// Output file to fdatasync from a helper thread every `sync_every` bytes written, so that
-    /// writeback overlaps the run and the final fsync has little left to wait for.
-    pub sync_file: Option<Arc<File>>,
-    pub sync_every: u64,
 }
 
 impl Default for PipelineConfig {
@@ -126,8 +121,6 @@ impl Default for PipelineConfig {
             chunk: crate::format::DEFAULT_CHUNK,
             progress: false,
             total_hint: None,
-            sync_file: None,
-            sync_every: 64 << 20,
         }
     }
 }
@@ -218,19 +211,6 @@ pub(crate) fn run(
 
     let mut stats = Stats { workers, ..Stats::default() };
     std::thread::scope(|s| {
-        // ---- early writeback (optional) ----
-        let (sync_tx, sync_rx) = bounded::<()>(1);
-        if let Some(f) = cfg.sync_file.clone() {
-            s.spawn(move || {
-                for () in sync_rx.iter() {
-                    // Errors surface in the final fsync; this one only starts writeback early.
-                    let _ = f.sync_data();
-                }
-            });
-        } else {
-            drop(sync_rx);
-        }
-        let mut since_sync = 0u64;
         // ---- reader ----
         let reader = {
             let (free_rx, work_tx, abort, first_error) = (&free_rx, work_tx, &abort, &first_error);
@@ -342,11 +322,7 @@ pub(crate) fn run(
                     }
                 }
                 stats.bytes_out += data.len() as u64;
-                since_sync += data.len() as u64;
-                if since_sync >= cfg.sync_every {
-                    since_sync = 0;
-                    let _ = sync_tx.try_send(());
-                }
+
                 stats.chunks += 1;
                 if let Some(pb) = &progress {
                     pb.inc(job.in_len as u64);
@@ -363,7 +339,6 @@ pub(crate) fn run(
                 }
             }
         }
-        drop(sync_tx);
         match reader.join() {
             Ok((bytes_in, _)) => stats.bytes_in = bytes_in,
             Err(_) => first_error.set(u64::MAX, Error::WorkerPanic),

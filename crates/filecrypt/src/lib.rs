@@ -209,6 +209,7 @@ pub fn run_file(dir: Direction, secret: &Secret, input: Input, output: Output, o
             }
             let mut w = file.writer(opts.fsync, header_bytes as u64 * (dir == Direction::Encrypt) as u64);
             let stats = pipeline::run(&setup, dir, &mut reader, Some(&mut w), &cfg)?;
+            drop(w); // joins the writeback helper
             let tc = Instant::now();
             file.commit(opts.fsync)?;
             commit_time = tc.elapsed();

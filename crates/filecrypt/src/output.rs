@@ -72,27 +72,61 @@ fn start_writeback(file: &File, offset: u64, len: u64) {
 fn start_writeback(_file: &File, _offset: u64, _len: u64) {}
 
 /// The writer's view of an [`AtomicFile`]: plain writes, plus a writeback kick every 8 MiB when
-/// the file will be fsynced anyway.
+/// the file will be fsynced anyway. The kicks run on a helper thread (`sync_file_range` may block
+/// while the device queue is full, and the writer must not); a kick that finds the helper busy is
+/// folded into the next one.
 pub struct WritebackWriter<'a> {
     file: &'a mut File,
-    kick: bool,
+    kicks: Option<(crossbeam_channel::Sender<(u64, u64)>, std::thread::JoinHandle<()>)>,
     written: u64,
     kicked: u64,
+}
+
+impl WritebackWriter<'_> {
+    fn new(file: &mut File, writeback: bool, already: u64) -> WritebackWriter<'_> {
+        let kicks = if writeback {
+            file.try_clone().ok().and_then(|f| {
+                let (tx, rx) = crossbeam_channel::bounded::<(u64, u64)>(1);
+                std::thread::Builder::new()
+                    .name("writeback".into())
+                    .spawn(move || {
+                        for (off, len) in rx.iter() {
+                            start_writeback(&f, off, len);
+                        }
+                    })
+                    .ok()
+                    .map(|h| (tx, h))
+            })
+        } else {
+            None
+        };
+        WritebackWriter { file, kicks, written: already, kicked: 0 }
+    }
 }
 
 impl Write for WritebackWriter<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let n = self.file.write(buf)?;
         self.written += n as u64;
-        if self.kick && self.written - self.kicked >= WRITEBACK_STEP {
-            start_writeback(self.file, self.kicked, self.written - self.kicked);
-            self.kicked = self.written;
+        if let Some((tx, _)) = &self.kicks {
+            if self.written - self.kicked >= WRITEBACK_STEP && tx.try_send((self.kicked, self.written - self.kicked)).is_ok() {
+                self.kicked = self.written;
+            }
         }
         Ok(n)
     }
 
     fn flush(&mut self) -> io::Result<()> {
         self.file.flush()
+    }
+}
+
+impl Drop for WritebackWriter<'_> {
+    fn drop(&mut self) {
+        if let Some((tx, handle)) = self.kicks.take() {
+            drop(tx);
+            let _ = handle.join();
+        }
     }
 }
 
@@ -152,7 +186,7 @@ impl AtomicFile {
     /// A writer over the file. With `writeback`, writeback is started every few MiB (use it when
     /// the file is fsynced at the end). `already` is the number of bytes written before.
     pub fn writer(&mut self, writeback: bool, already: u64) -> WritebackWriter<'_> {
-        WritebackWriter { file: self.file(), kick: writeback, written: already, kicked: 0 }
+        WritebackWriter::new(self.file(), writeback, already)
     }
 
     pub fn temp_path(&self) -> &Path {

@@ -24,10 +24,16 @@ use zeroize::{Zeroize, ZeroizeOnDrop};
 use crate::aes_any::AesAny;
 use crate::gf128::{fill_xts_tweaks, xts_mul_alpha};
 use crate::tes_common::ecb;
+#[cfg(target_arch = "x86_64")]
+use crate::tes_common::vaes::Vaes;
 use crate::{CipherError, SectorCipher};
 
 const NAME: &str = "eme2(aes)";
 const MIX_PERIOD: usize = 128;
+/// The VAES path keeps the masks of up to 64 re-masking periods on the stack (128 KiB); longer
+/// data units take the generic path.
+#[cfg(target_arch = "x86_64")]
+const VAES_MAX_BLOCKS: usize = 64 * MIX_PERIOD;
 /// Mask batch: whole blocks handled per fill of the doubling chain.
 const CHUNK: usize = 128;
 
@@ -35,11 +41,16 @@ const CHUNK: usize = 128;
 struct Secrets {
     k_ad: u128,
     k_ecb: u128,
+    /// K_ECB * alpha^(128 k) for k = 0..64: the masks of the re-masked blocks.
+    l_period: [u128; 64],
 }
 
 pub struct Eme2 {
     secrets: Secrets,
     aes: AesAny,
+    /// Both layers fused with their masks, four blocks per register (AVX-512 VAES).
+    #[cfg(target_arch = "x86_64")]
+    vaes: Option<Vaes>,
     key_len: usize,
 }
 
@@ -52,16 +63,58 @@ impl Eme2 {
         let aes = AesAny::new(&key[32..]).ok_or_else(bad)?;
         let k_ad = u128::from_le_bytes(key[..16].try_into().expect("16 bytes"));
         let k_ecb = u128::from_le_bytes(key[16..32].try_into().expect("16 bytes"));
-        Ok(Self { secrets: Secrets { k_ad, k_ecb }, aes, key_len: key.len() })
+        let mut l_period = [0u128; 64];
+        let mut l = k_ecb;
+        for p in l_period.iter_mut() {
+            *p = l;
+            for _ in 0..MIX_PERIOD {
+                l = xts_mul_alpha(l);
+            }
+        }
+        Ok(Self {
+            secrets: Secrets { k_ad, k_ecb, l_period },
+            aes,
+            #[cfg(target_arch = "x86_64")]
+            vaes: Vaes::new(&key[32..]),
+            key_len: key.len(),
+        })
+    }
+
+    /// The portable implementation only (the `aes` crate for every AES call): the reference the
+    /// VAES path is cross-checked against.
+    pub fn new_generic(key: &[u8]) -> Result<Self, CipherError> {
+        let mut e = Self::new(key)?;
+        #[cfg(target_arch = "x86_64")]
+        {
+            e.vaes = None;
+        }
+        Ok(e)
+    }
+
+    /// `vaes-avx512` or `aes-crate`.
+    pub fn implementation(&self) -> &'static str {
+        #[cfg(target_arch = "x86_64")]
+        if self.vaes.is_some() {
+            return "vaes-avx512";
+        }
+        "aes-crate"
     }
 
     fn e(&self, x: u128) -> u128 {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v) = &self.vaes {
+            return v.block(x, false);
+        }
         let mut b = aes::Block::from(x.to_le_bytes());
         self.aes.encrypt_block(&mut b);
         u128::from_le_bytes(b.into())
     }
 
     fn d(&self, x: u128) -> u128 {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v) = &self.vaes {
+            return v.block(x, true);
+        }
         let mut b = aes::Block::from(x.to_le_bytes());
         self.aes.decrypt_blocks(core::slice::from_mut(&mut b));
         u128::from_le_bytes(b.into())
@@ -110,6 +163,13 @@ impl Eme2 {
         let tstar = self.tweak_hash(tweak);
         let n = data.len() / 16;
         let (full, tail) = data.split_at_mut(n * 16);
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v) = &self.vaes {
+            if n <= VAES_MAX_BLOCKS {
+                self.crypt_vaes(v, tstar, full, tail, decrypt);
+                return Ok(());
+            }
+        }
 
         // First layer: mask and encipher every whole block.
         self.xor_ecb_masks(full);
@@ -168,6 +228,66 @@ impl Eme2 {
         ecb(&self.aes, full, decrypt);
         self.xor_ecb_masks(full);
         Ok(())
+    }
+}
+
+impl Eme2 {
+    /// The same computation with both layers in the VAES kernels: one pass per layer, the
+    /// K_ECB and M masks built in registers.
+    #[cfg(target_arch = "x86_64")]
+    fn crypt_vaes(&self, v: &Vaes, tstar: u128, full: &mut [u8], tail: &mut [u8], decrypt: bool) {
+        let f = |x: u128| v.block(x, decrypt);
+        let n = full.len() / 16;
+        let l0 = self.secrets.k_ecb;
+        let mut mp = tstar ^ v.eme2_layer1(full, l0, decrypt);
+        let mut ccc1 = tstar;
+        let mc = if tail.is_empty() {
+            f(mp)
+        } else {
+            mp ^= pad(tail);
+            let mm = f(mp).to_le_bytes();
+            for (t, k) in tail.iter_mut().zip(mm.iter()) {
+                *t ^= k;
+            }
+            ccc1 ^= pad(tail);
+            f(u128::from_le_bytes(mm))
+        };
+        let m1 = mp ^ mc;
+        ccc1 ^= mc;
+        // The re-masked blocks (every 128th) depend only on M_1 and their own PPP: do them first,
+        // so that their serial cipher calls overlap with the bulk below. `starts` keeps the mask
+        // of the block after each.
+        let mut starts = [0u128; 64];
+        let mut j = MIX_PERIOD;
+        while j < n {
+            let seg = j / MIX_PERIOD;
+            let b = &mut full[16 * j..16 * j + 16];
+            let mp2 = u128::from_le_bytes((&*b).try_into().expect("16 bytes")) ^ m1;
+            let mc2 = f(mp2);
+            let ccc = mc2 ^ m1;
+            ccc1 ^= ccc;
+            b.copy_from_slice(&(f(ccc) ^ self.secrets.l_period[seg]).to_le_bytes());
+            starts[seg] = xts_mul_alpha(mp2 ^ mc2);
+            j += MIX_PERIOD;
+        }
+        // The other blocks, one run between re-masked blocks at a time.
+        let mut start = 1;
+        let mut l = xts_mul_alpha(l0);
+        let mut m = xts_mul_alpha(m1);
+        while start < n {
+            let end = n.min((start / MIX_PERIOD + 1) * MIX_PERIOD);
+            ccc1 ^= v.eme2_layer2(&mut full[16 * start..16 * end], m, l, decrypt);
+            // skip the re-masked block `end`; the run after it starts with its saved mask
+            let seg = end / MIX_PERIOD;
+            if end + 1 >= n {
+                break;
+            }
+            m = starts[seg];
+            l = xts_mul_alpha(self.secrets.l_period[seg]);
+            start = end + 1;
+        }
+        full[..16].copy_from_slice(&(f(ccc1) ^ l0).to_le_bytes());
+        starts.zeroize();
     }
 }
 

@@ -18,6 +18,8 @@ use zeroize::{Zeroize, ZeroizeOnDrop};
 use crate::aes_any::AesAny;
 use crate::gf128::{Acc, Field, PolyHash};
 use crate::tes_common::{block_at, ctr_xor, tweak_block};
+#[cfg(target_arch = "x86_64")]
+use crate::tes_common::vaes::Vaes;
 use crate::{CipherError, SectorCipher};
 
 /// Which hash FAST uses.
@@ -35,6 +37,9 @@ struct BrwPowers([u128; 17]);
 
 pub struct Fast {
     aes: AesAny,
+    /// Counter mode and the Feistel calls with VAES/AES-NI (AES-128/256 on AVX-512 CPUs).
+    #[cfg(target_arch = "x86_64")]
+    vaes: Option<Vaes>,
     /// Horner evaluator keyed by tau (also gives single products by tau).
     hash: PolyHash,
     tau: u128,
@@ -58,7 +63,28 @@ impl Fast {
         for i in 1..brw.0.len() {
             brw.0[i] = hash.mul(brw.0[i - 1], brw.0[i - 1]);
         }
-        Ok(Self { aes, hash, tau, brw, variant, key_len: key.len() })
+        Ok(Self {
+            aes,
+            #[cfg(target_arch = "x86_64")]
+            vaes: Vaes::new(key),
+            hash,
+            tau,
+            brw,
+            variant,
+            key_len: key.len(),
+        })
+    }
+
+    /// The portable implementation only (`aes` crate, 128-bit carry-less multiplies): the
+    /// reference the SIMD paths are cross-checked against.
+    pub fn new_generic(key: &[u8], variant: FastHash) -> Result<Self, CipherError> {
+        let mut f = Self::new(key, variant)?;
+        #[cfg(target_arch = "x86_64")]
+        {
+            f.vaes = None;
+        }
+        f.hash = core::mem::replace(&mut f.hash, PolyHash::new(Field::Le, &[0; 16])).narrow();
+        Ok(f)
     }
 
     fn name_of(variant: FastHash) -> &'static str {
@@ -68,8 +94,12 @@ impl Fast {
         }
     }
 
-    /// Whether the carry-less multiply instruction is in use.
+    /// Which AES and carry-less multiply implementations run.
     pub fn implementation(&self) -> &'static str {
+        #[cfg(target_arch = "x86_64")]
+        if self.vaes.is_some() && self.hash.uses_wide() {
+            return "vaes+vpclmulqdq";
+        }
         if self.hash.uses_clmul() { "aes-crate+pclmulqdq" } else { "aes-crate+portable-clmul" }
     }
 
@@ -124,6 +154,10 @@ impl Fast {
     }
 
     fn e(&self, x: u128) -> u128 {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v) = &self.vaes {
+            return v.block(x, false);
+        }
         let mut b = aes::Block::from(x.to_le_bytes());
         self.aes.encrypt_block(&mut b);
         u128::from_le_bytes(b.into())
@@ -131,6 +165,10 @@ impl Fast {
 
     /// C_i ^= E_K(Z ^ bin(i - 2)) for i = 3..m: the counter is XORed in, little-endian, from 1.
     fn ctr(&self, z: u128, body: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v) = &self.vaes {
+            return v.ctr_xor_le(body, z);
+        }
         ctr_xor(&self.aes, body, |i| (z ^ (i as u128 + 1)).to_le_bytes());
     }
 }

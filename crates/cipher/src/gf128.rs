@@ -202,11 +202,14 @@ pub(crate) fn have_clmul() -> bool {
 #[derive(Zeroize, ZeroizeOnDrop)]
 pub(crate) struct PolyHash {
     /// pow[i] = H^(i+1) in the internal representation (for Ghash: byte-reversed, times x).
-    pow: [u128; 8],
+    pow: [u128; 16],
     #[zeroize(skip)]
     field: Field,
     #[zeroize(skip)]
     clmul: bool,
+    /// AVX-512 with VPCLMULQDQ: sixteen blocks per reduction.
+    #[zeroize(skip)]
+    wide: bool,
 }
 
 /// A running Horner value, in the hash's internal representation.
@@ -225,12 +228,33 @@ impl PolyHash {
             Field::Le | Field::Polyval => u128::from_le_bytes(*h),
             Field::Ghash => polyval_mul_x(u128::from_be_bytes(*h)),
         };
-        let mut pow = [0u128; 8];
+        let mut pow = [0u128; 16];
         pow[0] = h;
-        for i in 1..8 {
+        for i in 1..16 {
             pow[i] = field_mul(field, pow[i - 1], h);
         }
-        Self { pow, field, clmul: clmul && Self::detect() }
+        let clmul = clmul && Self::detect();
+        Self { pow, field, clmul, wide: clmul && Self::detect_wide() }
+    }
+
+    fn detect_wide() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            have_clmul()
+                && std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("vpclmulqdq")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    /// Same as [`PolyHash::with_clmul`] with the 16-block AVX-512 path switched off (for tests).
+    pub(crate) fn narrow(mut self) -> Self {
+        self.wide = false;
+        self
     }
 
     fn detect() -> bool {
@@ -272,8 +296,14 @@ impl PolyHash {
         debug_assert_eq!(data.len() % 16, 0);
         #[cfg(target_arch = "x86_64")]
         if self.clmul {
-            // SAFETY: `clmul` is only true when PCLMULQDQ, SSE2 and SSSE3 were detected.
-            unsafe { x86::horner(self, acc, data) };
+            if self.wide {
+                // SAFETY: `wide` is only true when AVX-512F/BW, VPCLMULQDQ, PCLMULQDQ, SSE2 and
+                // SSSE3 were detected.
+                unsafe { x86::horner16(self, acc, data) };
+            } else {
+                // SAFETY: `clmul` is only true when PCLMULQDQ, SSE2 and SSSE3 were detected.
+                unsafe { x86::horner(self, acc, data) };
+            }
             return;
         }
         self.update_portable(acc, data);
@@ -341,6 +371,10 @@ impl PolyHash {
 
     pub(crate) fn uses_clmul(&self) -> bool {
         self.clmul
+    }
+
+    pub(crate) fn uses_wide(&self) -> bool {
+        self.wide
     }
 }
 
@@ -441,6 +475,94 @@ pub(crate) mod x86 {
         to_u128(reduce(field, w))
     }
 
+    /// XOR of the four 128-bit lanes.
+    #[inline(always)]
+    unsafe fn fold4(v: __m512i) -> __m128i {
+        let a = _mm256_xor_si256(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
+        _mm_xor_si128(_mm256_castsi256_si128(a), _mm256_extracti128_si256::<1>(a))
+    }
+
+    /// Sixteen blocks per reduction: four blocks per register times H^16..H^1, summed unreduced,
+    /// folded to one lane and reduced once. The tail (fewer than 16 blocks) goes to [`horner`].
+    #[target_feature(enable = "avx512f,avx512bw,vpclmulqdq,pclmulqdq,sse2,ssse3,sse4.1,avx2")]
+    pub(crate) unsafe fn horner16(h: &PolyHash, acc: &mut Acc, data: &[u8]) {
+        let field = h.field;
+        // rev = H^16, H^15, ..., H^1, then zeros: four consecutive entries starting at 16 - r
+        // are the powers for blocks 1..4 of an r-block group.
+        let mut rev = [0u128; 20];
+        for (k, v) in rev[..16].iter_mut().enumerate() {
+            *v = h.pow[15 - k];
+        }
+        let rp = rev.as_ptr();
+        let pw = [
+            _mm512_loadu_si512(rp.cast()),
+            _mm512_loadu_si512(rp.add(4).cast()),
+            _mm512_loadu_si512(rp.add(8).cast()),
+            _mm512_loadu_si512(rp.add(12).cast()),
+        ];
+        let swap = _mm512_broadcast_i32x4(_mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        let mut y = from_u128(acc.0);
+        let blocks = data.len() / 16;
+        let ptr = data.as_ptr();
+        let mut i = 0;
+        while blocks - i >= 16 {
+            let p = ptr.add(16 * i);
+            let mut lo = _mm512_setzero_si512();
+            let mut mid = _mm512_setzero_si512();
+            let mut hi = _mm512_setzero_si512();
+            for r in 0..4 {
+                let mut x = _mm512_loadu_si512(p.add(64 * r).cast());
+                if field == Field::Ghash {
+                    x = _mm512_shuffle_epi8(x, swap);
+                }
+                if r == 0 {
+                    x = _mm512_xor_si512(x, _mm512_zextsi128_si512(y));
+                }
+                lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128::<0x00>(x, pw[r]));
+                hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128::<0x11>(x, pw[r]));
+                mid = _mm512_ternarylogic_epi64::<0x96>(
+                    mid,
+                    _mm512_clmulepi64_epi128::<0x01>(x, pw[r]),
+                    _mm512_clmulepi64_epi128::<0x10>(x, pw[r]),
+                );
+            }
+            y = reduce(field, Wide { lo: fold4(lo), mid: fold4(mid), hi: fold4(hi) });
+            i += 16;
+        }
+        if i < blocks {
+            // The last r < 16 blocks in one step, with zero-masked loads and the powers
+            // H^r..H^1 taken from rev[16 - r..].
+            let r = blocks - i;
+            let p = ptr.add(16 * i);
+            let mut lo = _mm512_setzero_si512();
+            let mut mid = _mm512_setzero_si512();
+            let mut hi = _mm512_setzero_si512();
+            for g in 0..r.div_ceil(4) {
+                let n = (r - 4 * g).min(4); // blocks in this register
+                let mask: __mmask8 = ((1u32 << (2 * n)) - 1) as u8;
+                let mut x = _mm512_maskz_loadu_epi64(mask, p.add(64 * g).cast());
+                if field == Field::Ghash {
+                    x = _mm512_shuffle_epi8(x, swap);
+                }
+                if g == 0 {
+                    x = _mm512_xor_si512(x, _mm512_zextsi128_si512(y));
+                }
+                let pk = _mm512_loadu_si512(rp.add(16 - r + 4 * g).cast());
+                lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128::<0x00>(x, pk));
+                hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128::<0x11>(x, pk));
+                mid = _mm512_ternarylogic_epi64::<0x96>(
+                    mid,
+                    _mm512_clmulepi64_epi128::<0x01>(x, pk),
+                    _mm512_clmulepi64_epi128::<0x10>(x, pk),
+                );
+            }
+            y = reduce(field, Wide { lo: fold4(lo), mid: fold4(mid), hi: fold4(hi) });
+        }
+        acc.0 = to_u128(y);
+        rev = [0; 20];
+        core::hint::black_box(&rev);
+    }
+
     #[target_feature(enable = "pclmulqdq,sse2,ssse3,sse4.1")]
     pub(crate) unsafe fn horner(h: &PolyHash, acc: &mut Acc, data: &[u8]) {
         let field = h.field;
@@ -463,12 +585,16 @@ pub(crate) mod x86 {
             y = reduce(field, w);
             i += 8;
         }
-        while i < blocks {
-            let x = _mm_xor_si128(load(field, ptr.add(16 * i)), y);
+        if i < blocks {
+            // The last r < 8 blocks in one step: (y ^ X_1) H^r ^ X_2 H^(r-1) ^ ... ^ X_r H.
+            let r = blocks - i;
+            let p = ptr.add(16 * i);
             let mut w = zero_wide();
-            mul_acc(&mut w, x, pw[0]);
+            mul_acc(&mut w, _mm_xor_si128(load(field, p), y), pw[r - 1]);
+            for j in 1..r {
+                mul_acc(&mut w, load(field, p.add(16 * j)), pw[r - 1 - j]);
+            }
             y = reduce(field, w);
-            i += 1;
         }
         acc.0 = to_u128(y);
         // Do not leave key powers in this stack frame.
@@ -542,7 +668,7 @@ mod tes_tests {
     fn ghash_equals_gcm_chain() {
         let mut s = 3u128;
         for clmul in [false, true] {
-            for n in [0usize, 1, 7, 8, 9, 16, 17, 33] {
+            for n in [0usize, 1, 7, 8, 9, 16, 17, 33, 255, 258] {
                 let h = rng(&mut s).to_be_bytes();
                 let data: Vec<u8> = (0..n * 16).map(|_| rng(&mut s) as u8).collect();
                 let ph = PolyHash::with_clmul(Field::Ghash, &h, clmul);
@@ -563,15 +689,19 @@ mod tes_tests {
     fn horner_paths_agree() {
         let mut s = 5u128;
         for field in [Field::Le, Field::Polyval] {
-            for n in [0usize, 1, 3, 8, 15, 16, 31, 257] {
+            for n in [0usize, 1, 3, 8, 15, 16, 17, 31, 32, 47, 255, 256, 257] {
                 let h = rng(&mut s).to_le_bytes();
                 let data: Vec<u8> = (0..n * 16).map(|_| rng(&mut s) as u8).collect();
                 let (a, b) = (PolyHash::with_clmul(field, &h, false), PolyHash::with_clmul(field, &h, true));
+                let c = PolyHash::with_clmul(field, &h, true).narrow();
                 let (mut x, mut y) = (Acc(rng(&mut s)), Acc::default());
                 y.0 = x.0;
+                let mut z = Acc(x.0);
                 a.update(&mut x, &data);
                 b.update(&mut y, &data);
+                c.update(&mut z, &data);
                 assert_eq!(x.0, y.0, "{field:?} n = {n}");
+                assert_eq!(x.0, z.0, "{field:?} n = {n} (128-bit path)");
                 if field == Field::Le {
                     let hv = u128::from_le_bytes(h);
                     let mut r = 0u128;

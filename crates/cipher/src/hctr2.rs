@@ -21,6 +21,8 @@ use zeroize::{Zeroize, ZeroizeOnDrop};
 use crate::aes_any::AesAny;
 use crate::gf128::{Acc, Field, PolyHash};
 use crate::tes_common::{block_at, ctr_xor, xor16};
+#[cfg(target_arch = "x86_64")]
+use crate::tes_common::vaes::Vaes;
 use crate::{unit_tweak, CipherError, SectorCipher};
 
 const NAME: &str = "hctr2(aes)";
@@ -34,6 +36,9 @@ struct Secret {
 
 pub struct Hctr2 {
     aes: AesAny,
+    /// XCTR and the middle block with VAES/AES-NI (AES-128/256 on AVX-512 CPUs).
+    #[cfg(target_arch = "x86_64")]
+    vaes: Option<Vaes>,
     hash: PolyHash,
     secret: Secret,
     key_len: usize,
@@ -50,19 +55,43 @@ impl Hctr2 {
         let mut hb: [u8; 16] = h.into();
         let hash = PolyHash::new(Field::Polyval, &hb);
         hb.zeroize();
-        Ok(Self { aes, hash, secret: Secret { l: l.into() }, key_len: key.len() })
+        Ok(Self {
+            aes,
+            #[cfg(target_arch = "x86_64")]
+            vaes: Vaes::new(key),
+            hash,
+            secret: Secret { l: l.into() },
+            key_len: key.len(),
+        })
+    }
+
+    /// The portable implementation only: the reference the SIMD paths are cross-checked against.
+    pub fn new_generic(key: &[u8]) -> Result<Self, CipherError> {
+        let mut h = Self::new(key)?;
+        #[cfg(target_arch = "x86_64")]
+        {
+            h.vaes = None;
+        }
+        h.hash = core::mem::replace(&mut h.hash, PolyHash::new(Field::Polyval, &[0; 16])).narrow();
+        Ok(h)
     }
 
     /// POLYVAL over the length block and the tweak: the part of H(T, .) that both hashes share.
     fn hash_tweak(&self, tweak: &[u8], partial: bool) -> Acc {
         let mut acc = Acc::default();
         let bits = 2 * 8 * tweak.len() as u128 + 2 + u128::from(partial);
-        self.hash.update_value(&mut acc, bits);
-        let whole = tweak.len() / 16 * 16;
-        self.hash.update(&mut acc, &tweak[..whole]);
-        if whole < tweak.len() {
+        // Length block and padded tweak in one buffer, so that short tweaks cost one reduction.
+        let mut buf = [0u8; 16 + 64];
+        let n = tweak.len().min(64);
+        buf[..16].copy_from_slice(&bits.to_le_bytes());
+        buf[16..16 + n].copy_from_slice(&tweak[..n]);
+        self.hash.update(&mut acc, &buf[..16 + n.div_ceil(16) * 16]);
+        let rest = &tweak[n..];
+        let whole = rest.len() / 16 * 16;
+        self.hash.update(&mut acc, &rest[..whole]);
+        if whole < rest.len() {
             let mut last = [0u8; 16];
-            last[..tweak.len() - whole].copy_from_slice(&tweak[whole..]);
+            last[..rest.len() - whole].copy_from_slice(&rest[whole..]);
             self.hash.update_block(&mut acc, &last);
         }
         acc
@@ -83,7 +112,25 @@ impl Hctr2 {
 
     fn xctr(&self, s: &[u8; 16], data: &mut [u8]) {
         let s = u128::from_le_bytes(*s);
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v) = &self.vaes {
+            return v.ctr_xor_le(data, s);
+        }
         ctr_xor(&self.aes, data, |i| (s ^ (i as u128 + 1)).to_le_bytes());
+    }
+
+    fn one_block(&self, x: [u8; 16], decrypt: bool) -> [u8; 16] {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v) = &self.vaes {
+            return v.block(u128::from_le_bytes(x), decrypt).to_le_bytes();
+        }
+        let mut b = aes::Block::from(x);
+        if decrypt {
+            self.aes.decrypt_blocks(core::slice::from_mut(&mut b));
+        } else {
+            self.aes.encrypt_block(&mut b);
+        }
+        b.into()
     }
 
     fn crypt(&self, tweak: &[u8], data: &mut [u8], decrypt: bool) -> Result<(), CipherError> {
@@ -94,13 +141,7 @@ impl Hctr2 {
         let tacc = self.hash_tweak(tweak, tail.len() % 16 != 0);
         let first = block_at(head, 0);
         let mut xx = xor16(&first, &self.hash_msg(tacc, tail)); // MM (encrypt) or UU (decrypt)
-        let mut yy = aes::Block::from(xx);
-        if decrypt {
-            self.aes.decrypt_blocks(core::slice::from_mut(&mut yy));
-        } else {
-            self.aes.encrypt_block(&mut yy);
-        }
-        let yy: [u8; 16] = yy.into();
+        let yy = self.one_block(xx, decrypt);
         let s = xor16(&xor16(&xx, &yy), &self.secret.l);
         self.xctr(&s, tail);
         let out = xor16(&yy, &self.hash_msg(tacc, tail));

@@ -24,6 +24,8 @@
 use crate::aes_any::AesAny;
 use crate::gf128::{Acc, Field, PolyHash};
 use crate::tes_common::{ctr_xor, xor16};
+#[cfg(target_arch = "x86_64")]
+use crate::tes_common::vaes::Vaes;
 use crate::{CipherError, SectorCipher};
 
 const NAME: &str = "xcb(aes)";
@@ -32,6 +34,9 @@ pub struct Xcb {
     ke: AesAny,
     kd: AesAny,
     kc: AesAny,
+    /// Ke, Kd, Kc with VAES/AES-NI (AVX-512 CPUs).
+    #[cfg(target_arch = "x86_64")]
+    vaes: Option<[Vaes; 3]>,
     hash: PolyHash,
     key_len: usize,
 }
@@ -55,12 +60,36 @@ impl Xcb {
         let n = key.len();
         let sub = |i: usize| AesAny::new(&s[32 * i..32 * i + n]).expect("16 or 32 bytes");
         let (ke, kd, kc) = (sub(0), sub(1), sub(2));
+        #[cfg(target_arch = "x86_64")]
+        let vaes = match (Vaes::new(&s[..n]), Vaes::new(&s[32..32 + n]), Vaes::new(&s[64..64 + n])) {
+            (Some(e), Some(d), Some(c)) => Some([e, d, c]),
+            _ => None,
+        };
         let hash = PolyHash::new(Field::Ghash, &blocks[0].into());
         zeroize::Zeroize::zeroize(&mut s);
         for b in blocks.iter_mut() {
             *b = aes::Block::default();
         }
-        Ok(Self { ke, kd, kc, hash, key_len: n })
+        Ok(Self {
+            ke,
+            kd,
+            kc,
+            #[cfg(target_arch = "x86_64")]
+            vaes,
+            hash,
+            key_len: n,
+        })
+    }
+
+    /// The portable implementation only: the reference the SIMD paths are cross-checked against.
+    pub fn new_generic(key: &[u8]) -> Result<Self, CipherError> {
+        let mut x = Self::new(key)?;
+        #[cfg(target_arch = "x86_64")]
+        {
+            x.vaes = None;
+        }
+        x.hash = core::mem::replace(&mut x.hash, PolyHash::new(Field::Ghash, &[0; 16])).narrow();
+        Ok(x)
     }
 
     /// GHASH over pad(Z): the start of both h1 and h2.
@@ -106,6 +135,10 @@ impl Xcb {
 
     /// x ^= E_Kc(D) || E_Kc(incr32(D)) || ...
     fn ctr(&self, d: &[u8; 16], x: &mut [u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some([_, _, c]) = &self.vaes {
+            return c.ctr_xor_inc32(x, *d);
+        }
         let low = u32::from_be_bytes(d[12..].try_into().expect("4 bytes"));
         ctr_xor(&self.kc, x, |i| {
             let mut c = *d;
@@ -114,7 +147,13 @@ impl Xcb {
         });
     }
 
-    fn one(aes: &AesAny, x: [u8; 16], decrypt: bool) -> [u8; 16] {
+    /// One block with Ke (`which` = 0) or Kd (1).
+    fn one(&self, which: usize, x: [u8; 16], decrypt: bool) -> [u8; 16] {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v) = &self.vaes {
+            return v[which].block(u128::from_le_bytes(x), decrypt).to_le_bytes();
+        }
+        let aes = if which == 0 { &self.ke } else { &self.kd };
         let mut b = aes::Block::from(x);
         if decrypt {
             aes.decrypt_blocks(core::slice::from_mut(&mut b));
@@ -141,11 +180,11 @@ impl SectorCipher for Xcb {
         let split = data.len() - 16;
         let (b, a) = data.split_at_mut(split);
         let zacc = self.hash_z(tweak);
-        let c = Self::one(&self.ke, (&*a).try_into().expect("16 bytes"), false);
+        let c = self.one(0, (&*a).try_into().expect("16 bytes"), false);
         let d = xor16(&c, &self.h1(zacc, tweak.len(), b));
         self.ctr(&d, b);
         let f = xor16(&d, &self.h2(zacc, tweak.len(), b));
-        a.copy_from_slice(&Self::one(&self.kd, f, true));
+        a.copy_from_slice(&self.one(1, f, true));
         Ok(())
     }
 
@@ -156,11 +195,11 @@ impl SectorCipher for Xcb {
         let split = data.len() - 16;
         let (e, g) = data.split_at_mut(split);
         let zacc = self.hash_z(tweak);
-        let f = Self::one(&self.kd, (&*g).try_into().expect("16 bytes"), false);
+        let f = self.one(1, (&*g).try_into().expect("16 bytes"), false);
         let d = xor16(&f, &self.h2(zacc, tweak.len(), e));
         self.ctr(&d, e);
         let c = xor16(&d, &self.h1(zacc, tweak.len(), e));
-        g.copy_from_slice(&Self::one(&self.ke, c, true));
+        g.copy_from_slice(&self.one(0, c, true));
         Ok(())
     }
 }

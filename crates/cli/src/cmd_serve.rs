@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use cryptbridge_bridge::{Backing, BackingOptions, Listener, Pipeline, Server, ServerConfig};
 use cryptbridge_cipher::registry::KeyPolicy;
 use cryptbridge_cipher::{new_cipher, SectorCipher};
-use cryptbridge_engine::{CpuBackend, Engine, SectorLayout};
+use cryptbridge_engine::{Backend, CpuBackend, Engine, RtlSimBackend, SectorLayout};
 
 use crate::{keyfile, names, size};
 
@@ -68,8 +68,9 @@ pub struct Args {
     /// I/O threads per connection: the most requests in flight on one connection.
     #[arg(long, default_value_t = 32)]
     io_workers: usize,
-    /// Crypto back end.
-    #[arg(long, default_value = "cpu", value_parser = ["cpu"])]
+    /// Crypto back end: `cpu`, or `rtl-sim` (the Verilated XTS-AES-256 hardware core from rtl/,
+    /// run as a co-process; needs a 512-bit aes-xts-plain64 key and `make -C rtl sim`).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "rtl-sim"])]
     engine: String,
 }
 
@@ -87,7 +88,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     let layout = SectorLayout::new(args.sector_size, args.iv_large_sectors);
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let mut rtl: Option<Arc<RtlSimBackend>> = None;
     let engine = if args.passthrough {
+        if args.engine != "cpu" {
+            bail!("--passthrough stores plaintext; --engine {} has nothing to do", args.engine);
+        }
         Engine::passthrough(layout)
     } else {
         let cipher_name = names::volume_cipher(&args.cipher)?;
@@ -97,7 +102,22 @@ pub fn run(args: Args) -> Result<ExitCode> {
             new_cipher(cipher_name, &key, KeyPolicy::Volume)
                 .with_context(|| format!("key file {} cannot be used", key_path.display()))?,
         );
-        Engine::new(Arc::new(CpuBackend::new(cipher, threads)?), layout)
+        let backend: Arc<dyn Backend> = match args.engine.as_str() {
+            "rtl-sim" => {
+                if cipher_name != "xts(aes)" {
+                    bail!("--engine rtl-sim implements aes-xts-plain64 only, not {}", args.cipher);
+                }
+                let program = RtlSimBackend::locate().ok_or_else(|| {
+                    anyhow::anyhow!("RTL simulator not found: build it with `make -C rtl sim` or set {}", cryptbridge_engine::RTL_SIM_ENV)
+                })?;
+                let sim = Arc::new(RtlSimBackend::spawn(&program, &key)?);
+                tracing::info!("engine: RTL simulation of the XTS core ({})", program.display());
+                rtl = Some(Arc::clone(&sim));
+                sim
+            }
+            _ => Arc::new(CpuBackend::new(cipher, threads)?),
+        };
+        Engine::new(backend, layout)
     };
     let backing = Backing::open(
         &args.backing,
@@ -116,7 +136,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
         },
     );
     let (listener, uri) = bind(&args)?;
-    install_signal_handler(Arc::clone(&pipeline), args.unix.clone())?;
+    install_signal_handler(Arc::clone(&pipeline), args.unix.clone(), rtl.clone())?;
+    if let Some(sim) = rtl {
+        report_simulation_speed(sim);
+    }
     tracing::info!(
         "serving {} ({} bytes, {}-byte sectors, {}{}{}) as {uri}",
         args.backing.display(),
@@ -159,9 +182,39 @@ fn bind(args: &Args) -> Result<(Listener, String)> {
     Ok((Listener::Tcp(l), format!("nbd://{addr}")))
 }
 
+/// Logs how fast the simulated hardware runs, every 10 s while it is busy.
+fn report_simulation_speed(sim: Arc<RtlSimBackend>) {
+    std::thread::spawn(move || {
+        let mut last = sim.stats();
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(10));
+            let now = sim.stats();
+            if now.bytes != last.bytes {
+                log_sim_stats(&now);
+                last = now;
+            }
+        }
+    });
+}
+
+fn log_sim_stats(s: &cryptbridge_engine::SimStats) {
+    tracing::info!(
+        "rtl-sim: {} bytes in {} requests, {} cycles ({:.2} blocks/cycle); simulation speed {:.3e} cycles/s, {:.3} MB/s",
+        s.bytes,
+        s.requests,
+        s.cycles,
+        s.blocks_per_cycle(),
+        s.cycles_per_sec(),
+        s.mb_per_sec()
+    );
+}
+
 /// SIGINT/SIGTERM: make answered writes durable, remove our socket, then exit cleanly.
-fn install_signal_handler(pipeline: Arc<Pipeline>, socket: Option<PathBuf>) -> Result<()> {
+fn install_signal_handler(pipeline: Arc<Pipeline>, socket: Option<PathBuf>, rtl: Option<Arc<RtlSimBackend>>) -> Result<()> {
     ctrlc::set_handler(move || {
+        if let Some(sim) = &rtl {
+            log_sim_stats(&sim.stats());
+        }
         if let Some(path) = &socket {
             let _ = std::fs::remove_file(path); // nothing to do if it is already gone
         }

@@ -6,11 +6,13 @@ pub mod bench;
 mod cpu;
 mod error;
 mod layout;
+mod rtl_sim;
 
 pub use backend::{Backend, Direction, SectorRun};
 pub use cpu::CpuBackend;
 pub use error::EngineError;
 pub use layout::SectorLayout;
+pub use rtl_sim::{RtlSimBackend, SimStats, RTL_SIM_ENV};
 
 use std::sync::Arc;
 

@@ -39,6 +39,7 @@ build: $(BIN)
 
 deps:
 	scripts/install-deps.sh
+	rtl/install-deps.sh
 
 # Serve the embedded default: a sparse image and a generated key under $(DATA_DIR).
 run: build
@@ -58,7 +59,7 @@ test-integration: build
 	$(PYTHON) -m pytest -q tests/integration
 
 test-rtl: build
-	@if [ -f rtl/Makefile ]; then $(MAKE) -C rtl test; else echo "rtl: no RTL tests yet"; fi
+	$(MAKE) -C rtl test
 
 bench: build
 	bench/run.sh

@@ -7,7 +7,6 @@
 //! can remove them ([`remove_pending_temp_files`]).
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -44,88 +43,6 @@ pub fn remove_pending_temp_files() {
                 return;
             }
             Err(std::sync::TryLockError::WouldBlock) => std::thread::sleep(std::time::Duration::from_millis(1)),
-        }
-    }
-}
-
-/// Bytes written between two writeback kicks.
-const WRITEBACK_STEP: u64 = 8 << 20;
-
-/// Asks the kernel to start writing `[offset, offset + len)` of `file` to disk now, without
-/// waiting and without a journal commit (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`). The
-/// final fsync then finds most of the file already on its way, instead of starting a whole
-/// file's writeback at the end. Purely a hint: failure only means writeback starts later.
-#[cfg(target_os = "linux")]
-#[allow(unsafe_code)]
-fn start_writeback(file: &File, offset: u64, len: u64) {
-    use std::os::fd::AsRawFd;
-    let (Ok(off), Ok(n)) = (i64::try_from(offset), i64::try_from(len)) else { return };
-    // SAFETY: sync_file_range reads no memory of this process: it takes a file descriptor that
-    // stays open for the whole call (borrowed from `file`) and three integers. Its result is
-    // deliberately ignored (see above).
-    unsafe {
-        libc::sync_file_range(file.as_raw_fd(), off, n, libc::SYNC_FILE_RANGE_WRITE);
-    }
-}
-
-#[cfg(not(target_os = "linux"))]
-fn start_writeback(_file: &File, _offset: u64, _len: u64) {}
-
-/// The writer's view of an [`AtomicFile`]: plain writes, plus a writeback kick every 8 MiB when
-/// the file will be fsynced anyway. The kicks run on a helper thread (`sync_file_range` may block
-/// while the device queue is full, and the writer must not); a kick that finds the helper busy is
-/// folded into the next one.
-pub struct WritebackWriter<'a> {
-    file: &'a mut File,
-    kicks: Option<(crossbeam_channel::Sender<(u64, u64)>, std::thread::JoinHandle<()>)>,
-    written: u64,
-    kicked: u64,
-}
-
-impl WritebackWriter<'_> {
-    fn new(file: &mut File, writeback: bool, already: u64) -> WritebackWriter<'_> {
-        let kicks = if writeback {
-            file.try_clone().ok().and_then(|f| {
-                let (tx, rx) = crossbeam_channel::bounded::<(u64, u64)>(1);
-                std::thread::Builder::new()
-                    .name("writeback".into())
-                    .spawn(move || {
-                        for (off, len) in rx.iter() {
-                            start_writeback(&f, off, len);
-                        }
-                    })
-                    .ok()
-                    .map(|h| (tx, h))
-            })
-        } else {
-            None
-        };
-        WritebackWriter { file, kicks, written: already, kicked: 0 }
-    }
-}
-
-impl Write for WritebackWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let n = self.file.write(buf)?;
-        self.written += n as u64;
-        if let Some((tx, _)) = &self.kicks {
-            if self.written - self.kicked >= WRITEBACK_STEP && tx.try_send((self.kicked, self.written - self.kicked)).is_ok() {
-                self.kicked = self.written;
-            }
-        }
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        self.file.flush()
-    }
-}
-
-impl Drop for WritebackWriter<'_> {
-    fn drop(&mut self) {
-        if let Some((tx, handle)) = self.kicks.take() {
-            drop(tx);
-            let _ = handle.join();
         }
     }
 }
@@ -181,12 +98,6 @@ impl AtomicFile {
 
     pub fn file(&mut self) -> &mut File {
         self.file.as_mut().expect("file open until commit")
-    }
-
-    /// A writer over the file. With `writeback`, writeback is started every few MiB (use it when
-    /// the file is fsynced at the end). `already` is the number of bytes written before.
-    pub fn writer(&mut self, writeback: bool, already: u64) -> WritebackWriter<'_> {
-        WritebackWriter::new(self.file(), writeback, already)
     }
 
     pub fn temp_path(&self) -> &Path {

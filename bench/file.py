@@ -23,7 +23,10 @@ gcm), so both tools decrypt the same bytes.
 ceiling (one core, no I/O), and `cryptbridge file sweep --json` as the per-call-overhead sweep of
 the synchronous API (16 B .. 256 KiB).
 
-Throughput = plaintext bytes / wall time, GB/s = 10^9 B/s.
+Throughput = plaintext bytes / wall time, GB/s = 10^9 B/s. Noise: on a VM that hands freed memory
+back to its host (balloon / free page reporting, e.g. Firecracker), the first writes after a large
+file was deleted fault memory back in and run several times slower, whichever tool does them; the
+order of the tools rotates across repeats, so use the default 3 repeats (or more) for real numbers.
 Targets: ours file >= 1.0x openssl enc at every size >= 1 MiB in every mode and direction;
          ctr and gcm >= 1.5x at 1 GiB.
 Output: tables on stdout; bench/out/file.json, bench/out/file.md; plots docs/bench-file.png,

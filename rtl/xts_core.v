@@ -88,6 +88,7 @@ module xts_core #(
     // ------------------------------------------------------------------ input side
     reg        in_first;               // next accepted beat starts a sector
     reg        cur_byp, cur_dec;       // latched for the rest of the sector
+    reg  [1:0] cur_ssize;
     reg  [8:0] bcnt;                   // beats accepted in the current sector
     reg  [3:0] tw_cnt;                 // ce-cycles until the running tweak is consumed
     wire       eng_free  = (tw_cnt <= 4'd1);
@@ -101,15 +102,17 @@ module xts_core #(
     wire accept    = s_valid & s_ready;
     wire eng_start = accept & in_first & ~first_byp;
 
+    wire [1:0] ssize    = in_first ? cfg_ssize : cur_ssize;
     wire [8:0] bnow     = in_first ? 9'd1 : bcnt + 9'd1;
-    wire [8:0] bexp     = cfg_ssize[0] ? 9'd256 : 9'd32;
-    assign ev_len_err   = accept & ~cfg_ssize[1] & (s_last ? (bnow != bexp) : (bnow == bexp));
+    wire [8:0] bexp     = ssize[0] ? 9'd256 : 9'd32;
+    assign ev_len_err   = accept & ~ssize[1] & (s_last ? (bnow != bexp) : (bnow == bexp));
 
     always @(posedge clk) begin
         if (rst) begin
             in_first <= 1'b1;
             cur_byp  <= 1'b0;
             cur_dec  <= 1'b0;
+            cur_ssize <= 2'd0;
             bcnt     <= 9'd0;
             tw_cnt   <= 4'd0;
         end else begin
@@ -117,8 +120,9 @@ module xts_core #(
                 in_first <= s_last;
                 bcnt     <= bnow;
                 if (in_first) begin
-                    cur_byp <= first_byp;
-                    cur_dec <= first_dec;
+                    cur_byp   <= first_byp;
+                    cur_dec   <= first_dec;
+                    cur_ssize <= cfg_ssize;
                 end
             end
             if (ce) begin

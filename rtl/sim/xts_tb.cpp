@@ -3,7 +3,9 @@
 // the software engine (cryptbridge cipher); nothing here computes AES.
 //
 // Job file: one record per line, hex in natural byte order (byte 0 first):
-//   CTRL <mode> <ssize>                 AXI write of CTRL; sectors offered afterwards use it
+//   CTRL <mode> <ssize>                 AXI write of CTRL, issued while the preceding sector is
+//                                       still being fed; the next sector is offered only after
+//                                       the write completed
 //   KEYS <key1 hex32B> <key2 hex32B>    staging-key writes + KEY_LOAD. The writes are issued while
 //                                       the preceding sector is still being fed; the next sector
 //                                       is offered only after the KEY_LOAD write completed.
@@ -200,8 +202,6 @@ void Tb::drive_inputs() {
         }
         if (ri >= recs.size()) return;
         Record& r = recs[ri];
-        if (bi == 0 && ri + 1 < recs.size() && recs[ri + 1].kind == "KEYS" && !issued[ri + 1])
-            queue_keys(ri + 1);        // key reload requested while this sector streams
         if (chance(pidle)) return;
         put128(t->s_axis_tdata, &r.in[16 * bi]);
         t->s_axis_tlast = (bi == r.nblk - 1);
@@ -258,6 +258,16 @@ void Tb::cycle() {
         e.rec = (int)ri; e.blk = bi; e.in_cycle = now;
         outq.push_back(e);
         if (first_in == UINT64_MAX) first_in = now;
+        // CTRL and key reloads that follow this sector are written while it streams (from the
+        // cycle after its first beat was taken): they must take effect only from the next sector
+        if (bi == 0 && ri + 1 < recs.size() && !issued[ri + 1]) {
+            const Record& nx = recs[ri + 1];
+            if (nx.kind == "KEYS") queue_keys(ri + 1);
+            if (nx.kind == "CTRL") {
+                axq.push_back({true, REG_CTRL, (uint32_t)(nx.a | (nx.b << 4)), (int)(ri + 1)});
+                issued[ri + 1] = true;
+            }
+        }
         if (bi == 0 && ri + 1 < recs.size() && recs[ri + 1].kind == "RESET")
             reset_countdown = recs[ri + 1].a;
         holding = false;

@@ -190,6 +190,54 @@ pub(crate) fn run(
     };
     let chain = Mutex::new(initial_prev);
     let buf_len = read_off + read_len + SLACK;
+
+    // Small inputs (up to two chunks) are done on this thread: starting and handing work between
+    // threads would cost more than it saves. Read up to the limit plus one byte to find out.
+    let small = 2 * read_len;
+    let mut head = Vec::with_capacity(cfg.total_hint.map_or(64 << 10, |t| t.min(small as u64) as usize + 1));
+    (&mut *input)
+        .take(small as u64 + 1)
+        .read_to_end(&mut head)
+        .map_err(|e| Error::io("cannot read the input", e))?;
+    if head.len() <= small {
+        let mut stats = Stats { workers: 1, ..Stats::default() };
+        let pieces: Vec<&[u8]> = if head.is_empty() { vec![&[][..]] } else { head.chunks(read_len).collect() };
+        let n = pieces.len();
+        let mut prev = initial_prev;
+        let mut offset = 0u64;
+        let mut buf = vec![0u8; buf_len];
+        let mut output = output;
+        for (i, piece) in pieces.into_iter().enumerate() {
+            buf[read_off..read_off + piece.len()].copy_from_slice(piece);
+            let mut job = Job {
+                seq: i as u64,
+                offset,
+                last: i + 1 == n,
+                prev,
+                buf,
+                in_len: piece.len(),
+                start: read_off,
+                end: read_off + piece.len(),
+            };
+            if piece.len() >= BLOCK {
+                prev.copy_from_slice(&piece[piece.len() - BLOCK..]);
+            }
+            offset += piece.len() as u64;
+            transform(setup, dir, &chain, &mut job)?;
+            let data = &job.buf[job.start..job.end];
+            if let Some(out) = output.as_deref_mut() {
+                out.write_all(data).map_err(|e| Error::io("cannot write the output", e))?;
+            }
+            stats.bytes_out += data.len() as u64;
+            stats.chunks += 1;
+            buf = job.buf;
+        }
+        stats.bytes_in = offset;
+        stats.elapsed = started.elapsed();
+        return Ok(stats);
+    }
+    let mut rest = io::Cursor::new(head).chain(input);
+    let input = &mut rest;
     // Two buffers per worker plus the reader's two (one filling, one held back as lookahead),
     // within a memory budget: a GCM header may ask for 64 MiB chunks.
     let mut nbufs = workers * 2 + 2;

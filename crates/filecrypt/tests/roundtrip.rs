@@ -516,3 +516,25 @@ proptest! {
     }
 }
 
+
+#[test]
+fn small_inputs_take_the_inline_path_with_the_same_rules() {
+    // Up to two chunks run on the calling thread: same output, same checks.
+    let td = TempDir::new();
+    let o = opts(Mode::Gcm, CS, 4);
+    let plain = data(CS + 10, 21);
+    let file = pipe(Direction::Encrypt, &key_secret(), &o, &plain, &td).unwrap();
+    assert_eq!(spec_decode(&key_secret(), &file), plain);
+    let mut bad = file.clone();
+    bad[48 + REC + 3] ^= 4;
+    let r = pipe(Direction::Decrypt, &key_secret(), &o, &bad, &td);
+    assert!(matches!(r, Err(Error::Tampered { chunk: 1 })), "{r:?}");
+    assert!(!td.path("out").exists());
+    let r = pipe(Direction::Decrypt, &key_secret(), &o, &file[..48 + REC], &td);
+    assert!(matches!(r, Err(Error::Truncated { chunk: 0 })), "{r:?}");
+    let o = opts(Mode::Cbc, 64, 4);
+    let ct = stream_encrypt(&key_secret(), &o, &data(100, 1), 7);
+    let r = pipe(Direction::Decrypt, &key_secret(), &o, &ct[..ct.len() - 1], &td);
+    assert!(matches!(r, Err(Error::NotBlockMultiple { .. })), "{r:?}");
+    assert_eq!(td.names(), vec!["in".to_string()]);
+}

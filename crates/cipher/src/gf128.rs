@@ -196,21 +196,27 @@ pub(crate) fn have_clmul() -> bool {
         && std::is_x86_feature_detected!("ssse3")
 }
 
-/// Horner evaluation `acc <- (acc ^ X) * H` over 16-byte blocks, with H^1..H^8 precomputed so that
-/// eight blocks cost one reduction. For `Field::Ghash` this is exactly GCM's GHASH chain; for
+/// Horner evaluation `acc <- (acc ^ X) * H` over 16-byte blocks, with powers of H precomputed so
+/// that eight blocks (32 with AVX-512 VPCLMULQDQ) cost one reduction. For `Field::Ghash` this is exactly GCM's GHASH chain; for
 /// `Field::Polyval` it is POLYVAL; for `Field::Le` it is FAST's field with a plain product.
 #[derive(Zeroize, ZeroizeOnDrop)]
 pub(crate) struct PolyHash {
     /// pow[i] = H^(i+1) in the internal representation (for Ghash: byte-reversed, times x).
-    pow: [u128; 16],
+    pow: [u128; WIDE_BLOCKS],
+    /// H^32, H^31, ..., H^1, then four zeros: the powers for a group of r blocks start at
+    /// rev[32 - r].
+    rev: [u128; WIDE_BLOCKS + 4],
     #[zeroize(skip)]
     field: Field,
     #[zeroize(skip)]
     clmul: bool,
-    /// AVX-512 with VPCLMULQDQ: sixteen blocks per reduction.
+    /// AVX-512 with VPCLMULQDQ: 32 blocks per reduction.
     #[zeroize(skip)]
     wide: bool,
 }
+
+/// Blocks per step of the AVX-512 Horner loop (and the number of precomputed powers).
+const WIDE_BLOCKS: usize = 32;
 
 /// A running Horner value, in the hash's internal representation.
 #[derive(Clone, Copy, Default)]
@@ -228,13 +234,17 @@ impl PolyHash {
             Field::Le | Field::Polyval => u128::from_le_bytes(*h),
             Field::Ghash => polyval_mul_x(u128::from_be_bytes(*h)),
         };
-        let mut pow = [0u128; 16];
+        let mut pow = [0u128; WIDE_BLOCKS];
         pow[0] = h;
-        for i in 1..16 {
+        for i in 1..WIDE_BLOCKS {
             pow[i] = field_mul(field, pow[i - 1], h);
         }
+        let mut rev = [0u128; WIDE_BLOCKS + 4];
+        for (k, v) in rev[..WIDE_BLOCKS].iter_mut().enumerate() {
+            *v = pow[WIDE_BLOCKS - 1 - k];
+        }
         let clmul = clmul && Self::detect();
-        Self { pow, field, clmul, wide: clmul && Self::detect_wide() }
+        Self { pow, rev, field, clmul, wide: clmul && Self::detect_wide() }
     }
 
     fn detect_wide() -> bool {
@@ -251,7 +261,7 @@ impl PolyHash {
         }
     }
 
-    /// Same as [`PolyHash::with_clmul`] with the 16-block AVX-512 path switched off (for tests).
+    /// Switches the AVX-512 path off (the 128-bit PCLMULQDQ path remains; for tests).
     pub(crate) fn narrow(mut self) -> Self {
         self.wide = false;
         self
@@ -299,7 +309,7 @@ impl PolyHash {
             if self.wide {
                 // SAFETY: `wide` is only true when AVX-512F/BW, VPCLMULQDQ, PCLMULQDQ, SSE2 and
                 // SSSE3 were detected.
-                unsafe { x86::horner16(self, acc, data) };
+                unsafe { x86::horner_wide(self, acc, data) };
             } else {
                 // SAFETY: `clmul` is only true when PCLMULQDQ, SSE2 and SSSE3 were detected.
                 unsafe { x86::horner(self, acc, data) };
@@ -358,6 +368,20 @@ impl PolyHash {
             return unsafe { x86::mul(self.field, a, b) };
         }
         field_mul(self.field, a, b)
+    }
+
+    /// a[i] <- a[i] * b[i] for every i (independent products; four per register on AVX-512).
+    pub(crate) fn mul_batch(&self, a: &mut [u128], b: &[u128]) {
+        debug_assert_eq!(a.len(), b.len());
+        #[cfg(target_arch = "x86_64")]
+        if self.wide {
+            // SAFETY: `wide` is only true when AVX-512F/BW, VPCLMULQDQ and PCLMULQDQ were detected.
+            unsafe { x86::mul_batch(self.field, a, b) };
+            return;
+        }
+        for (x, y) in a.iter_mut().zip(b) {
+            *x = self.mul(*x, *y);
+        }
     }
 
     /// The block form of an accumulator.
@@ -482,85 +506,108 @@ pub(crate) mod x86 {
         _mm_xor_si128(_mm256_castsi256_si128(a), _mm256_extracti128_si256::<1>(a))
     }
 
-    /// Sixteen blocks per reduction: four blocks per register times H^16..H^1, summed unreduced,
-    /// folded to one lane and reduced once. The tail (fewer than 16 blocks) goes to [`horner`].
+    /// Thirty-two blocks per reduction: four blocks per register times H^32..H^1 (Karatsuba:
+    /// three carry-less multiplies per block), summed unreduced, folded to one lane and reduced
+    /// once. The running value y enters as y * H^32 on its own, so only that product and the
+    /// reduction are on the loop-carried path. A tail of r < 32 blocks is one more step with
+    /// zero-masked loads and the powers H^r..H^1.
     #[target_feature(enable = "avx512f,avx512bw,vpclmulqdq,pclmulqdq,sse2,ssse3,sse4.1,avx2")]
-    pub(crate) unsafe fn horner16(h: &PolyHash, acc: &mut Acc, data: &[u8]) {
+    pub(crate) unsafe fn horner_wide(h: &PolyHash, acc: &mut Acc, data: &[u8]) {
+        const W: usize = super::WIDE_BLOCKS;
         let field = h.field;
-        // rev = H^16, H^15, ..., H^1, then zeros: four consecutive entries starting at 16 - r
-        // are the powers for blocks 1..4 of an r-block group.
-        let mut rev = [0u128; 20];
-        for (k, v) in rev[..16].iter_mut().enumerate() {
-            *v = h.pow[15 - k];
-        }
-        let rp = rev.as_ptr();
-        let pw = [
-            _mm512_loadu_si512(rp.cast()),
-            _mm512_loadu_si512(rp.add(4).cast()),
-            _mm512_loadu_si512(rp.add(8).cast()),
-            _mm512_loadu_si512(rp.add(12).cast()),
-        ];
+        let rp = h.rev.as_ptr();
         let swap = _mm512_broadcast_i32x4(_mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        let load_x = |q: *const u8, mask: __mmask8| -> __m512i {
+            let x = _mm512_maskz_loadu_epi64(mask, q.cast());
+            if field == Field::Ghash { _mm512_shuffle_epi8(x, swap) } else { x }
+        };
+        // One step over `regs` registers of blocks starting at `p`, with powers from rev[off..]:
+        // returns the unreduced (lo, mid, hi) sums.
+        let group = |p: *const u8, regs: usize, off: usize, last_mask: __mmask8| -> (__m512i, __m512i, __m512i) {
+            let mut lo = _mm512_setzero_si512();
+            let mut hi = _mm512_setzero_si512();
+            let mut mk = _mm512_setzero_si512();
+            for r in 0..regs {
+                let mask = if r + 1 == regs { last_mask } else { 0xff };
+                let x = load_x(p.add(64 * r), mask);
+                let pk = _mm512_loadu_si512(rp.add(off + 4 * r).cast());
+                let xk = _mm512_xor_si512(x, _mm512_shuffle_epi32::<0x4e>(x));
+                let hk = _mm512_xor_si512(pk, _mm512_shuffle_epi32::<0x4e>(pk));
+                lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128::<0x00>(x, pk));
+                hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128::<0x11>(x, pk));
+                mk = _mm512_xor_si512(mk, _mm512_clmulepi64_epi128::<0x00>(xk, hk));
+            }
+            // Karatsuba: middle = (x0 ^ x1)(h0 ^ h1) ^ lo ^ hi, summed lane-wise.
+            (lo, _mm512_ternarylogic_epi64::<0x96>(mk, lo, hi), hi)
+        };
         let mut y = from_u128(acc.0);
+        let hw = from_u128(h.pow[W - 1]); // H^32
         let blocks = data.len() / 16;
         let ptr = data.as_ptr();
         let mut i = 0;
-        while blocks - i >= 16 {
-            let p = ptr.add(16 * i);
-            let mut lo = _mm512_setzero_si512();
-            let mut mid = _mm512_setzero_si512();
-            let mut hi = _mm512_setzero_si512();
-            for r in 0..4 {
-                let mut x = _mm512_loadu_si512(p.add(64 * r).cast());
-                if field == Field::Ghash {
-                    x = _mm512_shuffle_epi8(x, swap);
-                }
-                if r == 0 {
-                    x = _mm512_xor_si512(x, _mm512_zextsi128_si512(y));
-                }
-                lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128::<0x00>(x, pw[r]));
-                hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128::<0x11>(x, pw[r]));
-                mid = _mm512_ternarylogic_epi64::<0x96>(
-                    mid,
-                    _mm512_clmulepi64_epi128::<0x01>(x, pw[r]),
-                    _mm512_clmulepi64_epi128::<0x10>(x, pw[r]),
-                );
-            }
-            y = reduce(field, Wide { lo: fold4(lo), mid: fold4(mid), hi: fold4(hi) });
-            i += 16;
+        while blocks - i >= W {
+            let (lo, mid, hi) = group(ptr.add(16 * i), W / 4, 0, 0xff);
+            // y * H^32 joins after the fold.
+            let mut w = Wide { lo: fold4(lo), mid: fold4(mid), hi: fold4(hi) };
+            mul_acc(&mut w, y, hw);
+            y = reduce(field, w);
+            i += W;
         }
         if i < blocks {
-            // The last r < 16 blocks in one step, with zero-masked loads and the powers
-            // H^r..H^1 taken from rev[16 - r..].
             let r = blocks - i;
-            let p = ptr.add(16 * i);
-            let mut lo = _mm512_setzero_si512();
-            let mut mid = _mm512_setzero_si512();
-            let mut hi = _mm512_setzero_si512();
-            for g in 0..r.div_ceil(4) {
-                let n = (r - 4 * g).min(4); // blocks in this register
-                let mask: __mmask8 = ((1u32 << (2 * n)) - 1) as u8;
-                let mut x = _mm512_maskz_loadu_epi64(mask, p.add(64 * g).cast());
-                if field == Field::Ghash {
-                    x = _mm512_shuffle_epi8(x, swap);
-                }
-                if g == 0 {
-                    x = _mm512_xor_si512(x, _mm512_zextsi128_si512(y));
-                }
-                let pk = _mm512_loadu_si512(rp.add(16 - r + 4 * g).cast());
-                lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128::<0x00>(x, pk));
-                hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128::<0x11>(x, pk));
-                mid = _mm512_ternarylogic_epi64::<0x96>(
-                    mid,
-                    _mm512_clmulepi64_epi128::<0x01>(x, pk),
-                    _mm512_clmulepi64_epi128::<0x10>(x, pk),
-                );
-            }
-            y = reduce(field, Wide { lo: fold4(lo), mid: fold4(mid), hi: fold4(hi) });
+            let regs = r.div_ceil(4);
+            let n_last = r - 4 * (regs - 1);
+            let last_mask: __mmask8 = ((1u32 << (2 * n_last)) - 1) as u8;
+            let (lo, mid, hi) = group(ptr.add(16 * i), regs, W - r, last_mask);
+            let mut w = Wide { lo: fold4(lo), mid: fold4(mid), hi: fold4(hi) };
+            mul_acc(&mut w, y, from_u128(h.pow[r - 1]));
+            y = reduce(field, w);
         }
         acc.0 = to_u128(y);
-        rev = [0; 20];
-        core::hint::black_box(&rev);
+    }
+
+    /// Four reductions at once, one per 128-bit lane (see `reduce_le` / `reduce_polyval`).
+    #[inline(always)]
+    unsafe fn reduce4(field: Field, lo: __m512i, mid: __m512i, hi: __m512i) -> __m512i {
+        let lo = _mm512_xor_si512(lo, _mm512_bslli_epi128::<8>(mid));
+        let hi = _mm512_xor_si512(hi, _mm512_bsrli_epi128::<8>(mid));
+        match field {
+            Field::Le => {
+                let c = _mm512_set_epi64(0, LE_C as i64, 0, LE_C as i64, 0, LE_C as i64, 0, LE_C as i64);
+                let t0 = _mm512_clmulepi64_epi128::<0x00>(hi, c);
+                let t1 = _mm512_clmulepi64_epi128::<0x01>(hi, c);
+                let over = _mm512_clmulepi64_epi128::<0x01>(t1, c);
+                _mm512_ternarylogic_epi64::<0x96>(lo, t0, _mm512_xor_si512(_mm512_bslli_epi128::<8>(t1), over))
+            }
+            Field::Polyval | Field::Ghash => {
+                let c = _mm512_set1_epi64(POLYVAL_C as i64);
+                let t = _mm512_clmulepi64_epi128::<0x00>(lo, c);
+                let lo = _mm512_xor_si512(_mm512_shuffle_epi32::<0x4e>(lo), t);
+                let u = _mm512_clmulepi64_epi128::<0x00>(lo, c);
+                let lo = _mm512_xor_si512(_mm512_shuffle_epi32::<0x4e>(lo), u);
+                _mm512_xor_si512(hi, lo)
+            }
+        }
+    }
+
+    /// a[i] <- a[i] * b[i], four products per register.
+    #[target_feature(enable = "avx512f,avx512bw,vpclmulqdq,pclmulqdq,sse2,ssse3,sse4.1,avx2")]
+    pub(crate) unsafe fn mul_batch(field: Field, a: &mut [u128], b: &[u128]) {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_mut_ptr(), b.as_ptr());
+        let mut i = 0;
+        while i < n {
+            let k = (n - i).min(4);
+            let mask: __mmask8 = ((1u32 << (2 * k)) - 1) as u8;
+            // SAFETY: the masked loads and the store touch elements i..i+k of `a` and `b` only.
+            let x = _mm512_maskz_loadu_epi64(mask, pa.add(i).cast());
+            let y = _mm512_maskz_loadu_epi64(mask, pb.add(i).cast());
+            let lo = _mm512_clmulepi64_epi128::<0x00>(x, y);
+            let hi = _mm512_clmulepi64_epi128::<0x11>(x, y);
+            let mid = _mm512_xor_si512(_mm512_clmulepi64_epi128::<0x01>(x, y), _mm512_clmulepi64_epi128::<0x10>(x, y));
+            _mm512_mask_storeu_epi64(pa.add(i).cast(), mask, reduce4(field, lo, mid, hi));
+            i += k;
+        }
     }
 
     #[target_feature(enable = "pclmulqdq,sse2,ssse3,sse4.1")]
@@ -711,6 +758,23 @@ mod tes_tests {
                     let mut c = Acc::default();
                     a.update(&mut c, &data);
                     assert_eq!(c.0, r);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn batch_products_equal_single_ones() {
+        let mut s = 21u128;
+        for field in [Field::Le, Field::Polyval, Field::Ghash] {
+            let ph = PolyHash::new(field, &rng(&mut s).to_le_bytes());
+            for n in [0usize, 1, 3, 4, 5, 64, 127] {
+                let a: Vec<u128> = (0..n).map(|_| rng(&mut s)).collect();
+                let b: Vec<u128> = (0..n).map(|_| rng(&mut s)).collect();
+                let mut c = a.clone();
+                ph.mul_batch(&mut c, &b);
+                for i in 0..n {
+                    assert_eq!(c[i], field_mul(field, a[i], b[i]), "{field:?} n {n} i {i}");
                 }
             }
         }

@@ -8,7 +8,8 @@ For each file size (16 sizes, 32 KiB, 64 KiB, ... 1 GiB) x mode (gcm, ctr, cbc, 
 every tool):
 
   ours file:  cryptbridge file encrypt|decrypt --cipher aes-256-M --pass-file P --iter N --stats IN OUT
-              (default settings: all cores, OUT fsynced and renamed into place; --stats splits
+              (default settings: all cores, OUT fsynced and renamed into place, O_DIRECT for
+              inputs >= 64 MiB; --stats splits
               the time into key derivation, pipeline and fsync+rename, reported per row)
   ours sink:  the same with --sink (transform and discard: no output I/O)
   openssl:    openssl enc [-d] -aes-256-M -pbkdf2 -iter N -pass file:P -in IN -out OUT
@@ -17,7 +18,8 @@ every tool):
               authentication, a stricter baseline than any GCM tool.
 
 Before every timed run the previous output is deleted and `sync` is called (not timed), so no
-run pays for an earlier run's writeback. Decryption inputs are made once per size and mode (openssl's output for ctr/cbc/ecb, ours for
+run pays for an earlier run's writeback; every input is read once beforehand so that all runs
+find it in the page cache. Decryption inputs are made once per size and mode (openssl's output for ctr/cbc/ecb, ours for
 gcm), so both tools decrypt the same bytes.
 `openssl speed -elapsed -evp aes-256-M [-decrypt] -bytes 16384` is recorded as the library
 ceiling (one core, no I/O), and `cryptbridge file sweep --json` as the per-call-overhead sweep of
@@ -228,6 +230,12 @@ def main() -> int:
                            "-pass", f"file:{pw}", "-in", plain, "-out", ctr], timeout=600)
                     cts["gcm-baseline"] = ctr
             # small files are cheap and noisy (process start, PBKDF2, fsync): more repeats
+            # Every input is read once now, so that all runs find it in the page cache (ours
+            # writes large outputs with O_DIRECT, which leaves them uncached).
+            for f in [plain, *cts.values()]:
+                with open(f, "rb") as fh:
+                    while fh.read(8 * MiB):
+                        pass
             reps = args.repeats if size > 16 * MiB else max(args.repeats, 5)
             timeout = 120 + size / (50 * MiB)
             for rep in range(reps):

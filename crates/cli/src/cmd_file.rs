@@ -34,7 +34,9 @@ files are bare ciphertext (openssl enc -K KEYHEX), GCM files carry a salt for a 
 
 Output: OUT is written all-or-nothing (a temporary file in OUT's directory, fsync, rename). On a
 wrong key, a corrupt header, truncated or tampered input, nothing is left at OUT and the exit
-status is 1. With OUT = `-` (stdout) bytes already written cannot be taken back.
+status is 1. With OUT = `-` (stdout) bytes already written cannot be taken back. Inputs of 64 MiB
+and more are written to OUT with O_DIRECT (straight to disk, so the final fsync is short and OUT
+is not left in the page cache; --no-direct turns this off).
 IN or OUT may be `-` for stdin or stdout. --sink encrypts/decrypts and discards (no OUT).
 A progress bar is drawn on stderr when it is a terminal.";
 
@@ -83,6 +85,10 @@ pub struct CryptArgs {
     /// Skip the fsync of OUT before it is renamed into place (faster, not crash-safe).
     #[arg(long)]
     no_fsync: bool,
+    /// Write OUT through the page cache even when it is large (by default inputs of 64 MiB and
+    /// more are written with O_DIRECT, so OUT is not left in the page cache).
+    #[arg(long)]
+    no_direct: bool,
     /// No progress bar even on a terminal.
     #[arg(long)]
     no_progress: bool,
@@ -162,6 +168,9 @@ fn crypt(dir: Direction, a: CryptArgs) -> Result<ExitCode> {
     }
     opts.progress = !a.no_progress;
     opts.fsync = !a.no_fsync;
+    if a.no_direct {
+        opts.direct_threshold = u64::MAX;
+    }
     opts.allow_ecb = a.insecure_ecb;
     let what = match dir {
         Direction::Encrypt => "encrypt",

@@ -40,6 +40,9 @@ pub use stream::{Decryptor, Encryptor};
 use format::{header_len, FileSetup};
 use output::AtomicFile;
 
+/// Default [`FileOptions::direct_threshold`]: 64 MiB.
+pub const DIRECT_THRESHOLD: u64 = 64 << 20;
+
 /// Where to read from.
 #[derive(Clone, Debug)]
 pub enum Input {
@@ -97,6 +100,9 @@ pub struct FileOptions {
     pub fsync: bool,
     /// Permit aes-256-ecb.
     pub allow_ecb: bool,
+    /// Inputs of at least this many bytes are written to OUT with `O_DIRECT` (when OUT is a
+    /// file, fsync is on, and the file system accepts it); see `output::DirectWriter`.
+    pub direct_threshold: u64,
 }
 
 impl FileOptions {
@@ -109,6 +115,7 @@ impl FileOptions {
             progress: false,
             fsync: true,
             allow_ecb: false,
+            direct_threshold: DIRECT_THRESHOLD,
         }
     }
 }
@@ -203,11 +210,27 @@ pub fn run_file(dir: Direction, secret: &Secret, input: Input, output: Output, o
         }
         Output::Path(p) => {
             let mut file = AtomicFile::create(&p)?;
-
-            if dir == Direction::Encrypt {
-                file.file().write_all(&setup.header).map_err(|e| Error::io("cannot write the output", e))?;
-            }
-            let stats = pipeline::run(&setup, dir, &mut reader, Some(file.file()), &cfg)?;
+            let direct = if opts.fsync && total_hint.is_some_and(|t| t >= opts.direct_threshold) {
+                file.open_direct().map(output::DirectWriter::new)
+            } else {
+                None
+            };
+            let stats = match direct {
+                Some(mut w) => {
+                    if dir == Direction::Encrypt {
+                        w.write_all(&setup.header).map_err(|e| Error::io("cannot write the output", e))?;
+                    }
+                    let stats = pipeline::run(&setup, dir, &mut reader, Some(&mut w), &cfg)?;
+                    w.finish().map_err(|e| Error::io("cannot write the output", e))?;
+                    stats
+                }
+                None => {
+                    if dir == Direction::Encrypt {
+                        file.file().write_all(&setup.header).map_err(|e| Error::io("cannot write the output", e))?;
+                    }
+                    pipeline::run(&setup, dir, &mut reader, Some(file.file()), &cfg)?
+                }
+            };
             let tc = Instant::now();
             file.commit(opts.fsync)?;
             commit_time = tc.elapsed();

@@ -93,6 +93,9 @@ echo "=== (a) cipher engine: bench/engine.py ${QUICK[*]}"
 echo
 echo "=== (b) NBD bridge: bench/bridge.py ${BRIDGE_ARGS[*]}"
 "$PY" bench/bridge.py --binary "$BIN" "${BRIDGE_ARGS[@]}" || status=$?
+echo
+echo "=== (c) file encryption: bench/file.py ${QUICK[*]}"
+"$PY" bench/file.py --binary "$BIN" "${QUICK[@]}" || status=$?
 
 chart=docs/bench-bridge.png
 if [ "${#QUICK[@]}" -gt 0 ]; then chart=bench/out/bench-bridge.png; fi
@@ -106,5 +109,6 @@ echo
 echo "=== results"
 echo "  engine:  bench/out/engine.json"
 echo "  bridge:  bench/out/bridge.json, bench/out/bridge.md (README table), $chart"
+echo "  file:    bench/out/file.json, bench/out/file.md, docs/bench-file{,-speedup,-sweep}.png (bench/out/ with --quick)"
 echo "  logs:    bench/out/logs/ (servers), bench/out/fio/ (per-job fio JSON)"
 exit "$status"

@@ -3,7 +3,8 @@
 // start (pulse) loads key[255:0] (byte i in bits [8i+7:8i]); round keys rk0 and rk1 are written
 // in that cycle, rk2..rk14 in the next 13 cycles (4 key-schedule words per clock, 4 S-boxes).
 // valid rises after the last one; busy is high meanwhile. For the equivalent inverse cipher it
-// also stores dkm_r = InvMixColumns(rk_{14-r}) for r = 1..13 (only when HAS_DEC).
+// also stores dkm_r = InvMixColumns(rk_{14-r}) for r = 1..13 (only when HAS_DEC), each one a
+// step after its round key.
 // clear (or rst) zeroes every register that holds key material and drops valid.
 module aes256_key_expand #(
     parameter HAS_DEC = 1
@@ -74,15 +75,15 @@ module aes256_key_expand #(
             assign rk_flat[128*r +: 128] = rk;
 
             if (HAS_DEC && r >= 1 && r <= 13) begin : g_dk
-                // dkm_r = InvMixColumns(rk_{14-r}); written when rk_{14-r} is produced
+                // dkm_r = InvMixColumns(rk_{14-r}), computed one step after rk_{14-r} is made,
+                // from win_b (which holds it then), so the InvMixColumns network sits between
+                // two registers instead of behind the key-schedule step
                 reg [127:0] dk;
                 always @(posedge clk) begin
                     if (rst || clear)
                         dk <= 128'h0;
-                    else if (start && (14 - r) == 1)
-                        dk <= aes_invmixcols(key[255:128]);
-                    else if (busy && idx == (14 - r))
-                        dk <= aes_invmixcols(next_rk);
+                    else if (busy && idx == (15 - r))
+                        dk <= aes_invmixcols(win_b);
                 end
                 assign dkm_flat[128*r +: 128] = dk;
             end else begin : g_nodk

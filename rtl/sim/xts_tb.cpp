@@ -455,6 +455,9 @@ int tb_main(VerilatedContext* ctx, int argc, char** argv) {
         else if (a[0] != '-') job = argv[i];
     }
     if (!job) { fprintf(stderr, "usage: xts_sim test JOBFILE [--idle P] [--stall P] [--seed N]\n"); return 2; }
+    // registers without a reset start with random values (built with --x-initial unique)
+    ctx->randReset(2);
+    ctx->randSeed((int)(seed & 0x7fffffff));
     Tb tb(ctx, idle, stall, seed);
     if (!tb.load(job)) return 2;
     return tb.run();

@@ -39,7 +39,8 @@ MUTANTS = {
     "mode_sampled_late": ("xts_core.v", "wire       beat_byp  = in_first ? first_byp : cur_byp;",
                           "wire       beat_byp  = first_byp;"),
     "key2_not_staged": ("xts_core.v", ".ce(ce), .start(eng_start), .key(k2),", ".ce(ce), .start(eng_start), .key(key2),"),
-    "lenerr_never": ("xts_core.v", "assign ev_len_err   = accept & ~cfg_ssize[1] &", "assign ev_len_err   = 1'b0 & ~cfg_ssize[1] &"),
+    "lenerr_never": ("xts_core.v", "assign ev_len_err   = accept & ~ssize[1] &", "assign ev_len_err   = 1'b0 & ~ssize[1] &"),
+    "ssize_per_beat": ("xts_core.v", "wire [1:0] ssize    = in_first ? cfg_ssize : cur_ssize;", "wire [1:0] ssize    = cfg_ssize;"),
     "tlast_lost": ("xts_core.v", "dl[0] <= {in_first, s_last, beat_dec, beat_byp, s_data};",
                    "dl[0] <= {in_first, 1'b0, beat_dec, beat_byp, s_data};"),
 }

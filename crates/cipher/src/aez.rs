@@ -141,6 +141,217 @@ mod aesni {
     }
 }
 
+/// AEZ-core's passes with VAES, sixteen pairs (512 bytes) per iteration (the last iteration
+/// may have 4, 8 or 12). The pairs are stored
+/// interleaved (M_1 M'_1 M_2 M'_2 ...); two permutes per four pairs separate the halves and two
+/// put them back. Offsets: pairs 16q+1..16q+16 share 2^ceil(i/8) I per half of eight, and the L
+/// multiples repeat as 1..4 and 5, 6, 7, 0.
+#[cfg(target_arch = "x86_64")]
+mod vaes_core {
+    use core::arch::x86_64::*;
+
+    use super::{Aez, B};
+
+    struct Ctx {
+        rk: [__m512i; 4],
+        /// L multiples of the four lanes, for registers 0 and 2 (i mod 8 = 1..4) and 1 and 3
+        /// (5, 6, 7, 0).
+        lv: [__m512i; 2],
+        j1: __m512i,
+        j2: __m512i,
+        off00: __m512i,
+    }
+
+    #[inline(always)]
+    unsafe fn bcast(b: &B) -> __m512i {
+        _mm512_broadcast_i32x4(_mm_loadu_si128(b.as_ptr().cast()))
+    }
+
+    #[inline(always)]
+    unsafe fn lanes(a: &B, b: &B, c: &B, d: &B) -> __m512i {
+        let mut buf = [0u8; 64];
+        buf[..16].copy_from_slice(a);
+        buf[16..32].copy_from_slice(b);
+        buf[32..48].copy_from_slice(c);
+        buf[48..].copy_from_slice(d);
+        _mm512_loadu_si512(buf.as_ptr().cast())
+    }
+
+    #[inline(always)]
+    unsafe fn ctx(a: &Aez) -> Ctx {
+        let k = &a.k;
+        let lm = &k.lmul;
+        let j2 = super::dbl(k.j);
+        Ctx {
+            rk: [bcast(&k.j), bcast(&k.i), bcast(&k.l), _mm512_setzero_si512()],
+            lv: [lanes(&lm[1], &lm[2], &lm[3], &lm[4]), lanes(&lm[5], &lm[6], &lm[7], &lm[0])],
+            j1: bcast(&k.j),
+            j2: bcast(&j2),
+            off00: bcast(&k.ipow[0]),
+        }
+    }
+
+    /// AES4 on N registers (unused trailing registers just compute garbage).
+    #[inline(always)]
+    unsafe fn aes4<const N: usize>(c: &Ctx, x: &mut [__m512i; N]) {
+        for k in &c.rk {
+            for v in x.iter_mut() {
+                *v = _mm512_aesenc_epi128(*v, *k);
+            }
+        }
+    }
+
+    /// The I multiple of pairs 8e-7..8e.
+    #[inline(always)]
+    unsafe fn imult(a: &Aez, e: usize) -> __m512i {
+        bcast(&a.i_mult(8 * e as u64))
+    }
+
+    /// Splits four registers of interleaved pairs into (first halves, second halves) x 4 pairs
+    /// each... for two registers: lo = [M1 M'1 M2 M'2], hi = [M3 M'3 M4 M'4].
+    #[inline(always)]
+    unsafe fn split(lo: __m512i, hi: __m512i) -> (__m512i, __m512i) {
+        let even = _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0);
+        let odd = _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2);
+        (_mm512_permutex2var_epi64(lo, even, hi), _mm512_permutex2var_epi64(lo, odd, hi))
+    }
+
+    /// Inverse of `split`.
+    #[inline(always)]
+    unsafe fn join(a: __m512i, b: __m512i) -> (__m512i, __m512i) {
+        let lo = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+        let hi = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+        (_mm512_permutex2var_epi64(a, lo, b), _mm512_permutex2var_epi64(a, hi, b))
+    }
+
+    #[inline(always)]
+    unsafe fn fold(v: __m512i) -> B {
+        let a = _mm256_xor_si256(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
+        let b = _mm_xor_si128(_mm256_castsi256_si128(a), _mm256_extracti128_si256::<1>(a));
+        let mut out = [0u8; 16];
+        _mm_storeu_si128(out.as_mut_ptr().cast(), b);
+        out
+    }
+
+    /// W_i = M_i ^ E^{1,i}(M'_i); X_i = M'_i ^ E^{0,0}(W_i) over whole groups of 4 pairs
+    /// starting at pair 1; returns the XOR of the X_i.
+    #[target_feature(enable = "avx512f,avx512bw,vaes,aes,sse2,avx2")]
+    pub(super) unsafe fn pass1(a: &Aez, pairs: &mut [u8]) -> B {
+        let c = ctx(a);
+        let mut sum = _mm512_setzero_si512();
+        let p = pairs.as_mut_ptr();
+        let groups = pairs.len() / 512;
+        for g in 0..groups {
+            // SAFETY: 512 (g + 1) <= pairs.len().
+            group1::<4>(a, &c, p.add(512 * g), g, &mut sum);
+        }
+        // SAFETY: the last (len % 512) / 128 registers lie inside `pairs`.
+        let q = p.add(512 * groups);
+        match (pairs.len() % 512) / 128 {
+            1 => group1::<1>(a, &c, q, groups, &mut sum),
+            2 => group1::<2>(a, &c, q, groups, &mut sum),
+            3 => group1::<3>(a, &c, q, groups, &mut sum),
+            _ => {}
+        }
+        fold(sum)
+    }
+
+    /// One group of R registers (4R pairs) of pass 1 at `q`, group number g.
+    #[inline(always)]
+    unsafe fn group1<const R: usize>(a: &Aez, c: &Ctx, q: *mut u8, g: usize, sum: &mut __m512i) {
+        let (i_a, i_b) = (imult(a, 2 * g + 1), imult(a, 2 * g + 2));
+        let mut m = [_mm512_setzero_si512(); R];
+        let mut mp = [_mm512_setzero_si512(); R];
+        for r in 0..R {
+            let lo = _mm512_loadu_si512(q.add(128 * r).cast());
+            let hi = _mm512_loadu_si512(q.add(128 * r + 64).cast());
+            (m[r], mp[r]) = split(lo, hi);
+        }
+        let mut t = [_mm512_setzero_si512(); R];
+        for r in 0..R {
+            let iv = if r < 2 { i_a } else { i_b };
+            t[r] = _mm512_ternarylogic_epi64::<0x96>(mp[r], c.j1, _mm512_xor_si512(iv, c.lv[r % 2]));
+        }
+        aes4(c, &mut t);
+        let mut w = [_mm512_setzero_si512(); R];
+        for r in 0..R {
+            w[r] = _mm512_xor_si512(m[r], t[r]);
+            t[r] = _mm512_xor_si512(w[r], c.off00);
+        }
+        aes4(c, &mut t);
+        for r in 0..R {
+            let xr = _mm512_xor_si512(mp[r], t[r]);
+            *sum = _mm512_xor_si512(*sum, xr);
+            let (lo, hi) = join(w[r], xr);
+            _mm512_storeu_si512(q.add(128 * r).cast(), lo);
+            _mm512_storeu_si512(q.add(128 * r + 64).cast(), hi);
+        }
+    }
+
+    /// S' = E^{2,i}(S); Y = W ^ S'; Z = X ^ S'; C' = Y ^ E^{0,0}(Z); C = Z ^ E^{1,i}(C');
+    /// returns the XOR of the Y_i.
+    #[target_feature(enable = "avx512f,avx512bw,vaes,aes,sse2,avx2")]
+    pub(super) unsafe fn pass2(a: &Aez, pairs: &mut [u8], s: B) -> B {
+        let c = ctx(a);
+        let sv = bcast(&s);
+        let mut sum = _mm512_setzero_si512();
+        let p = pairs.as_mut_ptr();
+        let groups = pairs.len() / 512;
+        for g in 0..groups {
+            // SAFETY: 512 (g + 1) <= pairs.len().
+            group2::<4>(a, &c, sv, p.add(512 * g), g, &mut sum);
+        }
+        // SAFETY: the last (len % 512) / 128 registers lie inside `pairs`.
+        let q = p.add(512 * groups);
+        match (pairs.len() % 512) / 128 {
+            1 => group2::<1>(a, &c, sv, q, groups, &mut sum),
+            2 => group2::<2>(a, &c, sv, q, groups, &mut sum),
+            3 => group2::<3>(a, &c, sv, q, groups, &mut sum),
+            _ => {}
+        }
+        fold(sum)
+    }
+
+    #[inline(always)]
+    unsafe fn group2<const R: usize>(a: &Aez, c: &Ctx, sv: __m512i, q: *mut u8, g: usize, sum: &mut __m512i) {
+        let (i_a, i_b) = (imult(a, 2 * g + 1), imult(a, 2 * g + 2));
+        let mut w = [_mm512_setzero_si512(); R];
+        let mut xx = [_mm512_setzero_si512(); R];
+        let mut off = [_mm512_setzero_si512(); R];
+        let mut t = [_mm512_setzero_si512(); R];
+        for r in 0..R {
+            let lo = _mm512_loadu_si512(q.add(128 * r).cast());
+            let hi = _mm512_loadu_si512(q.add(128 * r + 64).cast());
+            (w[r], xx[r]) = split(lo, hi);
+            let iv = if r < 2 { i_a } else { i_b };
+            off[r] = _mm512_xor_si512(iv, c.lv[r % 2]);
+            t[r] = _mm512_ternarylogic_epi64::<0x96>(sv, c.j2, off[r]);
+        }
+        aes4(c, &mut t); // S'
+        let mut z = [_mm512_setzero_si512(); R];
+        let mut y = [_mm512_setzero_si512(); R];
+        for r in 0..R {
+            y[r] = _mm512_xor_si512(w[r], t[r]);
+            z[r] = _mm512_xor_si512(xx[r], t[r]);
+            *sum = _mm512_xor_si512(*sum, y[r]);
+            t[r] = _mm512_xor_si512(z[r], c.off00);
+        }
+        aes4(c, &mut t);
+        let mut cp = [_mm512_setzero_si512(); R];
+        for r in 0..R {
+            cp[r] = _mm512_xor_si512(y[r], t[r]);
+            t[r] = _mm512_ternarylogic_epi64::<0x96>(cp[r], c.j1, off[r]);
+        }
+        aes4(c, &mut t);
+        for r in 0..R {
+            let ci = _mm512_xor_si512(z[r], t[r]);
+            let (lo, hi) = join(ci, cp[r]);
+            _mm512_storeu_si512(q.add(128 * r).cast(), lo);
+            _mm512_storeu_si512(q.add(128 * r + 64).cast(), hi);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Keys and the tweakable block cipher E^{j,i}.
 // ---------------------------------------------------------------------------------------------
@@ -157,6 +368,10 @@ struct Keys {
     ipow: [B; IPOW],
     /// k * L for k < 8.
     lmul: [B; 8],
+    /// 2J.
+    j2: B,
+    /// E^{3,1}([0]_128): the tau-bits term of every sector's Delta.
+    delta0: B,
     /// AES4 round keys J, I, L, 0 and AES10 round keys I, J, L, I, J, L, I, J, L, I.
     aes4: [B; 4],
     aes10: [B; 10],
@@ -166,6 +381,8 @@ struct Keys {
 pub struct Aez {
     k: Keys,
     round: Round,
+    /// AEZ-core's two passes sixteen pairs at a time with VAES (AVX-512).
+    vaes: bool,
     key_len: usize,
 }
 
@@ -184,14 +401,41 @@ impl Aez {
         for (n, m) in lmul.iter_mut().enumerate() {
             *m = mul(n as u64, l);
         }
-        let k = Keys { i, j, l, ipow, lmul, aes4: [j, i, l, [0; 16]], aes10: [i, j, l, i, j, l, i, j, l, i] };
-        Self { k, round: Round::detect(), key_len: key.len() }
+        let k = Keys {
+            i,
+            j,
+            l,
+            ipow,
+            lmul,
+            j2: dbl(j),
+            delta0: [0; 16],
+            aes4: [j, i, l, [0; 16]],
+            aes10: [i, j, l, i, j, l, i, j, l, i],
+        };
+        let round = Round::detect();
+        #[cfg(target_arch = "x86_64")]
+        let vaes = round == Round::AesNi
+            && std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("vaes");
+        #[cfg(not(target_arch = "x86_64"))]
+        let vaes = false;
+        let mut a = Self { k, round, vaes, key_len: key.len() };
+        a.k.delta0 = a.e(3, 1, [0; 16]);
+        a
     }
 
     /// The same with the portable AES round (for cross-checking the AES-NI path).
     pub fn new_portable(key: &[u8]) -> Self {
         let mut a = Self::new(key);
         a.round = Round::Soft;
+        a.vaes = false;
+        a
+    }
+
+    /// AES-NI rounds but no VAES kernels (for cross-checking the VAES path).
+    pub fn new_aesni_only(key: &[u8]) -> Self {
+        let mut a = Self::new(key);
+        a.vaes = false;
         a
     }
 
@@ -214,6 +458,7 @@ impl Aez {
         let jj = match j {
             0 => [0u8; 16],
             1 => self.k.j,
+            2 => self.k.j2,
             _ => mul(j, self.k.j),
         };
         x(x(jj, self.i_mult(i)), self.k.lmul[(i % 8) as usize])
@@ -300,13 +545,20 @@ impl Aez {
         let dd = u64::from(d);
 
         // Pass 1, eight pairs per batch: W_i = M_i ^ E^{1,i}(M'_i); X_i = M'_i ^ E^{0,0}(W_i).
+        // With VAES the leading multiple of 16 pairs goes through `vaes_core` instead.
         let off00 = self.offset(0, 0);
         let mut sum_x = [0u8; 16];
         let mut buf = [[0u8; 16]; 8];
-        for (c, chunk) in pairs.chunks_mut(256).enumerate() {
+        let vaes_pairs = if self.vaes { m / 4 * 4 } else { 0 };
+        #[cfg(target_arch = "x86_64")]
+        if vaes_pairs > 0 {
+            // SAFETY: `vaes` is only set when AVX-512F, VAES and AES-NI were detected.
+            sum_x = unsafe { vaes_core::pass1(self, &mut pairs[..32 * vaes_pairs]) };
+        }
+        for (c, chunk) in pairs[32 * vaes_pairs..].chunks_mut(256).enumerate() {
             let n = chunk.len() / 32;
             for (k, b) in buf[..n].iter_mut().enumerate() {
-                let i = (8 * c + k + 1) as u64;
+                let i = (vaes_pairs + 8 * c + k + 1) as u64;
                 *b = x(chunk[32 * k + 16..32 * k + 32].try_into().unwrap(), self.offset(1, i));
             }
             self.aes4(&mut buf[..n]);
@@ -339,10 +591,15 @@ impl Aez {
         // C_i = Z_i ^ E^{1,i}(C'_i).
         let mut sum_y = [0u8; 16];
         let mut z = [[0u8; 16]; 8];
-        for (c, chunk) in pairs.chunks_mut(256).enumerate() {
+        #[cfg(target_arch = "x86_64")]
+        if vaes_pairs > 0 {
+            // SAFETY: as for pass 1.
+            sum_y = unsafe { vaes_core::pass2(self, &mut pairs[..32 * vaes_pairs], s) };
+        }
+        for (c, chunk) in pairs[32 * vaes_pairs..].chunks_mut(256).enumerate() {
             let n = chunk.len() / 32;
             for (k, b) in buf[..n].iter_mut().enumerate() {
-                *b = x(s, self.offset(2, (8 * c + k + 1) as u64));
+                *b = x(s, self.offset(2, (vaes_pairs + 8 * c + k + 1) as u64));
             }
             self.aes4(&mut buf[..n]);
             for k in 0..n {
@@ -357,7 +614,7 @@ impl Aez {
             for k in 0..n {
                 let cp = x(chunk[32 * k..32 * k + 16].try_into().unwrap(), buf[k]); // C'_i
                 chunk[32 * k + 16..32 * k + 32].copy_from_slice(&cp);
-                buf[k] = x(cp, self.offset(1, (8 * c + k + 1) as u64));
+                buf[k] = x(cp, self.offset(1, (vaes_pairs + 8 * c + k + 1) as u64));
             }
             self.aes4(&mut buf[..n]);
             for k in 0..n {
@@ -485,6 +742,10 @@ impl Aez {
 
     /// Delta of a sector: AEZ-hash([0]_128, N) = E^{3,1}([0]_128) ^ E^{4,.}(N).
     fn sector_delta(&self, tweak: &[u8]) -> B {
+        if let Ok(n) = <[u8; 16]>::try_from(tweak) {
+            // E^{3,1}([0]_128) ^ E^{4,1}(N), the first term precomputed.
+            return x(self.k.delta0, self.e(4, 1, n));
+        }
         self.hash(&[&[0u8; 16], tweak])
     }
 

@@ -127,6 +127,9 @@ impl Fast {
                 acc.0
             }
             FastHash::Brw => {
+                if let Some(v) = self.hash.brw_le(&self.brw.0, body, tweak) {
+                    return self.hash.mul(v, self.tau);
+                }
                 let k = body.len() / 16 + 1;
                 let get = |i: usize| if i + 1 == k { tweak } else { u128::from_le_bytes(block_at(body, i)) };
                 // Scratch sized to the data unit: 512-byte and 4096-byte sectors need 8 and 64

@@ -384,6 +384,21 @@ impl PolyHash {
         }
     }
 
+    /// BRW over the blocks of `body` followed by `last`, k = body blocks + 1 of the form
+    /// 2^n - 1 with 4 <= k + 1 <= 256, when the PCLMULQDQ kernel applies; `None` otherwise.
+    pub(crate) fn brw_le(&self, p: &[u128; 17], body: &[u8], last: u128) -> Option<u128> {
+        let k = body.len() / 16 + 1;
+        if self.field != Field::Le || !(k + 1).is_power_of_two() || !(4..=256).contains(&(k + 1)) {
+            return None;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.clmul {
+            // SAFETY: `clmul` is only true when PCLMULQDQ, SSE2 and SSSE3 were detected.
+            return Some(unsafe { x86::brw_le(p, body, last, k) });
+        }
+        None
+    }
+
     /// The block form of an accumulator.
     pub(crate) fn finish(&self, acc: Acc) -> [u8; 16] {
         self.store(acc.0)
@@ -588,6 +603,47 @@ pub(crate) mod x86 {
                 _mm512_xor_si512(hi, lo)
             }
         }
+    }
+
+    /// BRW_tau(X_1..X_k) for k = 4G - 1 (G <= 64 groups), level by level with every product
+    /// inline (no calls): level 1 gives v_i = (tau ^ X_{4i+1})(tau^2 ^ X_{4i+2}) ^ X_{4i+3}, level
+    /// t = 4, 8, ... gives v_i <- v_{2i} (tau^t ^ X_{2ti+t}) ^ v_{2i+1}. The blocks X_1..X_{k-1}
+    /// are `body` (little-endian), X_k is `last`. `p[e]` = tau^(2^e).
+    #[target_feature(enable = "pclmulqdq,sse2,ssse3,sse4.1")]
+    pub(crate) unsafe fn brw_le(p: &[u128; 17], body: &[u8], last: u128, k: usize) -> u128 {
+        debug_assert!((k + 1).is_power_of_two() && (4..=256).contains(&(k + 1)) && body.len() == 16 * (k - 1));
+        let groups = (k + 1) / 4;
+        let bp = body.as_ptr();
+        // SAFETY (all loads below): block j < k - 1 lies inside `body`.
+        let xs = |j: usize| -> __m128i { if j + 1 == k { from_u128(last) } else { _mm_loadu_si128(bp.add(16 * j).cast()) } };
+        let mul = |a: __m128i, b: __m128i| -> __m128i {
+            let mut w = zero_wide();
+            mul_acc(&mut w, a, b);
+            reduce(Field::Le, w)
+        };
+        let mut v = [_mm_setzero_si128(); 64];
+        let (t1, t2) = (from_u128(p[0]), from_u128(p[1]));
+        for (i, vi) in v.iter_mut().enumerate().take(groups) {
+            let a = _mm_xor_si128(t1, xs(4 * i));
+            let b = _mm_xor_si128(t2, xs(4 * i + 1));
+            *vi = _mm_xor_si128(mul(a, b), xs(4 * i + 2));
+        }
+        let mut n = groups;
+        let mut e = 2;
+        while n > 1 {
+            let t = 1usize << e;
+            let pe = from_u128(p[e]);
+            for i in 0..n / 2 {
+                let m = _mm_xor_si128(pe, xs(2 * t * i + t - 1));
+                v[i] = _mm_xor_si128(mul(v[2 * i], m), v[2 * i + 1]);
+            }
+            n /= 2;
+            e += 1;
+        }
+        let out = to_u128(v[0]);
+        v = [_mm_setzero_si128(); 64];
+        core::hint::black_box(&v);
+        out
     }
 
     /// a[i] <- a[i] * b[i], four products per register.

@@ -614,7 +614,7 @@ def markdown(summary, targets, state, args) -> str:
         f"interleaved repeats. MB/s = 10^6 B/s. cryptbridge XTS = AES-256-XTS "
         f"(512-bit key), {args.sector_size}-byte sectors. "
         f"Peers: {state['versions'].get('nbdkit') or 'nbdkit'} (file plugin, luks filter on a LUKS1 "
-        f"aes-xts-plain64 256-bit image), {state['versions'].get('qemu-nbd') or 'qemu-nbd'} (driver=luks).",
+        f"AES-256-XTS (aes-256 xts-plain64, 512-bit key) image), {state['versions'].get('qemu-nbd') or 'qemu-nbd'} (driver=luks).",
         "",
     ]
     for regime in ("cpu", "device"):

@@ -102,6 +102,8 @@ fn rounds(r: Round, blocks: &mut [B], keys: &[B]) {
     }
 }
 
+/// AES-NI rounds. The function needs AES-NI and SSE2, which `Round::detect` checks before
+/// `Round::AesNi` is ever chosen; it is `unsafe` only for that reason.
 #[cfg(target_arch = "x86_64")]
 mod aesni {
     use core::arch::x86_64::*;
@@ -142,7 +144,9 @@ mod aesni {
 }
 
 /// AEZ-core's passes with VAES, sixteen pairs (512 bytes) per iteration (the last iteration
-/// may have 4, 8 or 12). The pairs are stored
+/// may have 4, 8 or 12). The functions need AVX-512F/BW, VAES and AES-NI, which `Aez::new` checks
+/// before setting `vaes`; they are `unsafe` for that reason and for the pointer arithmetic, which
+/// stays inside the `pairs` slice (noted where it happens). The pairs are stored
 /// interleaved (M_1 M'_1 M_2 M'_2 ...); two permutes per four pairs separate the halves and two
 /// put them back. Offsets: pairs 16q+1..16q+16 share 2^ceil(i/8) I per half of eight, and the L
 /// multiples repeat as 1..4 and 5, 6, 7, 0.
@@ -575,7 +579,7 @@ impl Aez {
             }
         }
         let (mu, mv) = muv.split_at_mut(uv.min(16));
-        if uv >= 1 && uv <= 15 {
+        if (1..=15).contains(&uv) {
             sum_x = x(sum_x, self.e(0, 4, pad10(mu)));
         } else if uv >= 16 {
             sum_x = x(sum_x, self.e(0, 4, (&*mu).try_into().unwrap()));
@@ -622,7 +626,7 @@ impl Aez {
                 chunk[32 * k..32 * k + 16].copy_from_slice(&ci);
             }
         }
-        if uv >= 1 && uv <= 15 {
+        if (1..=15).contains(&uv) {
             let ks = self.e_neg(4, s);
             for (b, k) in mu.iter_mut().zip(ks.iter()) {
                 *b ^= k;

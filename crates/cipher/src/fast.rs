@@ -109,7 +109,7 @@ impl Fast {
         if data.len() < 48 {
             return Err(CipherError::DataTooShort { cipher: name, min: 48, got: data.len() });
         }
-        if data.len() % 16 != 0 {
+        if !data.len().is_multiple_of(16) {
             return Err(CipherError::DataNotBlocks { cipher: name, got: data.len() });
         }
         Ok(t)

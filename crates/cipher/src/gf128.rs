@@ -278,11 +278,6 @@ impl PolyHash {
         }
     }
 
-    /// H^k for 1 <= k <= 8, in the internal representation.
-    pub(crate) fn power(&self, k: usize) -> u128 {
-        self.pow[k - 1]
-    }
-
     /// Converts a block to the internal representation.
     #[inline(always)]
     pub(crate) fn load(&self, b: &[u8; 16]) -> u128 {
@@ -402,10 +397,6 @@ impl PolyHash {
     /// The block form of an accumulator.
     pub(crate) fn finish(&self, acc: Acc) -> [u8; 16] {
         self.store(acc.0)
-    }
-
-    pub(crate) fn field(&self) -> Field {
-        self.field
     }
 
     pub(crate) fn uses_clmul(&self) -> bool {

@@ -370,25 +370,31 @@ unsafe fn expand(key: &[u8]) -> Vaes {
         let mut b = _mm_loadu_si128(key.as_ptr().add(16).cast());
         enc[0] = a;
         enc[1] = b;
-        macro_rules! step {
+        macro_rules! step_a {
             ($i:literal, $rcon:literal) => {
                 a = _mm_xor_si128(fold(a), _mm_shuffle_epi32::<0xff>(_mm_aeskeygenassist_si128::<$rcon>(b)));
                 enc[2 * $i] = a;
-                if 2 * $i + 1 <= 14 {
-                    b = _mm_xor_si128(fold(b), _mm_shuffle_epi32::<0xaa>(_mm_aeskeygenassist_si128::<0x00>(a)));
-                    if 2 * $i + 1 <= 13 {
-                        enc[2 * $i + 1] = b;
-                    }
-                }
             };
         }
-        step!(1, 0x01);
-        step!(2, 0x02);
-        step!(3, 0x04);
-        step!(4, 0x08);
-        step!(5, 0x10);
-        step!(6, 0x20);
-        step!(7, 0x40);
+        macro_rules! step_b {
+            ($i:literal) => {
+                b = _mm_xor_si128(fold(b), _mm_shuffle_epi32::<0xaa>(_mm_aeskeygenassist_si128::<0x00>(a)));
+                enc[2 * $i + 1] = b;
+            };
+        }
+        step_a!(1, 0x01);
+        step_b!(1);
+        step_a!(2, 0x02);
+        step_b!(2);
+        step_a!(3, 0x04);
+        step_b!(3);
+        step_a!(4, 0x08);
+        step_b!(4);
+        step_a!(5, 0x10);
+        step_b!(5);
+        step_a!(6, 0x20);
+        step_b!(6);
+        step_a!(7, 0x40); // round key 14 is the last one
     }
     let mut out = Vaes { enc: [[0; 16]; 15], dec: [[0; 16]; 15], nr };
     for r in 0..=nr {

@@ -94,7 +94,10 @@ echo
 echo "=== (b) NBD bridge: bench/bridge.py ${BRIDGE_ARGS[*]}"
 "$PY" bench/bridge.py --binary "$BIN" "${BRIDGE_ARGS[@]}" || status=$?
 echo
-echo "=== (c) file encryption: bench/file.py ${QUICK[*]}"
+echo "=== (c) wide-block TES table: bench/tes.py ${QUICK[*]}"
+"$PY" bench/tes.py --binary "$BIN" "${QUICK[@]}" || status=$?
+echo
+echo "=== (d) file encryption: bench/file.py ${QUICK[*]}"
 "$PY" bench/file.py --binary "$BIN" "${QUICK[@]}" || status=$?
 
 chart=docs/bench-bridge.png

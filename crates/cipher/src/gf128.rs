@@ -387,6 +387,13 @@ impl PolyHash {
             return None;
         }
         #[cfg(target_arch = "x86_64")]
+        if self.wide && (k + 1) >= 64 {
+            // SAFETY: `wide` is only true when AVX-512F/BW, VPCLMULQDQ and PCLMULQDQ were
+            // detected; k + 1 is a power of two from 64 to 256, so (k + 1) / 4 is a multiple of 4
+            // up to 64.
+            return Some(unsafe { x86::brw_le_wide(p, body, last, k) });
+        }
+        #[cfg(target_arch = "x86_64")]
         if self.clmul {
             // SAFETY: `clmul` is only true when PCLMULQDQ, SSE2 and SSSE3 were detected.
             return Some(unsafe { x86::brw_le(p, body, last, k) });
@@ -634,6 +641,86 @@ pub(crate) mod x86 {
         let out = to_u128(v[0]);
         v = [_mm_setzero_si128(); 64];
         core::hint::black_box(&v);
+        out
+    }
+
+    /// Four products at once, reduced (FAST's field).
+    #[inline(always)]
+    unsafe fn mul4_le(a: __m512i, b: __m512i) -> __m512i {
+        let lo = _mm512_clmulepi64_epi128::<0x00>(a, b);
+        let hi = _mm512_clmulepi64_epi128::<0x11>(a, b);
+        let mid = _mm512_xor_si512(_mm512_clmulepi64_epi128::<0x01>(a, b), _mm512_clmulepi64_epi128::<0x10>(a, b));
+        reduce4(Field::Le, lo, mid, hi)
+    }
+
+    /// BRW with four products per instruction, for k = 4G - 1 with G a multiple of 4 and at most
+    /// 64 (k = 15, 31, 63, 127, 255). Groups g of four blocks X_{4g+1..4g+4} are loaded four at a
+    /// time and transposed, so that lane j of T0..T3 holds the blocks of group g + j; level 1 is
+    /// then v = (tau ^ T0)(tau^2 ^ T1) ^ T2 lane-wise. Every later level pairs neighbours: even
+    /// and odd values are separated with two lane shuffles, and the multipliers
+    /// tau^t ^ X_{2ti+t} (always the fourth block of a group) are gathered from memory.
+    #[target_feature(enable = "avx512f,avx512bw,vpclmulqdq,pclmulqdq,sse2,sse4.1,avx2")]
+    pub(crate) unsafe fn brw_le_wide(p: &[u128; 17], body: &[u8], last: u128, k: usize) -> u128 {
+        let groups = (k + 1) / 4;
+        debug_assert!(groups % 4 == 0 && groups <= 64 && body.len() == 16 * (k - 1));
+        // The last group is X_{k-2}, X_{k-1}, X_k = last and a zero in place of X_{k+1}.
+        let mut tail = [0u8; 64];
+        tail[..32].copy_from_slice(&body[16 * (k - 3)..]);
+        tail[32..48].copy_from_slice(&last.to_le_bytes());
+        let bp = body.as_ptr();
+        let tp = tail.as_ptr();
+        let block4 = |g: usize| -> __m512i {
+            // SAFETY: groups before the last lie inside `body` (16 (4g + 4) <= 16 (k - 3)); the
+            // last one is `tail`.
+            if g + 1 == groups { _mm512_loadu_si512(tp.cast()) } else { _mm512_loadu_si512(bp.add(64 * g).cast()) }
+        };
+        let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
+        let (t1, t2) = (bc(p[0]), bc(p[1]));
+        let mut fourth = [0u128; 64]; // fourth[g] = X_{4g+4}
+        let mut z = [_mm512_setzero_si512(); 16]; // level values, four per register
+        for q in 0..groups / 4 {
+            let (a, b, c, d) = (block4(4 * q), block4(4 * q + 1), block4(4 * q + 2), block4(4 * q + 3));
+            let u0 = _mm512_shuffle_i64x2::<0x44>(a, b);
+            let u1 = _mm512_shuffle_i64x2::<0xee>(a, b);
+            let u2 = _mm512_shuffle_i64x2::<0x44>(c, d);
+            let u3 = _mm512_shuffle_i64x2::<0xee>(c, d);
+            let x1 = _mm512_shuffle_i64x2::<0x88>(u0, u2);
+            let x2 = _mm512_shuffle_i64x2::<0xdd>(u0, u2);
+            let x3 = _mm512_shuffle_i64x2::<0x88>(u1, u3);
+            let x4 = _mm512_shuffle_i64x2::<0xdd>(u1, u3);
+            _mm512_storeu_si512(fourth.as_mut_ptr().add(4 * q).cast(), x4);
+            z[q] = _mm512_xor_si512(mul4_le(_mm512_xor_si512(t1, x1), _mm512_xor_si512(t2, x2)), x3);
+        }
+        let mut n = groups; // values
+        let mut e = 2; // level t = 2^e
+        while n > 1 {
+            let t = 1usize << e;
+            let pairs = n / 2;
+            let regs_in = n.div_ceil(4);
+            let pt = p[e];
+            for r in 0..pairs.div_ceil(4) {
+                // pairs 4r..4r+3 come from input registers 2r and 2r + 1
+                let za = z[2 * r];
+                let zb = if 2 * r + 1 < regs_in { z[2 * r + 1] } else { za };
+                let even = _mm512_shuffle_i64x2::<0x88>(za, zb);
+                let odd = _mm512_shuffle_i64x2::<0xdd>(za, zb);
+                let mut m = [0u128; 4];
+                for (l, mv) in m.iter_mut().enumerate() {
+                    let i = 4 * r + l;
+                    if i < pairs {
+                        *mv = pt ^ fourth[(2 * t * i + t) / 4 - 1];
+                    }
+                }
+                let mv = _mm512_loadu_si512(m.as_ptr().cast());
+                z[r] = _mm512_xor_si512(mul4_le(even, mv), odd);
+            }
+            n = pairs;
+            e += 1;
+        }
+        let out = to_u128(_mm512_castsi512_si128(z[0]));
+        z = [_mm512_setzero_si512(); 16];
+        fourth = [0; 64];
+        core::hint::black_box((&z, &fourth));
         out
     }
 

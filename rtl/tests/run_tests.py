@@ -433,6 +433,21 @@ def step_coproc(seed):
             problems.append("sector size 100 accepted")
         except xc.XtsSimError:
             pass
+        # KEY_CLEAR: keys gone (XTS refused), then a new key works
+        sim.call(xc.OP_CLEAR_KEYS)
+        if sim.stats()["status"] & 1:
+            problems.append("KEY_VALID still set after CLEAR_KEYS")
+        try:
+            sim.encrypt(b"\0" * 512, 512, 0)
+            problems.append("ENCRYPT accepted after CLEAR_KEYS")
+        except xc.XtsSimError:
+            pass
+        key2 = rand_key(rng)
+        sim.set_keys(key2)
+        data = rng.randbytes(2048)
+        if sim.encrypt(data, 512, 9, 1) != b"".join(reference(
+                [(0, key2, (9 + i).to_bytes(16, "little"), data[512 * i:512 * (i + 1)]) for i in range(4)])):
+            problems.append("encrypt after CLEAR_KEYS + SET_KEYS differs from cryptbridge")
     finally:
         sim.close()
     cyc = sum(c for c, _, _ in speed)
@@ -440,7 +455,7 @@ def step_coproc(seed):
     nbytes = sum(n for _, _, n in speed)
     metrics["coproc_cycles_per_s"] = round(cyc / (ns / 1e9))
     metrics["coproc_MB_per_s"] = round(nbytes / (ns / 1e9) / 1e6, 2)
-    record("co-process xts_sim serve (framing; results vs cryptbridge; errors; STATS)", not problems,
+    record("co-process xts_sim serve (framing; results vs cryptbridge; errors; STATS; KEY_CLEAR)", not problems,
            "; ".join(problems) if problems else
            f"{nbytes} bytes in {cyc} simulated cycles; {metrics['coproc_cycles_per_s']} cycles/s, "
            f"{metrics['coproc_MB_per_s']} MB/s of simulation")

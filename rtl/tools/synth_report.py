@@ -31,13 +31,35 @@ DESIGNS = [
      "AES-256 pipeline alone, unified encrypt/decrypt (round keys as inputs)"),
     ("aes_pipe_enc", "aes256_pipe", SOURCES, {"HAS_DEC": 0, "TAG_W": 1},
      "AES-256 pipeline alone, encryption only (round keys as inputs)"),
+    ("aes_pipe_dec", "aes256_pipe_dec_only", SOURCES + ["@dec_only"], {},
+     "AES-256 pipeline alone, decryption only (unified RTL with the direction tied to decrypt)"),
 ]
+
+# a decryption-only pipeline: the unified RTL with in_dec tied to 1 (synthesis removes the
+# encryption half); only for the cost comparison, not part of the design
+DEC_ONLY = """module aes256_pipe_dec_only (
+    input wire clk, input wire rst, input wire ce, input wire in_valid, input wire [127:0] in_data,
+    input wire [15*128-1:0] rk_flat, input wire [15*128-1:0] dkm_flat,
+    output wire out_valid, output wire [127:0] out_data);
+    wire d; wire [0:0] t; wire [14:0] sv;
+    aes256_pipe #(.HAS_DEC(1), .TAG_W(1)) u (.clk(clk), .rst(rst), .ce(ce), .in_valid(in_valid),
+        .in_dec(1'b1), .in_data(in_data), .in_tag(1'b0), .rk_flat(rk_flat), .dkm_flat(dkm_flat),
+        .out_valid(out_valid), .out_dec(d), .out_data(out_data), .out_tag(t), .stage_valid(sv));
+endmodule
+"""
 
 
 def synth(name, top, files, params):
     os.makedirs(OUT, exist_ok=True)
     ch = "".join(f"chparam -set {k} {v} {top}\n" for k, v in params.items())
-    script = (f"read_verilog -I{RTL} " + " ".join(os.path.join(RTL, f) for f in files) + "\n" + ch +
+    paths = []
+    for f in files:
+        if f == "@dec_only":
+            f = os.path.join(OUT, "aes256_pipe_dec_only.v")
+            with open(f, "w") as fh:
+                fh.write(DEC_ONLY)
+        paths.append(os.path.join(RTL, f))
+    script = (f"read_verilog -I{RTL} " + " ".join(paths) + "\n" + ch +
               f"synth_xilinx -family xc7 -top {top} -flatten -abc9 -noiopad -noclkbuf\n"
               "tee -o {out}/{name}.stat stat\n"
               "tee -o {out}/{name}.sta sta\n").format(out=OUT, name=name)

@@ -662,7 +662,7 @@ pub(crate) mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,vpclmulqdq,pclmulqdq,sse2,sse4.1,avx2")]
     pub(crate) unsafe fn brw_le_wide(p: &[u128; 17], body: &[u8], last: u128, k: usize) -> u128 {
         let groups = (k + 1) / 4;
-        debug_assert!(groups % 4 == 0 && groups <= 64 && body.len() == 16 * (k - 1));
+        debug_assert!(groups.is_multiple_of(4) && groups <= 64 && body.len() == 16 * (k - 1));
         // The last group is X_{k-2}, X_{k-1}, X_k = last and a zero in place of X_{k+1}.
         let mut tail = [0u8; 64];
         tail[..32].copy_from_slice(&body[16 * (k - 3)..]);
@@ -678,7 +678,7 @@ pub(crate) mod x86 {
         let (t1, t2) = (bc(p[0]), bc(p[1]));
         let mut fourth = [0u128; 64]; // fourth[g] = X_{4g+4}
         let mut z = [_mm512_setzero_si512(); 16]; // level values, four per register
-        for q in 0..groups / 4 {
+        for (q, zq) in z.iter_mut().enumerate().take(groups / 4) {
             let (a, b, c, d) = (block4(4 * q), block4(4 * q + 1), block4(4 * q + 2), block4(4 * q + 3));
             let u0 = _mm512_shuffle_i64x2::<0x44>(a, b);
             let u1 = _mm512_shuffle_i64x2::<0xee>(a, b);
@@ -689,7 +689,7 @@ pub(crate) mod x86 {
             let x3 = _mm512_shuffle_i64x2::<0x88>(u1, u3);
             let x4 = _mm512_shuffle_i64x2::<0xdd>(u1, u3);
             _mm512_storeu_si512(fourth.as_mut_ptr().add(4 * q).cast(), x4);
-            z[q] = _mm512_xor_si512(mul4_le(_mm512_xor_si512(t1, x1), _mm512_xor_si512(t2, x2)), x3);
+            *zq = _mm512_xor_si512(mul4_le(_mm512_xor_si512(t1, x1), _mm512_xor_si512(t2, x2)), x3);
         }
         let mut n = groups; // values
         let mut e = 2; // level t = 2^e

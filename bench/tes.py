@@ -22,6 +22,8 @@ AES (or ChaCha) calls, GF(2^128) multiplications, whether decryption needs the A
   bench/tes.py --quick         # shorter measurements
   bench/tes.py --markdown      # also print the table as Markdown (docs/tes.md)
 
+BENCH_SKIP_BUILD=1 (as for bench/run.sh) or --no-build: do not run cargo for the example.
+
 Targets: every AES-based TES >= 2.5 GB/s at 4096 bytes (cipher only, encrypt and decrypt);
 FAST-BRW >= 0.6 x XTS in the same run.
 Output: table on stdout, JSON in bench/out/tes.json.
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -84,7 +86,7 @@ def costs(name: str, sector: int) -> tuple[str, str, str]:
 
 def build_example(no_build: bool) -> Path:
     exe = REPO / "target" / "release" / "examples" / "tes_speed"
-    if not no_build:
+    if not no_build and not os.environ.get("BENCH_SKIP_BUILD"):
         p = run(["cargo", "build", "--release", "-p", "cryptbridge-cipher", "--example", "tes_speed"], timeout=1800, cwd=REPO)
         if p.returncode != 0:
             warn(p.stderr[-3000:])

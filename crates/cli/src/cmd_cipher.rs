@@ -22,9 +22,9 @@ pub struct Args {
 }
 
 fn cipher_list_help() -> String {
-    let mut s = String::from("Input: one job per line, `KEYHEX TWEAKHEX DATAHEX` (hex in either case; `-` is an empty\ntweak; a short tweak is zero-padded on the right). Output: one lower-case hex line per job,\nor `error: <reason>`; the exit status is 1 if any line failed.\n\nCiphers:\n");
+    let mut s = String::from("Input: one job per line, `KEYHEX TWEAKHEX DATAHEX` (hex in either case; `-` is an empty\ntweak; XTS and FAST zero-pad a short tweak on the right, the other schemes take the tweak\nas given, any length). Output: one lower-case hex line per job,\nor `error: <reason>`; the exit status is 1 if any line failed.\n\nCiphers:\n");
     for c in ciphers() {
-        s.push_str(&format!("  {:<12} {}\n", c.name, c.summary));
+        s.push_str(&format!("  {:<24} {}\n", c.name, c.summary));
     }
     s
 }

@@ -32,7 +32,10 @@ pub struct Args {
     /// Key size in bits; by default taken from the key file's length.
     #[arg(long)]
     key_size: Option<usize>,
-    /// Volume cipher: aes-xts-plain64 (dm-crypt name), capi:xts(aes)-plain64 or xts(aes).
+    /// Volume cipher: aes-xts-plain64 (dm-crypt name), capi:xts(aes)-plain64 or xts(aes); or a
+    /// wide-block scheme by Linux name: hctr2(aes), adiantum(xchacha12,aes),
+    /// adiantum(xchacha20,aes), eme2(aes), fast-horner(aes), fast-brw(aes), aez, and xcb(aes)
+    /// (LEGACY: published plaintext-recovery attacks). See docs/tes.md.
     #[arg(long, default_value = "aes-xts-plain64")]
     cipher: String,
     /// Encryption sector size in bytes.

@@ -31,7 +31,7 @@ pub fn read_key(path: &Path, key_bits: Option<usize>) -> Result<Zeroizing<Vec<u8
             key.len(),
             key.len() * 8,
             want.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(" or "),
-            if key_bits.is_some() { " for the given --key-size" } else { " (AES-128/192/256-XTS)" }
+            if key_bits.is_some() { " for the given --key-size" } else { " (e.g. AES-128/192/256-XTS)" }
         );
     }
     Ok(key)

@@ -145,7 +145,10 @@ module xts_core #(
 
     // ------------------------------------------------------------------ delay line
     reg [DL-1:0] dl_v;
-    reg [131:0]  dl [0:DL-1];          // {first, last, dec, byp, data}
+    reg [131:0]  dl [0:DL-2];          // {first, last, dec, byp, data}: stages 0..DL-2
+    reg [131:0]  dl_head;              // stage DL-1: a plain flip-flop (it has a reset, so it is
+                                       // not packed into the shift-register primitive, whose
+                                       // clock-to-output delay would start the critical path)
 
     always @(posedge clk) begin
         if (rst)
@@ -158,13 +161,20 @@ module xts_core #(
     always @(posedge clk) begin
         if (ce) begin
             dl[0] <= {in_first, s_last, beat_dec, beat_byp, s_data};
-            for (i = 1; i < DL; i = i + 1)
+            for (i = 1; i < DL - 1; i = i + 1)
                 dl[i] <= dl[i-1];
         end
     end
 
+    always @(posedge clk) begin
+        if (rst)
+            dl_head <= 132'h0;
+        else if (ce)
+            dl_head <= dl[DL-2];
+    end
+
     wire         h_v     = dl_v[DL-1];
-    wire [131:0] h       = dl[DL-1];
+    wire [131:0] h       = dl_head;
     wire         h_first = h[131];
     wire         h_last  = h[130];
     wire         h_dec   = h[129];

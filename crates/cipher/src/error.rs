@@ -17,4 +17,6 @@ pub enum CipherError {
     NotForVolumes(&'static str, &'static str),
     #[error("the two halves of the XTS key are equal; XTS then loses its security (IEEE 1619-2007 5.1 / FIPS 140-3 IG C.I require distinct halves)")]
     EqualKeyHalves,
+    #[error("a run of {got} bytes is not a whole number of {unit_len}-byte data units")]
+    UnitLength { unit_len: usize, got: usize },
 }

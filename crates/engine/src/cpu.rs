@@ -37,11 +37,10 @@ impl CpuBackend {
     }
 
     fn serial(&self, dir: Direction, run: SectorRun, buf: &mut [u8]) -> Result<(), EngineError> {
-        for (i, sector) in buf.chunks_exact_mut(run.sector_size).enumerate() {
-            match dir {
-                Direction::Encrypt => self.cipher.encrypt_unit(run.tweak(i), sector)?,
-                Direction::Decrypt => self.cipher.decrypt_unit(run.tweak(i), sector)?,
-            }
+        let (first, step, len) = (run.first_tweak, run.tweak_step, run.sector_size);
+        match dir {
+            Direction::Encrypt => self.cipher.encrypt_units(first, step, len, buf)?,
+            Direction::Decrypt => self.cipher.decrypt_units(first, step, len, buf)?,
         }
         Ok(())
     }

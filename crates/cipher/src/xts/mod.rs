@@ -171,6 +171,35 @@ impl SectorCipher for Xts {
     fn decrypt(&self, tweak: &[u8], data: &mut [u8]) -> Result<(), CipherError> {
         self.crypt(Direction::Decrypt, tweak, data)
     }
+
+    fn encrypt_units(&self, first: u64, step: u64, unit_len: usize, data: &mut [u8]) -> Result<(), CipherError> {
+        self.crypt_units(Direction::Encrypt, first, step, unit_len, data)
+    }
+
+    fn decrypt_units(&self, first: u64, step: u64, unit_len: usize, data: &mut [u8]) -> Result<(), CipherError> {
+        self.crypt_units(Direction::Decrypt, first, step, unit_len, data)
+    }
+}
+
+impl Xts {
+    fn crypt_units(&self, dir: Direction, first: u64, step: u64, unit_len: usize, data: &mut [u8]) -> Result<(), CipherError> {
+        if unit_len == 0 || data.len() % unit_len != 0 {
+            return Err(CipherError::UnitLength { unit_len, got: data.len() });
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v) = &self.vaes {
+            if unit_len % vaes::UNIT_MULTIPLE == 0 {
+                v.crypt_units(dir, first, step, unit_len, data);
+                return Ok(());
+            }
+        }
+        let mut n = first;
+        for unit in data.chunks_exact_mut(unit_len) {
+            self.crypt(dir, &crate::unit_tweak(n), unit)?;
+            n = n.wrapping_add(step);
+        }
+        Ok(())
+    }
 }
 
 /// True when Key1 and Key2 are equal, compared in constant time.

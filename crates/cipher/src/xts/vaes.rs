@@ -329,11 +329,10 @@ unsafe fn expand(key: &[u8]) -> RoundKeys {
             ($i:literal, $rcon:literal) => {
                 a = _mm_xor_si128(fold(a), _mm_shuffle_epi32::<0xff>(assist!(b, $rcon)));
                 enc[2 * $i] = a;
-                if 2 * $i + 1 <= 14 {
+                // The last step (i = 7) makes round key 14 only.
+                if let Some(slot) = enc.get_mut(2 * $i + 1) {
                     b = _mm_xor_si128(fold(b), _mm_shuffle_epi32::<0xaa>(assist!(a, 0x00)));
-                    if 2 * $i + 1 <= 13 {
-                        enc[2 * $i + 1] = b;
-                    }
+                    *slot = b;
                 }
             };
         }

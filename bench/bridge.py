@@ -8,11 +8,12 @@ Profiles (one fio job, one NBD connection each; MB/s = 10^6 B/s, read+write for 
   SEQ1M Q8T1 read / write, RND4K Q32T1 read / write, RND4K Q1T1 read, RND64K Q16T1 70/30 randrw.
 
 Regimes:
-  device  Backing file on the machine's disk, opened with --direct (O_DIRECT), pre-filled with
-          data: cryptbridge encrypted vs cryptbridge --passthrough.
+  device  One backing file on the machine's disk, shared by both servers (one job runs at a
+          time), opened with --direct (O_DIRECT), pre-filled with data: cryptbridge encrypted vs
+          cryptbridge --passthrough.
           Target: encrypted >= 0.95 x passthrough per profile.
   cpu     Backing files in the page cache (no --direct, files pre-filled and re-read before every
-          repeat): cryptbridge encrypted, cryptbridge --passthrough, `nbdkit file`,
+          repeat; the plain servers share one file): cryptbridge encrypted, cryptbridge --passthrough, `nbdkit file`,
           `nbdkit --filter=luks file` (LUKS1 AES-256-XTS image) and `qemu-nbd` (driver=luks,
           AES-256-XTS). All servers are up at once on unix sockets; servers are interleaved per
           profile (order rotated) and every job is repeated --repeats times; the median is reported.
@@ -382,7 +383,13 @@ def fio_job(uri: str, prof: Profile, size: int, runtime: float, ramp: float, out
 
 
 def backing_path(work: Path, regime: str, key: str) -> Path:
-    return work / f"{regime}-{key}.{'luks' if key in LUKS_PEERS else 'img'}"
+    """The plain servers of a regime (cryptbridge encrypted and passthrough, nbdkit file) share
+    one backing file: only one fio job runs at a time, and a shared file puts every server on the
+    same blocks of the disk and the same host-side caching, which otherwise differ by tens of
+    per cent between two files on a VM disk. The LUKS peers need their own images."""
+    if key in LUKS_PEERS:
+        return work / f"{regime}-{key}.luks"
+    return work / f"{regime}-plain.img"
 
 
 def build_servers(regime: str, keys: list[str], args, work: Path, rundir: Path, logdir: Path,
@@ -447,8 +454,8 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
     fio_dir = OUT / "fio" / regime
     fio_dir.mkdir(parents=True, exist_ok=True)
     if regime == "device":
-        for s in servers:
-            drop_file_cache(s.backing)
+        for backing in dict.fromkeys(s.backing for s in servers):
+            drop_file_cache(backing)
     info = state["servers"].setdefault(regime, {})
     all_servers = servers
     try:
@@ -476,10 +483,10 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
             return
         for rep in range(args.repeats):
             if regime == "cpu":
-                for s in servers:
-                    frac = warm_file(s.backing)
+                for backing in dict.fromkeys(s.backing for s in servers):
+                    frac = warm_file(backing)
                     if frac is not None and frac < 0.95:
-                        warn(f"{s.backing} only {frac:.0%} resident in page cache")
+                        warn(f"{backing} only {frac:.0%} resident in page cache")
             for pi, prof in enumerate(PROFILES):
                 shift = (rep + pi) % n
                 for s in servers[shift:] + servers[:shift]:

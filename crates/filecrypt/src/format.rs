@@ -11,11 +11,10 @@ use std::ops::Range;
 
 use aes::cipher::KeyInit;
 use aes::Aes256;
-use aes_gcm::aead::AeadInOut;
-use aes_gcm::Aes256Gcm;
 use zeroize::Zeroizing;
 
 use crate::error::{Error, Result};
+use crate::gcm::GcmKey;
 use crate::kdf::{self, Secret, KEY_LEN};
 use crate::modes::BLOCK;
 
@@ -213,9 +212,9 @@ fn parse_nonce(n: &[u8]) -> Option<(u64, bool)> {
 // ---- per-file keys ----------------------------------------------------------------------------
 
 /// The per-file keys and everything else a chunk transform needs. Key schedules are zeroized on
-/// drop by the `aes` / `aes-gcm` crates (their `zeroize` features).
+/// drop: by the `aes` crate (its `zeroize` feature) and by [`GcmKey`] for the `ring` GCM key.
 pub(crate) enum Keys {
-    Gcm { aead: Box<Aes256Gcm>, header: [u8; GCM_HEADER_LEN], chunk_size: usize },
+    Gcm { aead: GcmKey, header: [u8; GCM_HEADER_LEN], chunk_size: usize },
     Ctr { aes: Box<Aes256>, iv: u128 },
     Cbc { aes: Box<Aes256>, iv: [u8; 16] },
     Ecb { aes: Box<Aes256> },
@@ -273,7 +272,7 @@ impl FileSetup {
                 let (key, check) = gcm_derive(secret, &salt, iter);
                 let header =
                     GcmHeader { kdf: kdf_id, iter, chunk_size: chunk_size as u32, salt, check }.encode();
-                let aead = Box::new(Aes256Gcm::new_from_slice(&key[..]).expect("32-byte key"));
+                let aead = GcmKey::new(&key);
                 Ok(FileSetup { mode, keys: Keys::Gcm { aead, header, chunk_size }, header: header.to_vec() })
             }
             _ => match secret {
@@ -321,7 +320,7 @@ impl FileSetup {
                 if diff != 0 {
                     return Err(Error::WrongKey);
                 }
-                let aead = Box::new(Aes256Gcm::new_from_slice(&key[..]).expect("32-byte key"));
+                let aead = GcmKey::new(&key);
                 Ok(FileSetup {
                     mode,
                     keys: Keys::Gcm { aead, header: *h, chunk_size: parsed.chunk_size as usize },
@@ -378,18 +377,14 @@ pub(crate) fn check_chunk(chunk: usize) -> Result<()> {
 
 /// Seals the plaintext `data` as GCM chunk `index` in place and returns the tag. The AAD is the
 /// file header.
-pub(crate) fn gcm_seal(aead: &Aes256Gcm, header: &[u8], index: u64, last: bool, data: &mut [u8]) -> [u8; 16] {
-    let nonce = gcm_nonce(index, last);
-    let tag = aead
-        .encrypt_inout_detached(&nonce.into(), header, data.into())
-        .expect("chunk within GCM's length limits");
-    tag.into()
+pub(crate) fn gcm_seal(aead: &GcmKey, header: &[u8], index: u64, last: bool, data: &mut [u8]) -> [u8; 16] {
+    aead.seal(gcm_nonce(index, last), header, data)
 }
 
 /// Checks the stored nonce of the record expected at position `index` (`last` when no bytes
 /// follow it). On a mismatch, diagnoses it without releasing any plaintext: the stored nonce is
 /// only a hint, so a "reordered" verdict is given only when the chunk authenticates under it.
-pub(crate) fn gcm_check_nonce(aead: &Aes256Gcm, header: &[u8], index: u64, last: bool, record: &[u8]) -> Result<()> {
+pub(crate) fn gcm_check_nonce(aead: &GcmKey, header: &[u8], index: u64, last: bool, record: &[u8]) -> Result<()> {
     if record.len() < GCM_OVERHEAD {
         return Err(Error::ShortChunk { chunk: index, len: record.len() });
     }
@@ -405,7 +400,7 @@ pub(crate) fn gcm_check_nonce(aead: &Aes256Gcm, header: &[u8], index: u64, last:
         Some((found, fin)) if found != index => {
             let mut scratch = ct.to_vec();
             let n = gcm_nonce(found, fin);
-            match aead.decrypt_inout_detached(&n.into(), header, scratch.as_mut_slice().into(), &tag.into()) {
+            match aead.open(n, header, &mut scratch, &tag) {
                 Ok(()) => Error::Reordered { expected: index, found },
                 Err(_) => Error::Tampered { chunk: index },
             }
@@ -418,7 +413,7 @@ pub(crate) fn gcm_check_nonce(aead: &Aes256Gcm, header: &[u8], index: u64, last:
 /// `last` when no more bytes follow it. Only if the nonce is the expected one and the tag
 /// verifies is the ciphertext decrypted in place; returns the plaintext's range in `record`.
 pub(crate) fn gcm_open(
-    aead: &Aes256Gcm,
+    aead: &GcmKey,
     header: &[u8],
     index: u64,
     last: bool,
@@ -429,15 +424,14 @@ pub(crate) fn gcm_open(
     let (head, tail) = record.split_at_mut(ct_end);
     let tag: [u8; GCM_TAG_LEN] = tail.try_into().unwrap();
     let nonce = gcm_nonce(index, last);
-    aead.decrypt_inout_detached(&nonce.into(), header, (&mut head[GCM_NONCE_LEN..]).into(), &tag.into())
-        .map_err(|_| Error::Tampered { chunk: index })?;
+    aead.open(nonce, header, &mut head[GCM_NONCE_LEN..], &tag).map_err(|_| Error::Tampered { chunk: index })?;
     Ok(GCM_NONCE_LEN..ct_end)
 }
 
 /// Like [`gcm_open`] for a record that must stay untouched: appends the plaintext to `out`
 /// (nothing is appended if the chunk does not authenticate).
 pub(crate) fn gcm_open_into(
-    aead: &Aes256Gcm,
+    aead: &GcmKey,
     header: &[u8],
     index: u64,
     last: bool,
@@ -450,7 +444,7 @@ pub(crate) fn gcm_open_into(
     let start = out.len();
     out.extend_from_slice(&record[GCM_NONCE_LEN..ct_end]);
     let nonce = gcm_nonce(index, last);
-    if aead.decrypt_inout_detached(&nonce.into(), header, (&mut out[start..]).into(), &tag.into()).is_err() {
+    if aead.open(nonce, header, &mut out[start..], &tag).is_err() {
         out.truncate(start);
         return Err(Error::Tampered { chunk: index });
     }

@@ -387,10 +387,9 @@ impl PolyHash {
             return None;
         }
         #[cfg(target_arch = "x86_64")]
-        if self.wide && (k + 1) >= 64 {
+        if self.wide && (k + 1) >= 16 {
             // SAFETY: `wide` is only true when AVX-512F/BW, VPCLMULQDQ and PCLMULQDQ were
-            // detected; k + 1 is a power of two from 64 to 256, so (k + 1) / 4 is a multiple of 4
-            // up to 64.
+            // detected; k + 1 is a power of two from 16 to 256, the sizes the kernel takes.
             return Some(unsafe { x86::brw_le_wide(p, body, last, k) });
         }
         #[cfg(target_arch = "x86_64")]
@@ -644,42 +643,72 @@ pub(crate) mod x86 {
         out
     }
 
-    /// Four products at once, reduced (FAST's field).
+    /// Four products at once, one per 128-bit lane, reduced modulo x^128 + x^7 + x^2 + x + 1
+    /// (FAST's field). Schoolbook (four carry-less multiplies) and a two-multiply reduction: the
+    /// top qword h1 folds to (h1 * 0x87) x^64, whose carry-out (7 bits) joins h0; then h0 folds
+    /// to h0 * 0x87. Both folds fit in 71 bits, so nothing is left over.
     #[inline(always)]
     unsafe fn mul4_le(a: __m512i, b: __m512i) -> __m512i {
         let lo = _mm512_clmulepi64_epi128::<0x00>(a, b);
         let hi = _mm512_clmulepi64_epi128::<0x11>(a, b);
         let mid = _mm512_xor_si512(_mm512_clmulepi64_epi128::<0x01>(a, b), _mm512_clmulepi64_epi128::<0x10>(a, b));
-        reduce4(Field::Le, lo, mid, hi)
+        let lo = _mm512_xor_si512(lo, _mm512_bslli_epi128::<8>(mid));
+        let hi = _mm512_xor_si512(hi, _mm512_bsrli_epi128::<8>(mid));
+        let c = _mm512_set1_epi64(LE_C as i64);
+        let t1 = _mm512_clmulepi64_epi128::<0x01>(hi, c); // h1 * 0x87, lands at x^64
+        let h0 = _mm512_xor_si512(hi, _mm512_bsrli_epi128::<8>(t1)); // low qword: h0 ^ carry-out
+        let t0 = _mm512_clmulepi64_epi128::<0x00>(h0, c); // h0 * 0x87, lands at x^0
+        _mm512_ternarylogic_epi64::<0x96>(lo, _mm512_bslli_epi128::<8>(t1), t0)
     }
 
-    /// BRW with four products per instruction, for k = 4G - 1 with G a multiple of 4 and at most
-    /// 64 (k = 15, 31, 63, 127, 255). Groups g of four blocks X_{4g+1..4g+4} are loaded four at a
-    /// time and transposed, so that lane j of T0..T3 holds the blocks of group g + j; level 1 is
-    /// then v = (tau ^ T0)(tau^2 ^ T1) ^ T2 lane-wise. Every later level pairs neighbours: even
-    /// and odd values are separated with two lane shuffles, and the multipliers
-    /// tau^t ^ X_{2ti+t} (always the fourth block of a group) are gathered from memory.
+    /// BRW with four products per instruction for k = 16Q - 1 (Q = 1, 2, 4, 8, 16: k = 15 ..
+    /// 255), every product in registers and every block loaded straight from `body`.
+    ///
+    /// Layout: lane j works on quarter j of the input (blocks X_{4Qj+1} .. X_{4Qj+4Q}, the last
+    /// one of quarter 3 being the zero X_{k+1}). Register q of level 1 takes group q (blocks
+    /// 4q+1..4q+4) of each quarter: four 64-byte loads, transposed, give x1..x4 with lane j =
+    /// block 1..4 of group q of quarter j, and z_q = (tau ^ x1)(tau^2 ^ x2) ^ x3. Because the
+    /// recursion splits at powers of two, the next log2(Q) levels pair neighbours inside each
+    /// quarter: z_i <- z_{2i} (tau^t ^ x4[(2ti + t)/4 - 1]) ^ z_{2i+1}, lane-wise, with the
+    /// multiplier taken from the fourth blocks already in registers (no shuffles, no gathers).
+    /// Lane j then holds BRW of quarter j's first 4Q - 1 blocks; the two last levels (t = 4Q,
+    /// 8Q) combine the lanes: (v0 (tau^4Q ^ X_4Q) ^ v1) (tau^8Q ^ X_8Q) ^ (v2 (tau^4Q ^ X_12Q)
+    /// ^ v3). `p[e]` = tau^(2^e); X_1..X_{k-1} are `body`, X_k is `last`.
     #[target_feature(enable = "avx512f,avx512bw,vpclmulqdq,pclmulqdq,sse2,sse4.1,avx2")]
     pub(crate) unsafe fn brw_le_wide(p: &[u128; 17], body: &[u8], last: u128, k: usize) -> u128 {
-        let groups = (k + 1) / 4;
-        debug_assert!(groups.is_multiple_of(4) && groups <= 64 && body.len() == 16 * (k - 1));
-        // The last group is X_{k-2}, X_{k-1}, X_k = last and a zero in place of X_{k+1}.
-        let mut tail = [0u8; 64];
-        tail[..32].copy_from_slice(&body[16 * (k - 3)..]);
-        tail[32..48].copy_from_slice(&last.to_le_bytes());
+        match (k + 1) / 16 {
+            1 => brw_le_quarters::<1>(p, body, last),
+            2 => brw_le_quarters::<2>(p, body, last),
+            4 => brw_le_quarters::<4>(p, body, last),
+            8 => brw_le_quarters::<8>(p, body, last),
+            16 => brw_le_quarters::<16>(p, body, last),
+            _ => unreachable!("brw_le_wide: k + 1 = {} is not 16..256", k + 1),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn brw_le_quarters<const Q: usize>(p: &[u128; 17], body: &[u8], last: u128) -> u128 {
+        let k = 16 * Q - 1;
+        assert!(body.len() == 16 * (k - 1), "brw_le_quarters: body is not k - 1 blocks");
         let bp = body.as_ptr();
-        let tp = tail.as_ptr();
-        let block4 = |g: usize| -> __m512i {
-            // SAFETY: groups before the last lie inside `body` (16 (4g + 4) <= 16 (k - 3)); the
-            // last one is `tail`.
-            if g + 1 == groups { _mm512_loadu_si512(tp.cast()) } else { _mm512_loadu_si512(bp.add(64 * g).cast()) }
-        };
         let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
         let (t1, t2) = (bc(p[0]), bc(p[1]));
-        let mut fourth = [0u128; 64]; // fourth[g] = X_{4g+4}
-        let mut z = [_mm512_setzero_si512(); 16]; // level values, four per register
-        for (q, zq) in z.iter_mut().enumerate().take(groups / 4) {
-            let (a, b, c, d) = (block4(4 * q), block4(4 * q + 1), block4(4 * q + 2), block4(4 * q + 3));
+        let zero = _mm512_setzero_si512();
+        let mut z = [zero; Q];
+        let mut x4 = [zero; Q];
+        for q in 0..Q {
+            // SAFETY: group q of quarter j is blocks 4Qj + 4q .. + 3, inside `body` (16Q - 2
+            // blocks) except for the last group of quarter 3 (blocks 16Q - 4 .. 16Q - 1), of
+            // which only the first two are loaded (mask); X_k = `last` goes into lane 2.
+            let a = _mm512_loadu_si512(bp.add(64 * q).cast());
+            let b = _mm512_loadu_si512(bp.add(64 * (Q + q)).cast());
+            let c = _mm512_loadu_si512(bp.add(64 * (2 * Q + q)).cast());
+            let d = if q + 1 == Q {
+                let two = _mm512_maskz_loadu_epi64(0x0f, bp.add(64 * (3 * Q + q)).cast());
+                _mm512_mask_broadcast_i32x4(two, 0x0f00, from_u128(last))
+            } else {
+                _mm512_loadu_si512(bp.add(64 * (3 * Q + q)).cast())
+            };
             let u0 = _mm512_shuffle_i64x2::<0x44>(a, b);
             let u1 = _mm512_shuffle_i64x2::<0xee>(a, b);
             let u2 = _mm512_shuffle_i64x2::<0x44>(c, d);
@@ -687,40 +716,36 @@ pub(crate) mod x86 {
             let x1 = _mm512_shuffle_i64x2::<0x88>(u0, u2);
             let x2 = _mm512_shuffle_i64x2::<0xdd>(u0, u2);
             let x3 = _mm512_shuffle_i64x2::<0x88>(u1, u3);
-            let x4 = _mm512_shuffle_i64x2::<0xdd>(u1, u3);
-            _mm512_storeu_si512(fourth.as_mut_ptr().add(4 * q).cast(), x4);
-            *zq = _mm512_xor_si512(mul4_le(_mm512_xor_si512(t1, x1), _mm512_xor_si512(t2, x2)), x3);
+            x4[q] = _mm512_shuffle_i64x2::<0xdd>(u1, u3);
+            z[q] = _mm512_xor_si512(mul4_le(_mm512_xor_si512(t1, x1), _mm512_xor_si512(t2, x2)), x3);
         }
-        let mut n = groups; // values
-        let mut e = 2; // level t = 2^e
+        // Levels inside the quarters.
+        let mut n = Q;
+        let mut e = 2;
         while n > 1 {
             let t = 1usize << e;
-            let pairs = n / 2;
-            let regs_in = n.div_ceil(4);
-            let pt = p[e];
-            for r in 0..pairs.div_ceil(4) {
-                // pairs 4r..4r+3 come from input registers 2r and 2r + 1
-                let za = z[2 * r];
-                let zb = if 2 * r + 1 < regs_in { z[2 * r + 1] } else { za };
-                let even = _mm512_shuffle_i64x2::<0x88>(za, zb);
-                let odd = _mm512_shuffle_i64x2::<0xdd>(za, zb);
-                let mut m = [0u128; 4];
-                for (l, mv) in m.iter_mut().enumerate() {
-                    let i = 4 * r + l;
-                    if i < pairs {
-                        *mv = pt ^ fourth[(2 * t * i + t) / 4 - 1];
-                    }
-                }
-                let mv = _mm512_loadu_si512(m.as_ptr().cast());
-                z[r] = _mm512_xor_si512(mul4_le(even, mv), odd);
+            let pt = bc(p[e]);
+            for i in 0..n / 2 {
+                let m = _mm512_xor_si512(pt, x4[(2 * t * i + t) / 4 - 1]);
+                z[i] = _mm512_xor_si512(mul4_le(z[2 * i], m), z[2 * i + 1]);
             }
-            n = pairs;
+            n /= 2;
             e += 1;
         }
-        let out = to_u128(_mm512_castsi512_si128(z[0]));
-        z = [_mm512_setzero_si512(); 16];
-        fourth = [0; 64];
-        core::hint::black_box((&z, &fourth));
+        // Across the lanes: t = 4Q = 2^e, then 8Q. x4[Q - 1] holds X_4Q, X_8Q, X_12Q (and 0).
+        let v = z[0];
+        let f = x4[Q - 1];
+        let even = _mm512_shuffle_i64x2::<0x08>(v, v); // lanes v0, v2
+        let odd = _mm512_shuffle_i64x2::<0x0d>(v, v); // lanes v1, v3
+        let m = _mm512_xor_si512(bc(p[e]), _mm512_shuffle_i64x2::<0x08>(f, f)); // X_4Q, X_12Q
+        let w = _mm512_xor_si512(mul4_le(even, m), odd);
+        let m = _mm512_xor_si512(bc(p[e + 1]), _mm512_shuffle_i64x2::<0x01>(f, f)); // X_8Q
+        let w = _mm512_xor_si512(mul4_le(w, m), _mm512_shuffle_i64x2::<0x01>(w, w));
+        let out = to_u128(_mm512_castsi512_si128(w));
+        // Do not leave data-dependent values (plaintext blocks) on the stack.
+        z = [zero; Q];
+        x4 = [zero; Q];
+        core::hint::black_box((&z, &x4));
         out
     }
 

@@ -218,7 +218,7 @@ fn simd_paths_equal_portable_paths() {
             pairs.push(("xcb", Box::new(Xcb::new(&key).unwrap()), Box::new(Xcb::new_generic(&key).unwrap()), false));
         }
         for (name, fast, slow, whole) in &pairs {
-            for len in [16usize, 17, 31, 32, 47, 48, 64, 100, 255, 256, 257, 511, 512, 1024, 4095, 4096, 4097, 8192] {
+            for len in [16usize, 17, 31, 32, 47, 48, 64, 100, 128, 255, 256, 257, 511, 512, 1024, 2048, 4095, 4096, 4097, 8192] {
                 if *whole && (len % 16 != 0 || len < 48) {
                     continue;
                 }

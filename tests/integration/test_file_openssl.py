@@ -166,6 +166,52 @@ def spec_decode(file: bytes, secret: bytes, is_key: bool) -> bytes:
     return out
 
 
+def spec_encode(plain: bytes, secret: bytes, is_key: bool, chunk: int, iters: int = 1000) -> bytes:
+    """Encoder written from docs/file-format.md alone (pyca/cryptography for AES-GCM)."""
+    AESGCM = pytest.importorskip("cryptography.hazmat.primitives.ciphers.aead").AESGCM
+    salt = os.urandom(16)
+    if is_key:
+        kdf_id, iters = 2, 0
+        prk = hmac.new(salt, secret, hashlib.sha256).digest()
+    else:
+        kdf_id = 1
+        prk = hashlib.pbkdf2_hmac("sha256", secret, salt, iters, 32)
+    key = hmac.new(prk, b"cryptbridge file v1 aes-256-gcm key\x01", hashlib.sha256).digest()
+    check = hmac.new(prk, b"cryptbridge file v1 key check\x01", hashlib.sha256).digest()[:16]
+    hdr = struct.pack(">6sBBII", b"CBFGCM", 1, kdf_id, iters, chunk) + salt + check
+    pieces = [plain[i:i + chunk] for i in range(0, len(plain), chunk)] or [b""]
+    out = [hdr]
+    for i, piece in enumerate(pieces):
+        nonce = struct.pack(">Q", i) + b"\x00\x00\x00" + (b"\x01" if i == len(pieces) - 1 else b"\x00")
+        out.append(nonce + AESGCM(key).encrypt(nonce, piece, hdr))  # ciphertext || tag
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("size", [0, 17, 4096, 5 * 4096 + 100, (1 << 20) + 3, (3 << 20) + 5])
+def test_gcm_we_decrypt_independent_encoder(tmp_path, size):
+    """Files made by the spec encoder above (not by us) decrypt with both secrets, through the
+    single-thread path (<= 2 chunks) and the pipeline (more chunks, default 1 MiB chunks and
+    4 KiB chunks, 1 and 2 workers); a flipped bit in the Python-made file is rejected."""
+    pw = passfile(tmp_path)
+    key = os.urandom(32)
+    kf = write_key(tmp_path / "k", key)
+    plain = payload(size)
+    for chunk in (4096, 1 << 20):
+        for secret, is_key, arg in ((b"pa ss w\xc3\xb6rd", False, ["--pass-file", pw]), (key, True, ["--key-file", kf])):
+            (tmp_path / "c").write_bytes(spec_encode(plain, secret, is_key, chunk))
+            for threads in ("1", "2"):
+                (tmp_path / "d").unlink(missing_ok=True)
+                ours("decrypt", *arg, "--threads", threads, tmp_path / "c", tmp_path / "d")
+                assert (tmp_path / "d").read_bytes() == plain
+    if size:
+        bad = bytearray(spec_encode(plain, key, True, 4096))
+        bad[-1] ^= 0x01  # in the last tag
+        (tmp_path / "bad").write_bytes(bytes(bad))
+        p = ours("decrypt", "--key-file", kf, tmp_path / "bad", tmp_path / "bad-out", check=False)
+        assert p.returncode == 1 and "failed authentication" in p.stderr.decode(), p.stderr
+        assert not (tmp_path / "bad-out").exists()
+
+
 @pytest.mark.parametrize("size", SIZES)
 def test_gcm_round_trip_and_spec(tmp_path, size):
     pw = passfile(tmp_path)

@@ -195,7 +195,6 @@ pub fn run_file(dir: Direction, secret: &Secret, input: Input, output: Output, o
         chunk: opts.chunk_size,
         progress: opts.progress,
         total_hint,
-        ..PipelineConfig::default()
     };
 
     let mut commit_time = Duration::ZERO;

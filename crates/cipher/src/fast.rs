@@ -20,7 +20,7 @@ use crate::gf128::{Acc, Field, PolyHash};
 use crate::tes_common::{block_at, ctr_xor, tweak_block};
 #[cfg(target_arch = "x86_64")]
 use crate::tes_common::vaes::Vaes;
-use crate::{CipherError, SectorCipher};
+use crate::{unit_tweak, CipherError, SectorCipher};
 
 /// Which hash FAST uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,6 +46,10 @@ pub struct Fast {
     brw: BrwPowers,
     variant: FastHash,
     key_len: usize,
+    /// VAES and the AVX-512 BRW kernel both run here: 4096-byte units of FAST-BRW go through
+    /// the interleaved multi-unit path (`units_brw4096`).
+    #[cfg(target_arch = "x86_64")]
+    fused: bool,
 }
 
 impl Fast {
@@ -63,10 +67,14 @@ impl Fast {
         for i in 1..brw.0.len() {
             brw.0[i] = hash.mul(brw.0[i - 1], brw.0[i - 1]);
         }
+        #[cfg(target_arch = "x86_64")]
+        let vaes = Vaes::new(key);
         Ok(Self {
+            #[cfg(target_arch = "x86_64")]
+            fused: vaes.is_some() && hash.uses_wide() && variant == FastHash::Brw,
             aes,
             #[cfg(target_arch = "x86_64")]
-            vaes: Vaes::new(key),
+            vaes,
             hash,
             tau,
             brw,
@@ -82,6 +90,7 @@ impl Fast {
         #[cfg(target_arch = "x86_64")]
         {
             f.vaes = None;
+            f.fused = false;
         }
         f.hash = core::mem::replace(&mut f.hash, PolyHash::new(Field::Le, &[0; 16])).narrow();
         Ok(f)
@@ -209,6 +218,94 @@ impl Fast {
         }
     }
 
+    /// Encrypts or decrypts a run of 4096-byte units (FAST-BRW, VAES + AVX-512 only) as a
+    /// software pipeline: unit u's counter mode runs in one loop with the BRW of unit u - 1's
+    /// output and of unit u + 1's input (`Vaes::ctr_xor_le_brw255`), so the AES and carry-less
+    /// multiply units work at the same time. Per unit the arithmetic is exactly `encrypt` /
+    /// `decrypt` (h = tau BRW, h' = tau^2 BRW):
+    ///
+    /// - head (input hash `pre`): encrypt a1 = P1 ^ tau pre, f1 = P2 ^ tau a1, f2 = a1 ^ E(f1),
+    ///   b2 = f1 ^ E(f2); decrypt b2 = C2 ^ tau^2 pre, f2 = C1 ^ tau b2, f1 = b2 ^ E(f2),
+    ///   a1 = f2 ^ E(f1). Seed z = f1 ^ f2.
+    /// - tail (output hash `post`): encrypt C1 = f2 ^ tau b2, C2 = b2 ^ tau^2 post; decrypt
+    ///   P1 = a1 ^ tau post, P2 = f1 ^ tau a1.
+    #[cfg(target_arch = "x86_64")]
+    fn units_brw4096(&self, vaes: &Vaes, first: u64, step: u64, data: &mut [u8], decrypt: bool) {
+        const L: usize = 4096;
+        let n = data.len() / L;
+        if n == 0 {
+            return;
+        }
+        let tweak = |u: usize| u128::from_le_bytes(unit_tweak(first.wrapping_add(step.wrapping_mul(u as u64))));
+        let (tau, tau2) = (self.tau, self.brw.0[1]);
+        let mul = |a: u128, b: u128| self.hash.mul(a, b);
+        let word = |d: &[u8], i: usize| u128::from_le_bytes(block_at(d, i));
+        // Head of unit u from its input hash: (seed, saved pair for the tail).
+        let head = |unit: &[u8], pre: u128| -> (u128, [u128; 2]) {
+            let (x1, x2) = (word(unit, 0), word(unit, 1));
+            if decrypt {
+                let b2 = x2 ^ mul(tau2, pre);
+                let f2 = x1 ^ mul(tau, b2);
+                let f1 = b2 ^ self.e(f2);
+                let a1 = f2 ^ self.e(f1);
+                (f1 ^ f2, [a1, f1])
+            } else {
+                let a1 = x1 ^ mul(tau, pre);
+                let f1 = x2 ^ mul(tau, a1);
+                let f2 = a1 ^ self.e(f1);
+                let b2 = f1 ^ self.e(f2);
+                (f1 ^ f2, [f2, b2])
+            }
+        };
+        let tail = |unit: &mut [u8], post: u128, [s1, s2]: [u128; 2]| {
+            let (y1, y2) = if decrypt { (s1 ^ mul(tau, post), s2 ^ mul(tau, s1)) } else { (s1 ^ mul(tau, s2), s2 ^ mul(tau2, post)) };
+            unit[..16].copy_from_slice(&y1.to_le_bytes());
+            unit[16..32].copy_from_slice(&y2.to_le_bytes());
+        };
+        let brw = |body: &[u8], t: u128| self.hash.brw_le(&self.brw.0, body, t).expect("k = 255 has a BRW kernel");
+        // Unit 0's head alone; then for each u: counter mode of u beside the hashes of u - 1
+        // (output) and u + 1 (input), the tail of u - 1 and the head of u + 1.
+        let (mut seed, mut saved) = head(&data[..L], brw(&data[32..L], tweak(0)));
+        let mut prev_saved = saved;
+        for u in 0..n {
+            let (before, rest) = data.split_at_mut(u * L);
+            let (cur, after) = rest.split_at_mut(L);
+            let prev = (u > 0).then(|| (&before[(u - 1) * L + 32..], tweak(u - 1)));
+            let next = (u + 1 < n).then(|| (&after[32..L], tweak(u + 1)));
+            // SAFETY: `fused` is only true when `Vaes::new` succeeded and `hash.uses_wide()`
+            // (PCLMULQDQ, AVX-512F/BW, VPCLMULQDQ) holds; the bodies are 254 blocks each.
+            let [post_prev, pre_next] = unsafe { vaes.ctr_xor_le_brw255(&mut cur[32..], seed, &self.brw.0, [prev, next]) };
+            if u > 0 {
+                tail(&mut before[(u - 1) * L..], post_prev, prev_saved);
+            }
+            prev_saved = saved;
+            if u + 1 < n {
+                (seed, saved) = head(&after[..L], pre_next);
+            }
+        }
+        let last = &mut data[(n - 1) * L..];
+        let post = brw(&last[32..], tweak(n - 1));
+        tail(last, post, prev_saved);
+    }
+
+    /// The multi-unit calls: the pipelined path where it applies, else unit by unit.
+    fn units(&self, first: u64, step: u64, unit_len: usize, data: &mut [u8], decrypt: bool) -> Result<(), CipherError> {
+        if unit_len == 0 || !data.len().is_multiple_of(unit_len) {
+            return Err(CipherError::UnitLength { unit_len, got: data.len() });
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let (true, 4096, Some(v)) = (self.fused, unit_len, &self.vaes) {
+            self.units_brw4096(v, first, step, data, decrypt);
+            return Ok(());
+        }
+        let mut n = first;
+        for unit in data.chunks_exact_mut(unit_len) {
+            if decrypt { self.decrypt_unit(n, unit)? } else { self.encrypt_unit(n, unit)? }
+            n = n.wrapping_add(step);
+        }
+        Ok(())
+    }
+
     fn e(&self, x: u128) -> u128 {
         #[cfg(target_arch = "x86_64")]
         if let Some(v) = &self.vaes {
@@ -253,6 +350,14 @@ impl SectorCipher for Fast {
         head[..16].copy_from_slice(&c1.to_le_bytes());
         head[16..].copy_from_slice(&c2.to_le_bytes());
         Ok(())
+    }
+
+    fn encrypt_units(&self, first: u64, step: u64, unit_len: usize, data: &mut [u8]) -> Result<(), CipherError> {
+        self.units(first, step, unit_len, data, false)
+    }
+
+    fn decrypt_units(&self, first: u64, step: u64, unit_len: usize, data: &mut [u8]) -> Result<(), CipherError> {
+        self.units(first, step, unit_len, data, true)
     }
 
     fn decrypt(&self, tweak: &[u8], data: &mut [u8]) -> Result<(), CipherError> {

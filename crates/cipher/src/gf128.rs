@@ -688,24 +688,51 @@ pub(crate) mod x86 {
 
     #[inline(always)]
     unsafe fn brw_le_quarters<const Q: usize>(p: &[u128; 17], body: &[u8], last: u128) -> u128 {
-        let k = 16 * Q - 1;
-        assert!(body.len() == 16 * (k - 1), "brw_le_quarters: body is not k - 1 blocks");
-        let bp = body.as_ptr();
-        let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
-        let (t1, t2) = (bc(p[0]), bc(p[1]));
-        let zero = _mm512_setzero_si512();
-        let mut z = [zero; Q];
-        let mut x4 = [zero; Q];
+        let mut h = BrwQuarters::<Q>::new(p, body, last);
         for q in 0..Q {
+            h.group(q);
+        }
+        h.finish(p)
+    }
+
+    /// The BRW of [`brw_le_wide`] for k = 16Q - 1 in steps: `group(q)` for q = 0, 1, ..., Q - 1
+    /// (level 1, four 64-byte loads each), then `finish` (the upper levels). The steps let a
+    /// caller interleave the hash with other work: FAST runs one sector's counter mode beside
+    /// other sectors' hashes, so that the AES and carry-less multiply units work together.
+    pub(crate) struct BrwQuarters<'a, const Q: usize> {
+        body: &'a [u8],
+        last: __m128i,
+        t1: __m512i,
+        t2: __m512i,
+        z: [__m512i; Q],
+        x4: [__m512i; Q],
+    }
+
+    impl<'a, const Q: usize> BrwQuarters<'a, Q> {
+        /// `body` = X_1..X_{k-1} (k - 1 = 16Q - 2 blocks), `last` = X_k.
+        #[inline(always)]
+        pub(crate) unsafe fn new(p: &[u128; 17], body: &'a [u8], last: u128) -> Self {
+            assert!(body.len() == 16 * (16 * Q - 2), "BrwQuarters: body is not k - 1 blocks");
+            let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
+            let zero = _mm512_setzero_si512();
+            Self { body, last: from_u128(last), t1: bc(p[0]), t2: bc(p[1]), z: [zero; Q], x4: [zero; Q] }
+        }
+
+        /// Level 1 for group q of each quarter: z_q = (tau ^ x1)(tau^2 ^ x2) ^ x3, lane j from
+        /// quarter j; keeps x4 (the fourth blocks) for the multipliers of the upper levels.
+        #[inline(always)]
+        pub(crate) unsafe fn group(&mut self, q: usize) {
+            debug_assert!(q < Q);
+            let bp = self.body.as_ptr();
             // SAFETY: group q of quarter j is blocks 4Qj + 4q .. + 3, inside `body` (16Q - 2
-            // blocks) except for the last group of quarter 3 (blocks 16Q - 4 .. 16Q - 1), of
-            // which only the first two are loaded (mask); X_k = `last` goes into lane 2.
+            // blocks, checked in `new`) except for the last group of quarter 3 (blocks 16Q - 4
+            // .. 16Q - 1), of which only the first two are loaded (mask); X_k goes into lane 2.
             let a = _mm512_loadu_si512(bp.add(64 * q).cast());
             let b = _mm512_loadu_si512(bp.add(64 * (Q + q)).cast());
             let c = _mm512_loadu_si512(bp.add(64 * (2 * Q + q)).cast());
             let d = if q + 1 == Q {
                 let two = _mm512_maskz_loadu_epi64(0x0f, bp.add(64 * (3 * Q + q)).cast());
-                _mm512_mask_broadcast_i32x4(two, 0x0f00, from_u128(last))
+                _mm512_mask_broadcast_i32x4(two, 0x0f00, self.last)
             } else {
                 _mm512_loadu_si512(bp.add(64 * (3 * Q + q)).cast())
             };
@@ -716,37 +743,45 @@ pub(crate) mod x86 {
             let x1 = _mm512_shuffle_i64x2::<0x88>(u0, u2);
             let x2 = _mm512_shuffle_i64x2::<0xdd>(u0, u2);
             let x3 = _mm512_shuffle_i64x2::<0x88>(u1, u3);
-            x4[q] = _mm512_shuffle_i64x2::<0xdd>(u1, u3);
-            z[q] = _mm512_xor_si512(mul4_le(_mm512_xor_si512(t1, x1), _mm512_xor_si512(t2, x2)), x3);
+            self.x4[q] = _mm512_shuffle_i64x2::<0xdd>(u1, u3);
+            self.z[q] = _mm512_xor_si512(mul4_le(_mm512_xor_si512(self.t1, x1), _mm512_xor_si512(self.t2, x2)), x3);
         }
-        // Levels inside the quarters.
-        let mut n = Q;
-        let mut e = 2;
-        while n > 1 {
-            let t = 1usize << e;
-            let pt = bc(p[e]);
-            for i in 0..n / 2 {
-                let m = _mm512_xor_si512(pt, x4[(2 * t * i + t) / 4 - 1]);
-                z[i] = _mm512_xor_si512(mul4_le(z[2 * i], m), z[2 * i + 1]);
+
+        /// The levels above level 1 (after `group` for every q); clears the state.
+        #[inline(always)]
+        pub(crate) unsafe fn finish(&mut self, p: &[u128; 17]) -> u128 {
+            let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
+            let (z, x4) = (&mut self.z, &self.x4);
+            // Levels inside the quarters.
+            let mut n = Q;
+            let mut e = 2;
+            while n > 1 {
+                let t = 1usize << e;
+                let pt = bc(p[e]);
+                for i in 0..n / 2 {
+                    let m = _mm512_xor_si512(pt, x4[(2 * t * i + t) / 4 - 1]);
+                    z[i] = _mm512_xor_si512(mul4_le(z[2 * i], m), z[2 * i + 1]);
+                }
+                n /= 2;
+                e += 1;
             }
-            n /= 2;
-            e += 1;
+            // Across the lanes: t = 4Q = 2^e, then 8Q. x4[Q - 1] holds X_4Q, X_8Q, X_12Q (and 0).
+            let v = z[0];
+            let f = x4[Q - 1];
+            let even = _mm512_shuffle_i64x2::<0x08>(v, v); // lanes v0, v2
+            let odd = _mm512_shuffle_i64x2::<0x0d>(v, v); // lanes v1, v3
+            let m = _mm512_xor_si512(bc(p[e]), _mm512_shuffle_i64x2::<0x08>(f, f)); // X_4Q, X_12Q
+            let w = _mm512_xor_si512(mul4_le(even, m), odd);
+            let m = _mm512_xor_si512(bc(p[e + 1]), _mm512_shuffle_i64x2::<0x01>(f, f)); // X_8Q
+            let w = _mm512_xor_si512(mul4_le(w, m), _mm512_shuffle_i64x2::<0x01>(w, w));
+            let out = to_u128(_mm512_castsi512_si128(w));
+            // Do not leave data-dependent values (plaintext blocks) on the stack.
+            let zero = _mm512_setzero_si512();
+            self.z = [zero; Q];
+            self.x4 = [zero; Q];
+            core::hint::black_box((&self.z, &self.x4));
+            out
         }
-        // Across the lanes: t = 4Q = 2^e, then 8Q. x4[Q - 1] holds X_4Q, X_8Q, X_12Q (and 0).
-        let v = z[0];
-        let f = x4[Q - 1];
-        let even = _mm512_shuffle_i64x2::<0x08>(v, v); // lanes v0, v2
-        let odd = _mm512_shuffle_i64x2::<0x0d>(v, v); // lanes v1, v3
-        let m = _mm512_xor_si512(bc(p[e]), _mm512_shuffle_i64x2::<0x08>(f, f)); // X_4Q, X_12Q
-        let w = _mm512_xor_si512(mul4_le(even, m), odd);
-        let m = _mm512_xor_si512(bc(p[e + 1]), _mm512_shuffle_i64x2::<0x01>(f, f)); // X_8Q
-        let w = _mm512_xor_si512(mul4_le(w, m), _mm512_shuffle_i64x2::<0x01>(w, w));
-        let out = to_u128(_mm512_castsi512_si128(w));
-        // Do not leave data-dependent values (plaintext blocks) on the stack.
-        z = [zero; Q];
-        x4 = [zero; Q];
-        core::hint::black_box((&z, &x4));
-        out
     }
 
     /// a[i] <- a[i] * b[i], four products per register.
@@ -960,3 +995,4 @@ mod tes_tests {
         out
     }
 }
+

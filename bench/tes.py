@@ -86,7 +86,8 @@ def costs(name: str, sector: int) -> tuple[str, str, str]:
 
 def build_example(no_build: bool) -> Path:
     exe = REPO / "target" / "release" / "examples" / "tes_speed"
-    if not no_build and not os.environ.get("BENCH_SKIP_BUILD"):
+    # BENCH_SKIP_BUILD=1 skips the build; unset, empty or 0 builds.
+    if not no_build and os.environ.get("BENCH_SKIP_BUILD", "") in ("", "0"):
         p = run(["cargo", "build", "--release", "-p", "cryptbridge-cipher", "--example", "tes_speed"], timeout=1800, cwd=REPO)
         if p.returncode != 0:
             warn(p.stderr[-3000:])

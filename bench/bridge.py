@@ -382,6 +382,10 @@ def fio_job(uri: str, prof: Profile, size: int, runtime: float, ramp: float, out
 # main run
 
 
+def repeats_for(args, regime: str) -> int:
+    return args.device_repeats if regime == "device" else args.repeats
+
+
 def backing_path(work: Path, regime: str, key: str) -> Path:
     """The plain servers of a regime (cryptbridge encrypted and passthrough, nbdkit file) share
     one backing file: only one fio job runs at a time, and a shared file puts every server on the
@@ -481,7 +485,7 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
         if n == 0:
             warn(f"{regime}: no server started; regime skipped")
             return
-        for rep in range(args.repeats):
+        for rep in range(repeats_for(args, regime)):
             if regime == "cpu":
                 for backing in dict.fromkeys(s.backing for s in servers):
                     frac = warm_file(backing)
@@ -504,10 +508,10 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
                     if prof.writes:
                         sync_file(s.backing)  # every write job starts with a clean page cache
                     if sample["ok"]:
-                        log(f"  [{regime} {rep + 1}/{args.repeats}] {prof.label:22} {s.key:12}"
+                        log(f"  [{regime} {rep + 1}/{repeats_for(args, regime)}] {prof.label:22} {s.key:12}"
                             f" {sample['mbps']:9.1f} MB/s {sample['iops']:9.0f} IOPS")
                     else:
-                        log(f"  [{regime} {rep + 1}/{args.repeats}] {prof.label:22} {s.key:12}"
+                        log(f"  [{regime} {rep + 1}/{repeats_for(args, regime)}] {prof.label:22} {s.key:12}"
                             f"   FAILED: {sample.get('error')}")
             checkpoint()
     finally:
@@ -589,7 +593,7 @@ def print_tables(summary, targets, args) -> None:
             continue
         keys = regime_keys(summary, regime)
         log("")
-        log(f"{REGIME_TITLES[regime]} — MB/s, median of {args.repeats} x {args.runtime:g}s")
+        log(f"{REGIME_TITLES[regime]} — MB/s, median of {repeats_for(args, regime)} x {args.runtime:g}s")
         w = 14
         log(f"{'profile':22}" + "".join(f"{k:>{w}}" for k in keys))
         for prof in PROFILES:
@@ -618,7 +622,7 @@ def markdown(summary, targets, state, args) -> str:
         f"Measured {env['date'][:10]} on {env['cpu']} ({env['nproc']} CPUs, Linux {env['kernel']}); "
         f"fio `ioengine=nbd` over unix sockets, one connection per job, "
         f"{args.runtime:g} s per job after {args.ramp:g} s ramp, median of {args.repeats} "
-        f"interleaved repeats. MB/s = 10^6 B/s. cryptbridge XTS = AES-256-XTS "
+        f"interleaved repeats ({args.device_repeats} in the device regime). MB/s = 10^6 B/s. cryptbridge XTS = AES-256-XTS "
         f"(512-bit key), {args.sector_size}-byte sectors. "
         f"Peers: {state['versions'].get('nbdkit') or 'nbdkit'} (file plugin, luks filter on a LUKS1 "
         f"AES-256-XTS (aes-256 xts-plain64, 512-bit key) image), {state['versions'].get('qemu-nbd') or 'qemu-nbd'} (driver=luks).",
@@ -692,7 +696,7 @@ def chart(summary, state, args, path: Path) -> None:
                 lo.append(m - (c.get("min_mbps") or m))
                 hi.append((c.get("max_mbps") or m) - m)
             bars = ax.bar(xs, ys, width, label=SERVER_LABELS[k], color=colors.get(k),
-                          yerr=[lo, hi] if args.repeats > 1 else None, capsize=2,
+                          yerr=[lo, hi] if repeats_for(args, regime) > 1 else None, capsize=2,
                           error_kw={"elinewidth": 0.8})
             for b, y in zip(bars, ys):
                 ax.annotate(f"{y:.0f}", (b.get_x() + b.get_width() / 2, y), xytext=(0, 2),
@@ -701,7 +705,7 @@ def chart(summary, state, args, path: Path) -> None:
         ax.set_xticks(range(len(PROFILES)))
         ax.set_xticklabels([p.label for p in PROFILES], fontsize=8)
         ax.set_ylabel("MB/s (10^6 B/s)")
-        ax.set_title(f"{REGIME_TITLES[regime]} — median of {args.repeats}", fontsize=10)
+        ax.set_title(f"{REGIME_TITLES[regime]} — median of {repeats_for(args, regime)}", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         ax.set_axisbelow(True)
         ax.margins(y=0.22)
@@ -750,6 +754,9 @@ def main() -> int:
     ap.add_argument("--runtime", type=float, default=None, help="seconds per fio job (default 5; quick 2)")
     ap.add_argument("--ramp", type=float, default=None, help="fio ramp_time seconds (default 1; quick 0.5)")
     ap.add_argument("--repeats", type=int, default=None, help="repeats, median reported (default 3; quick 1)")
+    ap.add_argument("--device-repeats", type=int, default=None,
+                    help="repeats in the device regime (default 5; quick 1): a VM disk varies more "
+                         "run to run than the page cache, and its jobs are only two servers wide")
     ap.add_argument("--quick", action="store_true", help="smoke run: short jobs, 1 repeat, small files")
     ap.add_argument("--regimes", default="device,cpu", help="comma list of device,cpu")
     ap.add_argument("--servers", default=",".join(REGIME_SERVERS["cpu"]),
@@ -773,6 +780,7 @@ def main() -> int:
     args.runtime = args.runtime if args.runtime is not None else (2.0 if q else 5.0)
     args.ramp = args.ramp if args.ramp is not None else (0.5 if q else 1.0)
     args.repeats = max(1, args.repeats if args.repeats is not None else (1 if q else 3))
+    args.device_repeats = max(1, args.device_repeats if args.device_repeats is not None else (1 if q else 5))
     dev_size = parse_size(args.device_size or ("512M" if q else "2G"))
     cpu_size = parse_size(args.cpu_size or ("256M" if q else "1G"))
     chart_path = args.chart or (OUT / "bench-bridge.png" if q else REPO / "docs" / "bench-bridge.png")
@@ -794,7 +802,7 @@ def main() -> int:
         return 1
     install_signal_handlers()
 
-    njobs = sum(len(ks) for ks in plan.values()) * len(PROFILES) * args.repeats
+    njobs = sum(len(ks) * repeats_for(args, r) for r, ks in plan.items()) * len(PROFILES)
     log(f"bridge: {njobs} fio jobs x ({args.runtime:g}+{args.ramp:g}) s ≈ "
         f"{njobs * (args.runtime + args.ramp + 0.7) / 60:.1f} min plus setup; plan: "
         + "; ".join(f"{r}: {','.join(ks)}" for r, ks in plan.items()))
@@ -825,6 +833,7 @@ def main() -> int:
     state = {
         "benchmark": "bridge",
         "config": {"runtime_s": args.runtime, "ramp_s": args.ramp, "repeats": args.repeats,
+                   "device_repeats": args.device_repeats,
                    "quick": q, "device_size": dev_size, "cpu_size": cpu_size,
                    "sector_size": args.sector_size, "cb_threads": args.cb_threads,
                    "cb_extra": args.cb_extra, "plan": plan, "workdir": str(work),

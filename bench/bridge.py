@@ -749,6 +749,7 @@ def check_tools(keys_needed: set[str], binary: Path) -> list[str]:
 
 
 def main() -> int:
+    global PROFILES  # --profiles narrows the module-wide list every report walks
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", type=Path, default=DEFAULT_BINARY)
     ap.add_argument("--runtime", type=float, default=None, help="seconds per fio job (default 5; quick 2)")
@@ -759,6 +760,8 @@ def main() -> int:
                          "run to run than the page cache, and its jobs are only two servers wide")
     ap.add_argument("--quick", action="store_true", help="smoke run: short jobs, 1 repeat, small files")
     ap.add_argument("--regimes", default="device,cpu", help="comma list of device,cpu")
+    ap.add_argument("--profiles", default=None,
+                    help="comma list of profiles to run (default all): " + ",".join(p.key for p in PROFILES))
     ap.add_argument("--servers", default=",".join(REGIME_SERVERS["cpu"]),
                     help="comma list of servers to run (default all): " + ",".join(SERVER_LABELS))
     ap.add_argument("--device-size", default=None, help="device-bound export size (default 2G; quick 512M)")
@@ -779,6 +782,12 @@ def main() -> int:
     q = args.quick
     args.runtime = args.runtime if args.runtime is not None else (2.0 if q else 5.0)
     args.ramp = args.ramp if args.ramp is not None else (0.5 if q else 1.0)
+    if args.profiles:
+        wanted = args.profiles.split(",")
+        unknown = sorted(set(wanted) - {p.key for p in PROFILES})
+        if unknown:
+            ap.error(f"unknown profile(s): {', '.join(unknown)}")
+        PROFILES = [p for p in PROFILES if p.key in wanted]
     args.repeats = max(1, args.repeats if args.repeats is not None else (1 if q else 3))
     args.device_repeats = max(1, args.device_repeats if args.device_repeats is not None else (1 if q else 5))
     dev_size = parse_size(args.device_size or ("512M" if q else "2G"))

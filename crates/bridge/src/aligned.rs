@@ -11,10 +11,22 @@ pub(crate) const ALIGN: usize = 4096;
 const KEEP_PER_CLASS: usize = 64;
 const CLASSES: usize = 32;
 
-/// A zero-initialised, 4096-byte-aligned heap buffer.
+/// Buffers of this size and larger (requests of more than 254 pages) are mapped on their own, 2 MiB-aligned, with transparent huge
+/// pages requested. An O_DIRECT request is handed to the device as one segment per physically
+/// contiguous run of the buffer: a 1 MiB buffer of scattered 4 KiB pages is 256 segments, more
+/// than a virtio disk takes in one request (254 here), so the kernel splits it, and read
+/// throughput then depends on where the allocator happened to place the buffer (measured: 1.0
+/// against 1.5 GB/s for identical servers). A huge page makes it one segment every time.
+const HUGE_MIN: usize = 1024 * 1024;
+const HUGE_PAGE: usize = 2 * 1024 * 1024;
+
+/// A zero-initialised, 4096-byte-aligned buffer: from the heap, or for large sizes an anonymous
+/// mapping of its own.
 struct RawBuf {
     ptr: NonNull<u8>,
     cap: usize,
+    /// Length of the mapping when the buffer is mapped (`cap` rounded up to whole huge pages).
+    mapped_len: Option<usize>,
 }
 
 // SAFETY: RawBuf uniquely owns its allocation (like a Box<[u8]>), so moving it to or sharing a
@@ -28,18 +40,62 @@ impl RawBuf {
     }
 
     fn new(cap: usize) -> Self {
+        if cap >= HUGE_MIN {
+            if let Some((ptr, mapped_len)) = map_huge(cap) {
+                return Self { ptr, cap, mapped_len: Some(mapped_len) };
+            }
+        }
         let layout = Self::layout(cap);
         // SAFETY: the layout has non-zero size (cap >= ALIGN, enforced by the pool's size classes).
         let ptr = unsafe { alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr).unwrap_or_else(|| alloc::handle_alloc_error(layout));
-        Self { ptr, cap }
+        Self { ptr, cap, mapped_len: None }
     }
+}
+
+/// Maps `cap` bytes (rounded up to whole huge pages) at a huge-page boundary and asks for
+/// transparent huge pages before any page is touched. `None` if the mapping fails; the caller
+/// then falls back to the heap. The memory is zero, as anonymous mappings are.
+fn map_huge(cap: usize) -> Option<(NonNull<u8>, usize)> {
+    let len = cap.next_multiple_of(HUGE_PAGE);
+    let span = len + HUGE_PAGE; // room to slide the start to a huge-page boundary
+    // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
+    let raw = unsafe {
+        libc::mmap(std::ptr::null_mut(), span, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+    };
+    if raw == libc::MAP_FAILED {
+        return None;
+    }
+    let base = raw as usize;
+    let start = base.next_multiple_of(HUGE_PAGE);
+    let head = start - base;
+    let tail = span - head - len;
+    // SAFETY: both ranges lie inside the mapping made above and outside [start, start + len),
+    // which is what we keep; unmapping them cannot fail for valid page-aligned ranges, and if
+    // it did the only cost would be leaked address space.
+    unsafe {
+        if head > 0 {
+            libc::munmap(raw, head);
+        }
+        if tail > 0 {
+            libc::munmap((start + len) as *mut libc::c_void, tail);
+        }
+        // Advisory: without THP support the buffer simply stays in small pages.
+        libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+    }
+    NonNull::new(start as *mut u8).map(|p| (p, len))
 }
 
 impl Drop for RawBuf {
     fn drop(&mut self) {
-        // SAFETY: ptr was allocated in RawBuf::new with exactly this layout and is freed once.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) }
+        match self.mapped_len {
+            // SAFETY: [ptr, ptr + len) is exactly the range `map_huge` kept, unmapped once.
+            Some(len) => unsafe {
+                libc::munmap(self.ptr.as_ptr().cast(), len);
+            },
+            // SAFETY: ptr was allocated in RawBuf::new with exactly this layout and is freed once.
+            None => unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) },
+        }
     }
 }
 
@@ -126,5 +182,18 @@ mod tests {
         let b = pool.get(8192);
         assert_eq!(b.as_ptr() as usize, addr, "same size class is reused");
         assert_eq!(pool.get(1).len(), 1);
+    }
+
+    #[test]
+    fn large_buffers_start_on_a_huge_page_and_are_zero() {
+        let pool = Arc::new(BufPool::new());
+        // One length per size class: a reused buffer may hold earlier data.
+        for len in [HUGE_MIN, HUGE_MIN + 1, 5 << 20] {
+            let mut b = pool.get(len);
+            assert_eq!(b.len(), len);
+            assert_eq!(b.as_ptr() as usize % HUGE_PAGE, 0, "{len}");
+            assert!(b.iter().all(|&x| x == 0));
+            b[len - 1] = 1; // the whole visible length is writable
+        }
     }
 }

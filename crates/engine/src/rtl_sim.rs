@@ -323,7 +323,15 @@ mod tests {
     use super::*;
     use crate::{CpuBackend, Engine, SectorLayout};
 
+    /// The co-process, built once per test binary: the tests run in parallel, and two `make`
+    /// runs at once would race on the build directory (one test saw the other's half-copied,
+    /// not yet executable binary).
     fn program() -> PathBuf {
+        static PROGRAM: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+        PROGRAM.get_or_init(build_program).clone()
+    }
+
+    fn build_program() -> PathBuf {
         if let Some(p) = std::env::var_os(RTL_SIM_ENV) {
             return PathBuf::from(p);
         }

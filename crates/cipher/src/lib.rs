@@ -5,6 +5,8 @@
 
 pub mod adiantum;
 mod aes_any;
+#[cfg(target_arch = "x86_64")]
+mod aesni;
 pub mod aez;
 pub mod ecb;
 pub mod eme2;
@@ -65,8 +67,9 @@ pub fn unit_tweak(unit: u64) -> [u8; 16] {
     u128::from(unit).to_le_bytes()
 }
 
-/// Splits `data` into units of `unit_len` bytes and calls `f` with each unit's number.
-fn for_each_unit(
+/// Splits `data` into units of `unit_len` bytes and calls `f` with each unit's number; refuses a
+/// `data` that is not a whole number of units before calling `f` at all.
+pub(crate) fn for_each_unit(
     first: u64,
     step: u64,
     unit_len: usize,

@@ -1,8 +1,6 @@
 //! FAST: the test values of shared/specs/fast.md (produced by the authors' reference code) and the
 //! project vectors agreed with the independent Python reference (tests/reference/fast.py).
 
-mod common;
-
 use cryptbridge_cipher::registry::KeyPolicy;
 use cryptbridge_cipher::{new_cipher, SectorCipher};
 

@@ -12,6 +12,7 @@ use core::arch::x86_64::*;
 
 use zeroize::{Zeroize, ZeroizeOnDrop};
 
+use crate::aesni::{expand, vaes_avx512_available};
 use crate::gf128::x86::BrwQuarters;
 use crate::gf128::xts_mul_alpha;
 
@@ -24,24 +25,17 @@ pub(crate) struct Vaes {
     nr: usize,
 }
 
-fn cpu_ok() -> bool {
-    std::is_x86_feature_detected!("avx512f")
-        && std::is_x86_feature_detected!("avx512bw")
-        && std::is_x86_feature_detected!("vaes")
-        && std::is_x86_feature_detected!("vpclmulqdq")
-        && std::is_x86_feature_detected!("aes")
-        && std::is_x86_feature_detected!("sse2")
-}
-
 impl Vaes {
     /// `None` unless the CPU has AVX-512F/BW, VAES, VPCLMULQDQ and AES-NI and the key is 16 or 32
     /// bytes.
     pub(crate) fn new(key: &[u8]) -> Option<Self> {
-        if !(key.len() == 16 || key.len() == 32) || !cpu_ok() {
+        if !(key.len() == 16 || key.len() == 32) || !vaes_avx512_available() {
             return None;
         }
-        // SAFETY: AES-NI and SSE2 were detected by `cpu_ok`.
-        Some(unsafe { expand(key) })
+        // SAFETY: AES-NI and SSE2 were detected by `vaes_avx512_available`.
+        let k = unsafe { expand(key) };
+        // Copies of the arrays; `k` zeroizes its own on drop.
+        Some(Vaes { enc: k.enc, dec: k.dec, nr: k.rounds })
     }
 
     /// data ^= E(s ^ bin(1)) || E(s ^ bin(2)) || ... with bin(i) little-endian (FAST's counter,
@@ -409,78 +403,6 @@ unsafe fn masked_ecb(k: &Vaes, data: &mut [u8], m: u128, l: u128, decrypt: bool,
     fold4(total)
 }
 
-/// AES key expansion with AESKEYGENASSIST (FIPS 197 section 5.2), and the equivalent inverse
-/// cipher's keys (AESIMC on the middle rounds).
-#[target_feature(enable = "aes,sse2")]
-unsafe fn expand(key: &[u8]) -> Vaes {
-    let mut enc = [_mm_setzero_si128(); 15];
-    let nr = if key.len() == 32 { 14 } else { 10 };
-    #[inline(always)]
-    unsafe fn fold(k: __m128i) -> __m128i {
-        let k = _mm_xor_si128(k, _mm_slli_si128::<4>(k));
-        let k = _mm_xor_si128(k, _mm_slli_si128::<4>(k));
-        _mm_xor_si128(k, _mm_slli_si128::<4>(k))
-    }
-    if nr == 10 {
-        let mut k = _mm_loadu_si128(key.as_ptr().cast());
-        enc[0] = k;
-        macro_rules! step {
-            ($i:literal, $rcon:literal) => {
-                k = _mm_xor_si128(fold(k), _mm_shuffle_epi32::<0xff>(_mm_aeskeygenassist_si128::<$rcon>(k)));
-                enc[$i] = k;
-            };
-        }
-        step!(1, 0x01);
-        step!(2, 0x02);
-        step!(3, 0x04);
-        step!(4, 0x08);
-        step!(5, 0x10);
-        step!(6, 0x20);
-        step!(7, 0x40);
-        step!(8, 0x80);
-        step!(9, 0x1b);
-        step!(10, 0x36);
-    } else {
-        let mut a = _mm_loadu_si128(key.as_ptr().cast());
-        let mut b = _mm_loadu_si128(key.as_ptr().add(16).cast());
-        enc[0] = a;
-        enc[1] = b;
-        macro_rules! step_a {
-            ($i:literal, $rcon:literal) => {
-                a = _mm_xor_si128(fold(a), _mm_shuffle_epi32::<0xff>(_mm_aeskeygenassist_si128::<$rcon>(b)));
-                enc[2 * $i] = a;
-            };
-        }
-        macro_rules! step_b {
-            ($i:literal) => {
-                b = _mm_xor_si128(fold(b), _mm_shuffle_epi32::<0xaa>(_mm_aeskeygenassist_si128::<0x00>(a)));
-                enc[2 * $i + 1] = b;
-            };
-        }
-        step_a!(1, 0x01);
-        step_b!(1);
-        step_a!(2, 0x02);
-        step_b!(2);
-        step_a!(3, 0x04);
-        step_b!(3);
-        step_a!(4, 0x08);
-        step_b!(4);
-        step_a!(5, 0x10);
-        step_b!(5);
-        step_a!(6, 0x20);
-        step_b!(6);
-        step_a!(7, 0x40); // round key 14 is the last one
-    }
-    let mut out = Vaes { enc: [[0; 16]; 15], dec: [[0; 16]; 15], nr };
-    for r in 0..=nr {
-        _mm_storeu_si128(out.enc[r].as_mut_ptr().cast(), enc[r]);
-        let d = if r == 0 || r == nr { enc[nr - r] } else { _mm_aesimc_si128(enc[nr - r]) };
-        _mm_storeu_si128(out.dec[r].as_mut_ptr().cast(), d);
-    }
-    enc = [_mm_setzero_si128(); 15];
-    core::hint::black_box(&enc);
-    out
-}
 
 #[cfg(test)]
 mod tests {
@@ -494,7 +416,7 @@ mod tests {
 
     #[test]
     fn counters_match_the_aes_crate() {
-        if !cpu_ok() {
+        if !vaes_avx512_available() {
             eprintln!("no VAES/AVX-512 here: nothing to compare");
             return;
         }
@@ -527,7 +449,7 @@ mod tests {
 
     #[test]
     fn eme2_layers_match_a_scalar_model() {
-        if !cpu_ok() {
+        if !vaes_avx512_available() {
             eprintln!("no VAES/AVX-512 here: nothing to compare");
             return;
         }

@@ -183,22 +183,14 @@ impl SectorCipher for Xts {
 
 impl Xts {
     fn crypt_units(&self, dir: Direction, first: u64, step: u64, unit_len: usize, data: &mut [u8]) -> Result<(), CipherError> {
-        if unit_len == 0 || data.len() % unit_len != 0 {
-            return Err(CipherError::UnitLength { unit_len, got: data.len() });
-        }
         #[cfg(target_arch = "x86_64")]
         if let Some(v) = &self.vaes {
-            if unit_len % vaes::UNIT_MULTIPLE == 0 {
+            if unit_len != 0 && unit_len % vaes::UNIT_MULTIPLE == 0 && data.len() % unit_len == 0 {
                 v.crypt_units(dir, first, step, unit_len, data);
                 return Ok(());
             }
         }
-        let mut n = first;
-        for unit in data.chunks_exact_mut(unit_len) {
-            self.crypt(dir, &crate::unit_tweak(n), unit)?;
-            n = n.wrapping_add(step);
-        }
-        Ok(())
+        crate::for_each_unit(first, step, unit_len, data, |n, unit| self.crypt(dir, &crate::unit_tweak(n), unit))
     }
 }
 

@@ -8,18 +8,8 @@
 
 use core::arch::x86_64::*;
 
-use zeroize::{Zeroize, ZeroizeOnDrop};
-
 use super::Direction;
-
-/// Round keys, encryption and decryption (the "equivalent inverse cipher" form), as bytes so that
-/// they can be zeroized on drop.
-#[derive(Zeroize, ZeroizeOnDrop)]
-struct RoundKeys {
-    enc: [[u8; 16]; 15],
-    dec: [[u8; 16]; 15],
-    rounds: usize,
-}
+use crate::aesni::{expand, vaes_avx512_available, RoundKeys};
 
 pub(super) struct VaesXts {
     data: RoundKeys,
@@ -30,12 +20,7 @@ impl VaesXts {
     /// `None` unless the CPU has AVX-512 (F, BW), VAES, VPCLMULQDQ and AES-NI, and the key halves
     /// are 16 or 32 bytes.
     pub(super) fn new(k1: &[u8], k2: &[u8]) -> Option<Self> {
-        let cpu_ok = std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("vaes")
-            && std::is_x86_feature_detected!("vpclmulqdq")
-            && std::is_x86_feature_detected!("aes");
-        if !cpu_ok || !(k1.len() == 16 || k1.len() == 32) {
+        if !vaes_avx512_available() || !(k1.len() == 16 || k1.len() == 32) {
             return None;
         }
         // SAFETY: AES-NI and SSE2 were detected just above.
@@ -302,60 +287,3 @@ unsafe fn rounds<const NR: usize, const DEC: bool, const N: usize>(rk: &[__m512i
     }
 }
 
-/// AES key expansion with AESKEYGENASSIST (FIPS 197 section 5.2), plus the inverse-cipher keys.
-#[target_feature(enable = "aes,sse2")]
-unsafe fn expand(key: &[u8]) -> RoundKeys {
-    let mut enc = [_mm_setzero_si128(); 15];
-    let rounds = if key.len() == 32 { 14 } else { 10 };
-    #[inline(always)]
-    unsafe fn fold(k: __m128i) -> __m128i {
-        let k = _mm_xor_si128(k, _mm_slli_si128::<4>(k));
-        let k = _mm_xor_si128(k, _mm_slli_si128::<4>(k));
-        _mm_xor_si128(k, _mm_slli_si128::<4>(k))
-    }
-    macro_rules! assist {
-        ($k:expr, $rcon:literal) => {
-            _mm_aeskeygenassist_si128::<$rcon>($k)
-        };
-    }
-    if rounds == 10 {
-        let mut k = _mm_loadu_si128(key.as_ptr().cast());
-        enc[0] = k;
-        macro_rules! step {
-            ($i:literal, $rcon:literal) => {
-                k = _mm_xor_si128(fold(k), _mm_shuffle_epi32::<0xff>(assist!(k, $rcon)));
-                enc[$i] = k;
-            };
-        }
-        step!(1, 0x01); step!(2, 0x02); step!(3, 0x04); step!(4, 0x08); step!(5, 0x10);
-        step!(6, 0x20); step!(7, 0x40); step!(8, 0x80); step!(9, 0x1b); step!(10, 0x36);
-    } else {
-        let mut a = _mm_loadu_si128(key.as_ptr().cast());
-        let mut b = _mm_loadu_si128(key.as_ptr().add(16).cast());
-        enc[0] = a;
-        enc[1] = b;
-        macro_rules! step {
-            ($i:literal, $rcon:literal) => {
-                a = _mm_xor_si128(fold(a), _mm_shuffle_epi32::<0xff>(assist!(b, $rcon)));
-                enc[2 * $i] = a;
-                // The last step (i = 7) makes round key 14 only.
-                if let Some(slot) = enc.get_mut(2 * $i + 1) {
-                    b = _mm_xor_si128(fold(b), _mm_shuffle_epi32::<0xaa>(assist!(a, 0x00)));
-                    *slot = b;
-                }
-            };
-        }
-        step!(1, 0x01); step!(2, 0x02); step!(3, 0x04); step!(4, 0x08); step!(5, 0x10);
-        step!(6, 0x20); step!(7, 0x40);
-    }
-    let mut keys = RoundKeys { enc: [[0; 16]; 15], dec: [[0; 16]; 15], rounds };
-    for r in 0..=rounds {
-        _mm_storeu_si128(keys.enc[r].as_mut_ptr().cast(), enc[r]);
-        let d = if r == 0 || r == rounds { enc[rounds - r] } else { _mm_aesimc_si128(enc[rounds - r]) };
-        _mm_storeu_si128(keys.dec[r].as_mut_ptr().cast(), d);
-    }
-    // The __m128i copies on the stack are overwritten before return.
-    enc = [_mm_setzero_si128(); 15];
-    core::hint::black_box(&enc);
-    keys
-}

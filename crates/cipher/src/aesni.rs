@@ -1,0 +1,88 @@
+//! The AES-NI key schedule shared by the VAES fast paths (XTS and the wide-block schemes): the
+//! encryption round keys and those of the equivalent inverse cipher, kept as bytes so that they
+//! are zeroized on drop, and the CPU check those paths need.
+
+use core::arch::x86_64::*;
+
+use zeroize::{Zeroize, ZeroizeOnDrop};
+
+/// Round keys, encryption and decryption (the "equivalent inverse cipher" form).
+#[derive(Zeroize, ZeroizeOnDrop)]
+pub(crate) struct RoundKeys {
+    pub(crate) enc: [[u8; 16]; 15],
+    pub(crate) dec: [[u8; 16]; 15],
+    pub(crate) rounds: usize,
+}
+
+/// True when the CPU has what the VAES paths are compiled for: AVX-512F/BW, VAES, VPCLMULQDQ,
+/// AES-NI and SSE2.
+pub(crate) fn vaes_avx512_available() -> bool {
+    std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::is_x86_feature_detected!("vaes")
+        && std::is_x86_feature_detected!("vpclmulqdq")
+        && std::is_x86_feature_detected!("aes")
+        && std::is_x86_feature_detected!("sse2")
+}
+
+/// AES key expansion with AESKEYGENASSIST (FIPS 197 section 5.2), plus the inverse-cipher keys.
+/// `key` is 16 or 32 bytes.
+///
+/// # Safety
+/// The CPU must have AES-NI and SSE2.
+#[target_feature(enable = "aes,sse2")]
+pub(crate) unsafe fn expand(key: &[u8]) -> RoundKeys {
+    let mut enc = [_mm_setzero_si128(); 15];
+    let rounds = if key.len() == 32 { 14 } else { 10 };
+    #[inline(always)]
+    unsafe fn fold(k: __m128i) -> __m128i {
+        let k = _mm_xor_si128(k, _mm_slli_si128::<4>(k));
+        let k = _mm_xor_si128(k, _mm_slli_si128::<4>(k));
+        _mm_xor_si128(k, _mm_slli_si128::<4>(k))
+    }
+    macro_rules! assist {
+        ($k:expr, $rcon:literal) => {
+            _mm_aeskeygenassist_si128::<$rcon>($k)
+        };
+    }
+    if rounds == 10 {
+        let mut k = _mm_loadu_si128(key.as_ptr().cast());
+        enc[0] = k;
+        macro_rules! step {
+            ($i:literal, $rcon:literal) => {
+                k = _mm_xor_si128(fold(k), _mm_shuffle_epi32::<0xff>(assist!(k, $rcon)));
+                enc[$i] = k;
+            };
+        }
+        step!(1, 0x01); step!(2, 0x02); step!(3, 0x04); step!(4, 0x08); step!(5, 0x10);
+        step!(6, 0x20); step!(7, 0x40); step!(8, 0x80); step!(9, 0x1b); step!(10, 0x36);
+    } else {
+        let mut a = _mm_loadu_si128(key.as_ptr().cast());
+        let mut b = _mm_loadu_si128(key.as_ptr().add(16).cast());
+        enc[0] = a;
+        enc[1] = b;
+        macro_rules! step {
+            ($i:literal, $rcon:literal) => {
+                a = _mm_xor_si128(fold(a), _mm_shuffle_epi32::<0xff>(assist!(b, $rcon)));
+                enc[2 * $i] = a;
+                // The last step (i = 7) makes round key 14 only.
+                if let Some(slot) = enc.get_mut(2 * $i + 1) {
+                    b = _mm_xor_si128(fold(b), _mm_shuffle_epi32::<0xaa>(assist!(a, 0x00)));
+                    *slot = b;
+                }
+            };
+        }
+        step!(1, 0x01); step!(2, 0x02); step!(3, 0x04); step!(4, 0x08); step!(5, 0x10);
+        step!(6, 0x20); step!(7, 0x40);
+    }
+    let mut keys = RoundKeys { enc: [[0; 16]; 15], dec: [[0; 16]; 15], rounds };
+    for r in 0..=rounds {
+        _mm_storeu_si128(keys.enc[r].as_mut_ptr().cast(), enc[r]);
+        let d = if r == 0 || r == rounds { enc[rounds - r] } else { _mm_aesimc_si128(enc[rounds - r]) };
+        _mm_storeu_si128(keys.dec[r].as_mut_ptr().cast(), d);
+    }
+    // The __m128i copies on the stack are overwritten before return.
+    enc = [_mm_setzero_si128(); 15];
+    core::hint::black_box(&enc);
+    keys
+}

@@ -181,17 +181,7 @@ impl Eme2 {
             mp ^= u128::from_le_bytes(b.try_into().expect("16 bytes"));
         }
         let mut ccc1 = tstar;
-        let mc = if tail.is_empty() {
-            f(mp)
-        } else {
-            mp ^= pad(tail);
-            let mm = f(mp).to_le_bytes();
-            for (t, k) in tail.iter_mut().zip(mm.iter()) {
-                *t ^= k;
-            }
-            ccc1 ^= pad(tail);
-            f(u128::from_le_bytes(mm))
-        };
+        let mc = mix_partial_block(&f, &mut mp, &mut ccc1, tail);
         let m1 = mp ^ mc;
         ccc1 ^= mc;
         let mut masks = [0u128; MIX_PERIOD];
@@ -241,17 +231,7 @@ impl Eme2 {
         let l0 = self.secrets.k_ecb;
         let mut mp = tstar ^ v.eme2_layer1(full, l0, decrypt);
         let mut ccc1 = tstar;
-        let mc = if tail.is_empty() {
-            f(mp)
-        } else {
-            mp ^= pad(tail);
-            let mm = f(mp).to_le_bytes();
-            for (t, k) in tail.iter_mut().zip(mm.iter()) {
-                *t ^= k;
-            }
-            ccc1 ^= pad(tail);
-            f(u128::from_le_bytes(mm))
-        };
+        let mc = mix_partial_block(&f, &mut mp, &mut ccc1, tail);
         let m1 = mp ^ mc;
         ccc1 ^= mc;
         // The re-masked blocks (every 128th) depend only on M_1 and their own PPP: do them first,
@@ -289,6 +269,21 @@ impl Eme2 {
         full[..16].copy_from_slice(&(f(ccc1) ^ l0).to_le_bytes());
         starts.zeroize();
     }
+}
+
+/// The mixing step's MC, with the partial last block (if any) processed on the way: it is folded
+/// into MP before the first cipher call, masked with that call's output, and folded into CCC_1.
+fn mix_partial_block(f: &impl Fn(u128) -> u128, mp: &mut u128, ccc1: &mut u128, tail: &mut [u8]) -> u128 {
+    if tail.is_empty() {
+        return f(*mp);
+    }
+    *mp ^= pad(tail);
+    let mm = f(*mp).to_le_bytes();
+    for (t, k) in tail.iter_mut().zip(mm.iter()) {
+        *t ^= k;
+    }
+    *ccc1 ^= pad(tail);
+    f(u128::from_le_bytes(mm))
 }
 
 /// A partial block padded with 0x80 then zeros.

@@ -361,6 +361,23 @@ class NBDClient:
         expect_data: Optional[int] = None,
     ) -> int:
         """Send one request (does not wait). ``length`` defaults to len(data) for writes."""
+        handle, wire = self.pack_request(cmd, offset, length, data, flags, handle, magic, expect_data)
+        self.sendall(wire)
+        return handle
+
+    def pack_request(
+        self,
+        cmd: int,
+        offset: int = 0,
+        length: int = 0,
+        data: bytes = b"",
+        flags: int = 0,
+        handle: Optional[int] = None,
+        magic: int = REQUEST_MAGIC,
+        expect_data: Optional[int] = None,
+    ) -> tuple[int, bytes]:
+        """Encode one request and expect its reply, without sending it: for tests that control
+        how requests are cut into socket writes."""
         if handle is None:
             handle = next(self._handles)
         if cmd == CMD_WRITE and length == 0 and data:
@@ -369,8 +386,7 @@ class NBDClient:
             expect_data = length if cmd == CMD_READ else 0
         self._pending[handle] = expect_data
         hdr = struct.pack(">IHHQQI", magic, flags, cmd, handle, offset, length)
-        self.sendall(hdr + data)
-        return handle
+        return handle, hdr + data
 
     def recv_reply(self) -> Reply:
         magic, error, handle = struct.unpack(">IIQ", self.recv_exact(16))

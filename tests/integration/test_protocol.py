@@ -594,6 +594,61 @@ def test_pipelined_requests(vol):
         assert vol.plaintext_on_disk(off, len(data)) == data
 
 
+def test_many_requests_in_one_socket_write(vol):
+    """Hundreds of small requests arrive in one send, so the server reads many of them with one
+    recv and answers them in batches; every reply must still come, once, with the right data."""
+    rng = random.Random(65)
+    with vol.client() as c:
+        model = bytearray(vol.plaintext_on_disk(0, 256 * 4096))
+        wire, plan = [], {}
+        for i in range(600):
+            off = rng.randrange(0, 255) * 4096 + rng.randrange(0, 4096)
+            n = rng.randint(1, 4096)
+            if i % 3 == 0:
+                d = rng.randbytes(n)
+                h, w = c.pack_request(nbd.CMD_WRITE, off, n, d)
+                model[off : off + n] = d
+                plan[h] = None
+            else:
+                h, w = c.pack_request(nbd.CMD_READ, off, n)
+                plan[h] = bytes(model[off : off + n])
+            wire.append(w)
+            if i % 50 == 49:
+                # Replies to a batch of requests are only compared after the whole batch has been
+                # answered, and a read's expected data is taken when it is sent; so the batches
+                # must not overlap: drain each before sending the next.
+                c.sendall(b"".join(wire))
+                wire = []
+                for _ in range(50):
+                    r = c.recv_reply()
+                    assert r.error == 0, r
+                    want = plan.pop(r.handle)
+                    if want is not None:
+                        assert r.data == want
+        assert not plan
+    assert vol.plaintext_on_disk(0, len(model)) == bytes(model)
+
+
+@pytest.mark.parametrize("cut", ["header", "payload"])
+def test_replies_sent_before_waiting_for_a_cut_request(vol, cut):
+    """Complete requests followed by the first part of another: the server must answer the
+    complete ones before it waits for the rest, or a client that waits for those replies before
+    sending more would be stuck."""
+    with vol.client() as c:
+        c.sock.settimeout(10)
+        reads = [c.pack_request(nbd.CMD_READ, i * 4096, 4096)[1] for i in range(20)]
+        data = os.urandom(4096)
+        h, tail = c.pack_request(nbd.CMD_WRITE, 8192, 4096, data)
+        split = 10 if cut == "header" else 28 + 1000
+        c.sendall(b"".join(reads) + tail[:split])
+        for _ in range(20):
+            assert c.recv_reply().error == 0
+        c.sendall(tail[split:])
+        r = c.recv_reply()
+        assert r.handle == h and r.error == 0
+        assert c.read(8192, 4096) == data
+
+
 @pytest.mark.parametrize("sector_size", [512, 4096])
 def test_pipelined_writes_sharing_sectors(ws, sector_size):
     """One connection, 64 in-flight writes to disjoint byte ranges of the same few sectors: the

@@ -1,17 +1,17 @@
 //! Connections and concurrency: a thread group per connection, many requests in flight per
 //! connection and many connections at once.
 
-use std::io::{self, Read, Write};
+use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::aligned::PooledBuf;
+use crate::pipeline::ReadData;
 use crate::nbd::handshake::{negotiate, Outcome};
-use crate::nbd::transmission::{read_request, write_reply, Request};
+use crate::nbd::transmission::{holds_whole_request, read_request, reply_header, write_all_vectored, write_reply, Request};
 use crate::nbd::*;
 use crate::pipeline::Pipeline;
 
@@ -22,6 +22,14 @@ pub const MAX_REQUEST: u32 = 32 << 20;
 const MAX_DRAIN: u32 = 64 << 20;
 /// Requests up to this size on a cached backing count as quick (see `Server::worker`).
 const QUICK_MAX_LEN: u32 = 128 * 1024;
+/// One recv on a connection takes up to this much: every request header queued behind it, so a
+/// queue of small requests costs one system call to read instead of two per request.
+const INBOUND_BUFFER: usize = 64 * 1024;
+/// Replies of quick requests held back to go out in one writev: at most this many (two iovecs
+/// each, below IOV_MAX)...
+const BATCH_MAX_REPLIES: usize = 256;
+/// ...and at most this many data bytes.
+const BATCH_MAX_BYTES: usize = 1 << 20;
 /// A client has this long to finish the handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -59,20 +67,6 @@ impl Stream {
             Stream::Tcp(s) => s.shutdown(Shutdown::Both),
             Stream::Unix(s) => s.shutdown(Shutdown::Both),
         };
-    }
-
-    /// True when request bytes are already waiting in the socket (never blocks).
-    fn has_pending_input(&self) -> bool {
-        let fd = match self {
-            Stream::Tcp(s) => s.as_raw_fd(),
-            Stream::Unix(s) => s.as_raw_fd(),
-        };
-        let mut byte = 0u8;
-        // SAFETY: recv writes at most 1 byte into a live local; MSG_PEEK leaves the data queued
-        // and MSG_DONTWAIT makes this one call non-blocking without touching the shared
-        // O_NONBLOCK state of the socket, which the writer side also uses.
-        let n = unsafe { libc::recv(fd, (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
-        n > 0
     }
 
     fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
@@ -113,13 +107,14 @@ impl Write for Stream {
     }
 }
 
-/// One client connection, shared by its worker threads. Workers take turns reading a request
-/// (leader/follower, as nbdkit does): the thread that decodes a request also runs it and writes
-/// the reply, so a request costs no thread hand-off, and up to `io_workers` requests per
+/// One client connection, shared by its worker threads. Workers take turns reading requests
+/// (leader/follower, as nbdkit does). Quick requests run on the thread that read them, which keeps
+/// the read side; their replies are batched. A slow request (large, FUA, or on an O_DIRECT backing)
+/// gives the read side to the next worker and then runs, so up to `io_workers` slow requests per
 /// connection are in flight at once. Replies may go out of order, as NBD allows.
 struct Connection {
     id: u64,
-    reader: Mutex<Stream>,
+    reader: Mutex<BufReader<Stream>>,
     writer: Mutex<Stream>,
     closing: AtomicBool,
 }
@@ -127,11 +122,62 @@ struct Connection {
 impl Connection {
     fn reply(&self, handle: u64, error: u32, data: &[u8]) {
         let mut w = self.writer.lock().expect("writer lock");
-        if let Err(e) = write_reply(&mut *w, handle, error, data) {
+        let result = write_reply(&mut *w, handle, error, data);
+        self.check_sent(&w, result);
+    }
+
+    /// Sends the held-back replies in one writev and empties the batch.
+    fn send(&self, batch: &mut ReplyBatch) {
+        if batch.replies.is_empty() {
+            return;
+        }
+        let headers: Vec<[u8; 16]> = batch.replies.iter().map(|r| reply_header(r.handle, r.error)).collect();
+        let mut slices = Vec::with_capacity(2 * headers.len());
+        for (header, reply) in headers.iter().zip(&batch.replies) {
+            slices.push(IoSlice::new(header));
+            if let Some(data) = &reply.data {
+                slices.push(IoSlice::new(data));
+            }
+        }
+        let mut w = self.writer.lock().expect("writer lock");
+        let result = write_all_vectored(&mut *w, &mut slices);
+        self.check_sent(&w, result);
+        drop(w);
+        batch.replies.clear();
+        batch.data_bytes = 0;
+    }
+
+    fn check_sent(&self, w: &Stream, result: io::Result<()>) {
+        if let Err(e) = result {
             tracing::debug!(conn = self.id, "reply failed ({e}); closing");
             self.closing.store(true, Ordering::SeqCst);
             w.shutdown();
         }
+    }
+}
+
+/// A finished request's reply: `data` only for a successful READ.
+struct Reply {
+    handle: u64,
+    error: u32,
+    data: Option<ReadData>,
+}
+
+/// Replies held back by the reading thread while more requests are already buffered.
+#[derive(Default)]
+struct ReplyBatch {
+    replies: Vec<Reply>,
+    data_bytes: usize,
+}
+
+impl ReplyBatch {
+    fn push(&mut self, reply: Reply) {
+        self.data_bytes += reply.data.as_ref().map_or(0, |d| d.len());
+        self.replies.push(reply);
+    }
+
+    fn is_full(&self) -> bool {
+        self.replies.len() >= BATCH_MAX_REPLIES || self.data_bytes >= BATCH_MAX_BYTES
     }
 }
 
@@ -199,7 +245,7 @@ impl Server {
         let conn = Connection {
             id,
             writer: Mutex::new(stream.try_clone()?),
-            reader: Mutex::new(stream.try_clone()?),
+            reader: Mutex::new(BufReader::with_capacity(INBOUND_BUFFER, stream.try_clone()?)),
             closing: AtomicBool::new(false),
         };
         std::thread::scope(|scope| {
@@ -219,21 +265,30 @@ impl Server {
     }
 
     fn worker(&self, conn: &Connection) {
+        let mut batch = ReplyBatch::default();
         loop {
-            let mut stream = conn.reader.lock().expect("reader lock");
+            let mut inbound = conn.reader.lock().expect("reader lock");
             loop {
-                match self.next_request(conn, &mut stream) {
-                    Next::Stop => return,
-                    Next::Rejected(request, errno) => conn.reply(request.handle, errno, &[]),
-                    // A quick request with nothing queued behind it runs while this thread keeps
-                    // the read side: handing it over would wake a follower for nothing, which at
-                    // queue depth 1 costs more than the request itself.
-                    Next::Run(request, payload) if self.is_quick(&request) && !stream.has_pending_input() => {
-                        self.execute(conn, request, payload);
+                // Held-back replies go out before anything could wait on the socket, so a client
+                // that waits for them before sending more is never stuck.
+                if batch.is_full() || !holds_whole_request(inbound.buffer()) {
+                    conn.send(&mut batch);
+                }
+                match self.next_request(conn, &mut inbound) {
+                    Next::Stop => {
+                        drop(inbound);
+                        conn.send(&mut batch);
+                        return;
                     }
+                    Next::Rejected(request, error) => batch.push(Reply { handle: request.handle, error, data: None }),
+                    // A quick request runs here, keeping the read side: handing it to another
+                    // thread costs a wake-up, which on a small machine costs more than the request.
+                    Next::Run(request, payload) if self.is_quick(&request) => batch.push(self.execute(conn, request, payload)),
                     Next::Run(request, payload) => {
-                        drop(stream);
-                        self.execute(conn, request, payload);
+                        drop(inbound);
+                        conn.send(&mut batch);
+                        let reply = self.execute(conn, request, payload);
+                        conn.reply(reply.handle, reply.error, reply.data.as_deref().unwrap_or(&[]));
                         break;
                     }
                 }
@@ -250,7 +305,7 @@ impl Server {
     }
 
     /// Reads the next request (and a WRITE's payload) while holding the connection's read side.
-    fn next_request(&self, conn: &Connection, stream: &mut Stream) -> Next {
+    fn next_request(&self, conn: &Connection, stream: &mut BufReader<Stream>) -> Next {
         if conn.closing.load(Ordering::SeqCst) {
             return Next::Stop;
         }
@@ -297,12 +352,12 @@ impl Server {
         Next::Run(request, payload)
     }
 
-    fn execute(&self, conn: &Connection, r: Request, mut payload: Option<PooledBuf>) {
+    fn execute(&self, conn: &Connection, r: Request, mut payload: Option<PooledBuf>) -> Reply {
         let pipeline = &self.pipeline;
         let fua = r.flags & CMD_FLAG_FUA != 0;
         let result = match r.command {
             CMD_READ => match pipeline.read(r.offset, r.length as usize) {
-                Ok(data) => return conn.reply(r.handle, 0, &data),
+                Ok(data) => return Reply { handle: r.handle, error: 0, data: Some(data) },
                 Err(e) => Err(e),
             },
             CMD_WRITE => {
@@ -322,7 +377,7 @@ impl Server {
                 errno_of(e)
             }
         };
-        conn.reply(r.handle, errno, &[]);
+        Reply { handle: r.handle, error: errno, data: None }
     }
 
     /// Checks a request against the export before any I/O; the error is the NBD errno.

@@ -40,16 +40,26 @@ pub fn read_request<R: Read>(r: &mut R) -> io::Result<Option<Request>> {
     }))
 }
 
-/// Writes a simple reply; `data` follows the header only on success.
-pub fn write_reply<W: Write>(w: &mut W, handle: u64, error: u32, data: &[u8]) -> io::Result<()> {
+/// The 16-byte header of a simple reply.
+pub fn reply_header(handle: u64, error: u32) -> [u8; 16] {
     let mut header = [0u8; 16];
     header[0..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
     header[4..8].copy_from_slice(&error.to_be_bytes());
     header[8..16].copy_from_slice(&handle.to_be_bytes());
+    header
+}
+
+/// Writes a simple reply; `data` follows the header only on success.
+pub fn write_reply<W: Write>(w: &mut W, handle: u64, error: u32, data: &[u8]) -> io::Result<()> {
+    let header = reply_header(handle, error);
     let data = if error == 0 { data } else { &[] };
     // One writev for header and data: a single segment on the wire for small reads.
-    let mut bufs = [IoSlice::new(&header), IoSlice::new(data)];
-    let mut bufs: &mut [IoSlice<'_>] = &mut bufs;
+    write_all_vectored(w, &mut [IoSlice::new(&header), IoSlice::new(data)])
+}
+
+/// Writes every byte of `bufs` (replies batched into one writev), retrying short writes.
+pub fn write_all_vectored<W: Write>(w: &mut W, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0); // drops leading empty slices
     while !bufs.is_empty() {
         match w.write_vectored(bufs) {
             Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "socket closed while replying")),
@@ -59,4 +69,73 @@ pub fn write_reply<W: Write>(w: &mut W, handle: u64, error: u32, data: &[u8]) ->
         }
     }
     Ok(())
+}
+
+/// Whether `buffered` starts with a whole request: its header and, for a WRITE, its payload.
+/// A reader that holds one can parse it without waiting on the socket.
+pub fn holds_whole_request(buffered: &[u8]) -> bool {
+    let Some(header) = buffered.get(..28) else { return false };
+    let command = u16::from_be_bytes([header[6], header[7]]);
+    if command != super::CMD_WRITE {
+        return true;
+    }
+    let length = u32::from_be_bytes(header[24..28].try_into().unwrap()) as usize;
+    buffered.len() - 28 >= length
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(command: u16, length: u32) -> Vec<u8> {
+        let mut h = Vec::new();
+        h.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        h.extend_from_slice(&0u16.to_be_bytes());
+        h.extend_from_slice(&command.to_be_bytes());
+        h.extend_from_slice(&7u64.to_be_bytes());
+        h.extend_from_slice(&4096u64.to_be_bytes());
+        h.extend_from_slice(&length.to_be_bytes());
+        h
+    }
+
+    #[test]
+    fn whole_request_needs_header_and_write_payload() {
+        let read = request(super::super::CMD_READ, 1 << 20);
+        assert!(holds_whole_request(&read));
+        assert!(!holds_whole_request(&read[..27]));
+        assert!(!holds_whole_request(&[]));
+        let mut write = request(super::super::CMD_WRITE, 100);
+        assert!(!holds_whole_request(&write));
+        write.extend_from_slice(&[0u8; 99]);
+        assert!(!holds_whole_request(&write));
+        write.push(0);
+        assert!(holds_whole_request(&write));
+        write.extend_from_slice(&request(super::super::CMD_READ, 1)[..5]);
+        assert!(holds_whole_request(&write), "bytes after the request do not matter");
+        let parsed = read_request(&mut &read[..]).unwrap().unwrap();
+        assert_eq!((parsed.length, parsed.offset, parsed.handle), (1 << 20, 4096, 7));
+    }
+
+    #[test]
+    fn batched_replies_survive_short_writes() {
+        // A writer that takes at most 5 bytes per call, as a full socket buffer may.
+        struct Trickle(Vec<u8>);
+        impl Write for Trickle {
+            fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+                let n = b.len().min(5);
+                self.0.extend_from_slice(&b[..n]);
+                Ok(n)
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let (a, b) = (reply_header(1, 0), reply_header(2, 5));
+        let data = [9u8; 33];
+        let mut w = Trickle(Vec::new());
+        write_all_vectored(&mut w, &mut [IoSlice::new(&a), IoSlice::new(&data), IoSlice::new(&[]), IoSlice::new(&b)]).unwrap();
+        assert_eq!(w.0, [&a[..], &data[..], &b[..]].concat());
+        assert_eq!(&b[..4], &SIMPLE_REPLY_MAGIC.to_be_bytes());
+        assert_eq!(&b[4..8], &5u32.to_be_bytes());
+    }
 }

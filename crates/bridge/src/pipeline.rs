@@ -6,6 +6,7 @@
 
 use std::io;
 use std::ops::Deref;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use cryptbridge_engine::Engine;
@@ -23,6 +24,25 @@ pub struct Pipeline {
     sector_size: u64,
     locks: RangeLocks,
     pool: Arc<BufPool>,
+    /// Sector writes running now, on every connection.
+    in_flight: AtomicUsize,
+}
+
+/// Counts a request as in flight while alive.
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    /// Enters and returns whether another request was already running.
+    fn enter(count: &'a AtomicUsize) -> (Self, bool) {
+        let before = count.fetch_add(1, Ordering::Relaxed);
+        (Self(count), before > 0)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Plaintext returned by [`Pipeline::read`]: a window into a sector-aligned buffer.
@@ -42,7 +62,7 @@ impl Deref for ReadData {
 impl Pipeline {
     pub fn new(backing: Backing, engine: Engine) -> Self {
         let sector_size = engine.layout().sector_size as u64;
-        Self { backing, engine, sector_size, locks: RangeLocks::default(), pool: Arc::new(BufPool::new()) }
+        Self { backing, engine, sector_size, locks: RangeLocks::default(), pool: Arc::new(BufPool::new()), in_flight: AtomicUsize::new(0) }
     }
 
     pub fn size(&self) -> u64 {
@@ -162,8 +182,17 @@ impl Pipeline {
         self.engine.decrypt(offset / self.sector_size, buf).map_err(io::Error::other)
     }
 
+    // A write that finds other writes running keeps its encryption on its own thread:
+    // their threads occupy the cores, and spreading one buffer over the crypto pool then adds
+    // wake-ups and idle spinning (SEQ1M Q8 O_DIRECT writes on 2 vCPUs: about 1.2x the server CPU
+    // per MB with the split). Reads keep the split: their replies leave one at a time under the
+    // connection's write lock, so a read that decrypts sooner gets to the socket sooner, and
+    // CPU-bound SEQ1M reads measured faster with it.
     fn write_sectors(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        self.engine.encrypt(offset / self.sector_size, buf).map_err(io::Error::other)?;
+        let (_running, busy) = InFlight::enter(&self.in_flight);
+        let sector = offset / self.sector_size;
+        let done = if busy { self.engine.encrypt_here(sector, buf) } else { self.engine.encrypt(sector, buf) };
+        done.map_err(io::Error::other)?;
         self.backing.write_at(buf, offset)
     }
 }

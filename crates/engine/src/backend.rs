@@ -35,4 +35,11 @@ impl SectorRun {
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
     fn process(&self, dir: Direction, run: SectorRun, buf: &mut [u8]) -> Result<(), EngineError>;
+
+    /// As [`Backend::process`], but only on the calling thread: for callers that already keep
+    /// every core busy with other requests, where spreading one buffer over a pool only adds
+    /// wake-ups. Back ends without a pool need not override it.
+    fn process_here(&self, dir: Direction, run: SectorRun, buf: &mut [u8]) -> Result<(), EngineError> {
+        self.process(dir, run, buf)
+    }
 }

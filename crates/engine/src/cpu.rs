@@ -51,6 +51,10 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn process_here(&self, dir: Direction, run: SectorRun, buf: &mut [u8]) -> Result<(), EngineError> {
+        self.serial(dir, run, buf)
+    }
+
     fn process(&self, dir: Direction, run: SectorRun, buf: &mut [u8]) -> Result<(), EngineError> {
         let pool = match &self.pool {
             Some(pool) if buf.len() >= PARALLEL_MIN_BYTES => pool,

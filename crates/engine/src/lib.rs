@@ -52,12 +52,31 @@ impl Engine {
         self.process(Direction::Decrypt, first_sector, buf)
     }
 
+    /// As [`Engine::encrypt`], on the calling thread only (see [`Backend::process_here`]).
+    pub fn encrypt_here(&self, first_sector: u64, buf: &mut [u8]) -> Result<(), EngineError> {
+        self.process_on(Direction::Encrypt, first_sector, buf, false)
+    }
+
+    /// As [`Engine::decrypt`], on the calling thread only.
+    pub fn decrypt_here(&self, first_sector: u64, buf: &mut [u8]) -> Result<(), EngineError> {
+        self.process_on(Direction::Decrypt, first_sector, buf, false)
+    }
+
     fn process(&self, dir: Direction, first_sector: u64, buf: &mut [u8]) -> Result<(), EngineError> {
+        self.process_on(dir, first_sector, buf, true)
+    }
+
+    fn process_on(&self, dir: Direction, first_sector: u64, buf: &mut [u8], pool: bool) -> Result<(), EngineError> {
         let Some(backend) = &self.backend else { return Ok(()) };
         let ss = self.layout.sector_size;
         if buf.len() % ss != 0 {
             return Err(EngineError::NotWholeSectors { len: buf.len(), sector_size: ss });
         }
-        backend.process(dir, self.layout.run(first_sector), buf)
+        let run = self.layout.run(first_sector);
+        if pool {
+            backend.process(dir, run, buf)
+        } else {
+            backend.process_here(dir, run, buf)
+        }
     }
 }

@@ -12,6 +12,13 @@ Regimes:
           time), opened with --direct (O_DIRECT), pre-filled with data: cryptbridge encrypted vs
           cryptbridge --passthrough.
           Target: encrypted >= 0.95 x passthrough per profile.
+  ssd     The device regime with the servers' disk I/O throttled (cgroup blkio / io.max) to the
+          disk the issue measured on these machines: 600 MB/s writing, 880 MB/s reading with
+          O_DIRECT, the class of the paper's SATA SSD. The VM disk now takes O_DIRECT writes at
+          2-3.8 GB/s, which makes the device regime CPU-bound on 2 vCPUs; this regime keeps the
+          paper's setting, where the device is the limit. Same files, servers and target; median
+          of --repeats. Needs root and a blkio/io cgroup controller; skipped with the reason
+          otherwise.
   cpu     Backing files in the page cache (no --direct, files pre-filled and re-read before every
           repeat; the plain servers share one file): cryptbridge encrypted, cryptbridge --passthrough, `nbdkit file`,
           `nbdkit --filter=luks file` (LUKS1 AES-256-XTS image) and `qemu-nbd` (driver=luks,
@@ -98,17 +105,24 @@ SERVER_LABELS = {
 }
 REGIME_SERVERS = {
     "device": ["cb-enc", "cb-pt"],
+    "ssd": ["cb-enc", "cb-pt"],
     "cpu": ["cb-enc", "cb-pt", "nbdkit-file", "nbdkit-luks", "qemu-luks"],
 }
 REGIME_TITLES = {
     "device": "Device-bound (backing on disk, --direct)",
+    "ssd": "Device-bound at the issue's disk speed (--direct, disk I/O throttled to 600 MB/s write, 880 MB/s read)",
     "cpu": "CPU-bound (backing in page cache)",
 }
 LUKS_PEERS = ("nbdkit-luks", "qemu-luks")
+DISK_REGIMES = {"device", "ssd"}
+# The disk the issue measured on these machines (O_DIRECT), which the ssd regime reproduces.
+SSD_WRITE_BPS = 600_000_000
+SSD_READ_BPS = 880_000_000
 
 # (regime, label, numerator, denominator(s) -> best of, {profile group: target or None})
 TARGETS = [
     ("device", "XTS / passthrough", "cb-enc", ("cb-pt",), {"SEQ1M": 0.95, "RND4K": 0.95, "MIX": 0.95}),
+    ("ssd", "XTS / passthrough", "cb-enc", ("cb-pt",), {"SEQ1M": 0.95, "RND4K": 0.95, "MIX": 0.95}),
     ("cpu", "passthrough / nbdkit file", "cb-pt", ("nbdkit-file",), {"SEQ1M": 0.9, "RND4K": 0.9, "MIX": 0.9}),
     ("cpu", "XTS / passthrough", "cb-enc", ("cb-pt",), {"SEQ1M": 0.6, "RND4K": 0.9, "MIX": None}),
     ("cpu", "XTS / best LUKS peer", "cb-enc", LUKS_PEERS, {"SEQ1M": 2.0, "RND4K": 1.2, "MIX": None}),
@@ -256,6 +270,48 @@ def fs_type(path: Path) -> str:
         return "unknown"
 
 
+class DiskThrottle:
+    """A cgroup whose member processes get at most the given bytes/s from the disk under `path`
+    (cgroup v1 blkio throttle, or v2 io.max). Threads the members start later inherit it."""
+
+    def __init__(self, path: Path, write_bps: int, read_bps: int):
+        if os.geteuid() != 0:
+            raise RuntimeError("needs root")
+        st = os.stat(path)
+        dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        sys_dev = Path("/sys/dev/block") / dev
+        if (sys_dev / "partition").exists():  # throttles apply to whole disks
+            dev = (sys_dev.resolve().parent / "dev").read_text().strip()
+        self.dev = dev
+        self.limits = (write_bps, read_bps)
+        v1 = Path("/sys/fs/cgroup/blkio")
+        v2 = Path("/sys/fs/cgroup")
+        if v1.is_dir():
+            self.dir = v1 / f"cryptbridge-bench-{os.getpid()}"
+            self.dir.mkdir(exist_ok=True)
+            (self.dir / "blkio.throttle.write_bps_device").write_text(f"{dev} {write_bps}\n")
+            (self.dir / "blkio.throttle.read_bps_device").write_text(f"{dev} {read_bps}\n")
+        elif (v2 / "cgroup.controllers").exists() and "io" in (v2 / "cgroup.controllers").read_text().split():
+            (v2 / "cgroup.subtree_control").write_text("+io\n")
+            self.dir = v2 / f"cryptbridge-bench-{os.getpid()}"
+            self.dir.mkdir(exist_ok=True)
+            (self.dir / "io.max").write_text(f"{dev} wbps={write_bps} rbps={read_bps}\n")
+        else:
+            raise RuntimeError("no blkio (cgroup v1) or io (cgroup v2) controller")
+
+    def describe(self) -> str:
+        return f"disk {self.dev}: write {self.limits[0] / 1e6:.0f} MB/s, read {self.limits[1] / 1e6:.0f} MB/s ({self.dir})"
+
+    def add(self, pid: int) -> None:
+        (self.dir / "cgroup.procs").write_text(f"{pid}\n")
+
+    def remove(self) -> None:
+        try:
+            self.dir.rmdir()  # its processes have exited
+        except OSError as e:
+            warn(f"could not remove {self.dir}: {e}")
+
+
 # --------------------------------------------------------------------------------------------
 # servers
 
@@ -391,6 +447,8 @@ def backing_path(work: Path, regime: str, key: str) -> Path:
     one backing file: only one fio job runs at a time, and a shared file puts every server on the
     same blocks of the disk and the same host-side caching, which otherwise differ by tens of
     per cent between two files on a VM disk. The LUKS peers need their own images."""
+    if regime == "ssd":
+        regime = "device"  # the same disk file, only throttled
     if key in LUKS_PEERS:
         return work / f"{regime}-{key}.luks"
     return work / f"{regime}-plain.img"
@@ -398,7 +456,7 @@ def backing_path(work: Path, regime: str, key: str) -> Path:
 
 def build_servers(regime: str, keys: list[str], args, work: Path, rundir: Path, logdir: Path,
                   keyfile: Path, passfile: Path, size: int) -> list[Server]:
-    direct = ["--direct"] if regime == "device" else []
+    direct = ["--direct"] if regime in DISK_REGIMES else []
     extra_cb = list(args.cb_extra)
     if args.cb_threads:
         extra_cb += ["--threads", str(args.cb_threads)]
@@ -457,9 +515,17 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
     res = state["results"].setdefault(regime, {})
     fio_dir = OUT / "fio" / regime
     fio_dir.mkdir(parents=True, exist_ok=True)
-    if regime == "device":
+    if regime in DISK_REGIMES:
         for backing in dict.fromkeys(s.backing for s in servers):
             drop_file_cache(backing)
+    throttle = None
+    if regime == "ssd":
+        try:
+            throttle = DiskThrottle(servers[0].backing, SSD_WRITE_BPS, SSD_READ_BPS)
+        except (OSError, RuntimeError) as e:
+            warn(f"ssd: cannot throttle the disk ({e}); regime skipped")
+            state["servers"].setdefault(regime, {})["skipped"] = str(e)
+            return
     info = state["servers"].setdefault(regime, {})
     all_servers = servers
     try:
@@ -478,6 +544,9 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
                 s.stop()
                 continue
             info[s.key].update({"uri": s.uri, "export_size": s.export_size})
+            if throttle is not None:
+                throttle.add(s.proc.pid)
+                info[s.key]["throttle"] = throttle.describe()
             up.append(s)
             log(f"  {s.key:12} up at {s.uri}  (pid {s.proc.pid})")
         servers = up
@@ -522,6 +591,8 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
             if was_up and s.key.startswith("cb-") and s.exit_code not in (0, None):
                 warn(f"{regime}/{s.key} exited {s.exit_code} on SIGTERM (contract: 0); "
                      f"see {s.stderr_path}")
+        if throttle is not None:
+            throttle.remove()
 
 
 # --------------------------------------------------------------------------------------------
@@ -588,7 +659,7 @@ def regime_keys(summary, regime):
 
 
 def print_tables(summary, targets, args) -> None:
-    for regime in ("device", "cpu"):
+    for regime in ("device", "ssd", "cpu"):
         if regime not in summary:
             continue
         keys = regime_keys(summary, regime)
@@ -622,17 +693,17 @@ def markdown(summary, targets, state, args) -> str:
         f"Measured {env['date'][:10]} on {env['cpu']} ({env['nproc']} CPUs, Linux {env['kernel']}); "
         f"fio `ioengine=nbd` over unix sockets, one connection per job, "
         f"{args.runtime:g} s per job after {args.ramp:g} s ramp, median of {args.repeats} "
-        f"interleaved repeats ({args.device_repeats} in the device regime). MB/s = 10^6 B/s. cryptbridge XTS = AES-256-XTS "
+        f"interleaved repeats ({args.device_repeats} in the device regime; the ssd regime's disk I/O is throttled to {SSD_WRITE_BPS / 1e6:.0f} MB/s write, {SSD_READ_BPS / 1e6:.0f} MB/s read, the disk the issue measured). MB/s = 10^6 B/s. cryptbridge XTS = AES-256-XTS "
         f"(512-bit key), {args.sector_size}-byte sectors. "
         f"Peers: {state['versions'].get('nbdkit') or 'nbdkit'} (file plugin, luks filter on a LUKS1 "
         f"AES-256-XTS (aes-256 xts-plain64, 512-bit key) image), {state['versions'].get('qemu-nbd') or 'qemu-nbd'} (driver=luks).",
         "",
     ]
-    for regime in ("cpu", "device"):
+    for regime in ("cpu", "device", "ssd"):
         if regime not in summary:
             continue
         keys = regime_keys(summary, regime)
-        size = state["config"][f"{regime}_size"]
+        size = state["config"]["device_size" if regime in DISK_REGIMES else "cpu_size"]
         lines.append(f"**{REGIME_TITLES[regime]}, {human_size(size)} export**")
         lines.append("")
         head = ["Profile"] + [SERVER_LABELS[k] for k in keys]
@@ -674,7 +745,7 @@ def chart(summary, state, args, path: Path) -> None:
     except ImportError:
         warn("matplotlib not installed; chart skipped (pip install matplotlib)")
         return
-    regimes = [r for r in ("cpu", "device") if r in summary]
+    regimes = [r for r in ("cpu", "device", "ssd") if r in summary]
     if not regimes:
         return
     colors = {"cb-enc": "#1f77b4", "cb-pt": "#9ecae1", "nbdkit-file": "#7f7f7f",
@@ -759,7 +830,7 @@ def main() -> int:
                     help="repeats in the device regime (default 5; quick 1): a VM disk varies more "
                          "run to run than the page cache, and its jobs are only two servers wide")
     ap.add_argument("--quick", action="store_true", help="smoke run: short jobs, 1 repeat, small files")
-    ap.add_argument("--regimes", default="device,cpu", help="comma list of device,cpu")
+    ap.add_argument("--regimes", default="device,ssd,cpu", help="comma list of device,ssd,cpu")
     ap.add_argument("--profiles", default=None,
                     help="comma list of profiles to run (default all): " + ",".join(p.key for p in PROFILES))
     ap.add_argument("--servers", default=",".join(REGIME_SERVERS["cpu"]),
@@ -820,7 +891,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     logdir = OUT / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
-    if "device" in plan:
+    if DISK_REGIMES & set(plan):
         fst = fs_type(work)
         if fst in ("tmpfs", "ramfs"):
             warn(f"{work} is on {fst}: the device-bound regime would not touch a disk (use --workdir)")
@@ -881,7 +952,7 @@ def main() -> int:
                 if r.returncode != 0:
                     raise RuntimeError(f"cryptbridge keygen failed: {r.stderr.strip()}")
         for regime, keys in plan.items():
-            size = dev_size if regime == "device" else cpu_size
+            size = dev_size if regime in DISK_REGIMES else cpu_size
             log(f"\n== {REGIME_TITLES[regime]}: {', '.join(keys)}; export {human_size(size)}")
             created += [backing_path(work, regime, k) for k in keys]
             servers = build_servers(regime, keys, args, work, rundir, logdir, keyfile, passfile, size)

@@ -50,6 +50,9 @@ pub struct Fast {
     /// the interleaved multi-unit path (`units_brw4096`).
     #[cfg(target_arch = "x86_64")]
     fused: bool,
+    /// AES round keys for the fused kernel (`x86::ctr_brw255`), present when `fused`.
+    #[cfg(target_arch = "x86_64")]
+    round_keys: Option<crate::aesni::RoundKeys>,
 }
 
 impl Fast {
@@ -69,9 +72,15 @@ impl Fast {
         }
         #[cfg(target_arch = "x86_64")]
         let vaes = Vaes::new(key);
+        #[cfg(target_arch = "x86_64")]
+        let fused = vaes.is_some() && hash.uses_wide() && variant == FastHash::Brw;
         Ok(Self {
             #[cfg(target_arch = "x86_64")]
-            fused: vaes.is_some() && hash.uses_wide() && variant == FastHash::Brw,
+            fused,
+            // SAFETY: `fused` implies `Vaes::new` succeeded: the CPU has AES-NI and SSE2 and the
+            // key is 16 or 32 bytes, what `expand` needs.
+            #[cfg(target_arch = "x86_64")]
+            round_keys: fused.then(|| unsafe { crate::aesni::expand(key) }),
             aes,
             #[cfg(target_arch = "x86_64")]
             vaes,
@@ -91,6 +100,7 @@ impl Fast {
         {
             f.vaes = None;
             f.fused = false;
+            f.round_keys = None;
         }
         f.hash = core::mem::replace(&mut f.hash, PolyHash::new(Field::Le, &[0; 16])).narrow();
         Ok(f)
@@ -220,8 +230,8 @@ impl Fast {
 
     /// Encrypts or decrypts a run of 4096-byte units (FAST-BRW, VAES + AVX-512 only) as a
     /// software pipeline: unit u's counter mode runs in one loop with the BRW of unit u - 1's
-    /// output and of unit u + 1's input (`Vaes::ctr_xor_le_brw255`), so the AES and carry-less
-    /// multiply units work at the same time. Per unit the arithmetic is exactly `encrypt` /
+    /// output and of unit u + 2's input (`x86::ctr_brw255`), so the AES and carry-less multiply
+    /// units work at the same time. Per unit the arithmetic is exactly `encrypt` /
     /// `decrypt` (h = tau BRW, h' = tau^2 BRW):
     ///
     /// - head (input hash `pre`): encrypt a1 = P1 ^ tau pre, f1 = P2 ^ tau a1, f2 = a1 ^ E(f1),
@@ -230,7 +240,7 @@ impl Fast {
     /// - tail (output hash `post`): encrypt C1 = f2 ^ tau b2, C2 = b2 ^ tau^2 post; decrypt
     ///   P1 = a1 ^ tau post, P2 = f1 ^ tau a1.
     #[cfg(target_arch = "x86_64")]
-    fn units_brw4096(&self, vaes: &Vaes, first: u64, step: u64, data: &mut [u8], decrypt: bool) {
+    fn units_brw4096(&self, rk: &crate::aesni::RoundKeys, first: u64, step: u64, data: &mut [u8], decrypt: bool) {
         const L: usize = 4096;
         let n = data.len() / L;
         if n == 0 {
@@ -263,24 +273,30 @@ impl Fast {
             unit[16..32].copy_from_slice(&y2.to_le_bytes());
         };
         let brw = |body: &[u8], t: u128| self.hash.brw_le(&self.brw.0, body, t).expect("k = 255 has a BRW kernel");
-        // Unit 0's head alone; then for each u: counter mode of u beside the hashes of u - 1
-        // (output) and u + 1 (input), the tail of u - 1 and the head of u + 1.
+        // Units 0 and 1: input hashes and heads alone. Then for each u: counter mode of u beside
+        // the hashes of u - 1 (output) and u + 2 (input), the tail of u - 1 and the head of
+        // u + 2. A head is two serial AES calls; made a whole unit ahead, its latency hides
+        // behind the next unit's work instead of holding up the counter mode that needs it.
         let (mut seed, mut saved) = head(&data[..L], brw(&data[32..L], tweak(0)));
+        let (mut seed1, mut saved1) = if n > 1 { head(&data[L..2 * L], brw(&data[L + 32..2 * L], tweak(1))) } else { (0, [0; 2]) };
         let mut prev_saved = saved;
         for u in 0..n {
             let (before, rest) = data.split_at_mut(u * L);
             let (cur, after) = rest.split_at_mut(L);
             let prev = (u > 0).then(|| (&before[(u - 1) * L + 32..], tweak(u - 1)));
-            let next = (u + 1 < n).then(|| (&after[32..L], tweak(u + 1)));
-            // SAFETY: `fused` is only true when `Vaes::new` succeeded and `hash.uses_wide()`
-            // (PCLMULQDQ, AVX-512F/BW, VPCLMULQDQ) holds; the bodies are 254 blocks each.
-            let [post_prev, pre_next] = unsafe { vaes.ctr_xor_le_brw255(&mut cur[32..], seed, &self.brw.0, [prev, next]) };
+            let next = (u + 2 < n).then(|| (&after[L + 32..2 * L], tweak(u + 2)));
+            // SAFETY: `fused` (and with it `round_keys`) is only set when `Vaes::new` succeeded
+            // (AVX-512F/BW, VAES, VPCLMULQDQ, AES-NI, SSE2) and `hash.uses_wide()` holds
+            // (PCLMULQDQ, SSSE3); SSE4.1 and AVX2 come with AVX-512F on every CPU that has it (the
+            // other VAES kernels assume the same). The bodies are 254 blocks.
+            let [post_prev, pre_next] = unsafe { x86::ctr_brw255(rk, &mut cur[32..], seed, &self.brw.0, [prev, next]) };
             if u > 0 {
                 tail(&mut before[(u - 1) * L..], post_prev, prev_saved);
             }
             prev_saved = saved;
-            if u + 1 < n {
-                (seed, saved) = head(&after[..L], pre_next);
+            (seed, saved) = (seed1, saved1);
+            if u + 2 < n {
+                (seed1, saved1) = head(&after[L..2 * L], pre_next);
             }
         }
         let last = &mut data[(n - 1) * L..];
@@ -294,8 +310,8 @@ impl Fast {
             return Err(CipherError::UnitLength { unit_len, got: data.len() });
         }
         #[cfg(target_arch = "x86_64")]
-        if let (true, 4096, Some(v)) = (self.fused, unit_len, &self.vaes) {
-            self.units_brw4096(v, first, step, data, decrypt);
+        if let (true, 4096, Some(rk)) = (self.fused, unit_len, &self.round_keys) {
+            self.units_brw4096(rk, first, step, data, decrypt);
             return Ok(());
         }
         let mut n = first;
@@ -375,5 +391,139 @@ impl SectorCipher for Fast {
         head[..16].copy_from_slice(&p1.to_le_bytes());
         head[16..].copy_from_slice(&p2.to_le_bytes());
         Ok(())
+    }
+}
+
+/// FAST-BRW's fused counter-mode + BRW kernel for 4096-byte units (VAES, VPCLMULQDQ).
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use core::arch::x86_64::*;
+
+    use crate::aesni::RoundKeys;
+    use crate::gf128::x86::{BrwQuarters, GroupState};
+
+    /// Level-1 groups per quarter of a k = 255 BRW.
+    const Q: usize = 16;
+
+    /// FAST's counter mode over one 4096-byte unit's body (254 blocks: data ^= E(s ^ bin(1)) ||
+    /// E(s ^ bin(2)) || ..., bin little-endian) with, in the same loop, the BRW hashes (k = 255)
+    /// of up to two other bodies (254 blocks each, `last` as X_255). Each of the 16 steps
+    /// encrypts 16 counter blocks (4 registers) and runs one level-1 group of each hash, so
+    /// that the AES rounds and the carry-less multiplies issue side by side. Returns the hashes
+    /// (0 where `None`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F/BW, VAES, VPCLMULQDQ, AES-NI, PCLMULQDQ, SSE2, SSE4.1 and AVX2.
+    #[target_feature(enable = "avx512f,avx512bw,vaes,vpclmulqdq,aes,pclmulqdq,sse2,ssse3,sse4.1,avx2")]
+    pub(super) unsafe fn ctr_brw255(
+        rk: &RoundKeys,
+        data: &mut [u8],
+        s: u128,
+        p: &[u128; 17],
+        hashes: [Option<(&[u8], u128)>; 2],
+    ) -> [u128; 2] {
+        let [a, b] = hashes;
+        match (rk.rounds, a, b) {
+            (14, Some(a), Some(b)) => fused::<14, true, true>(rk, data, s, p, a, b),
+            (14, Some(a), None) => fused::<14, true, false>(rk, data, s, p, a, NONE),
+            (14, None, Some(b)) => fused::<14, false, true>(rk, data, s, p, NONE, b),
+            (14, None, None) => fused::<14, false, false>(rk, data, s, p, NONE, NONE),
+            (10, Some(a), Some(b)) => fused::<10, true, true>(rk, data, s, p, a, b),
+            (10, Some(a), None) => fused::<10, true, false>(rk, data, s, p, a, NONE),
+            (10, None, Some(b)) => fused::<10, false, true>(rk, data, s, p, NONE, b),
+            (10, None, None) => fused::<10, false, false>(rk, data, s, p, NONE, NONE),
+            (nr, _, _) => unreachable!("ctr_brw255: {nr} AES rounds"),
+        }
+    }
+
+    /// Stands in for an absent hash (never read).
+    static ZERO_BODY: [u8; 16 * 254] = [0; 16 * 254];
+    const NONE: (&[u8], u128) = (&ZERO_BODY, 0);
+
+    #[inline(always)]
+    unsafe fn fused<const NR: usize, const HA: bool, const HB: bool>(
+        rk: &RoundKeys,
+        data: &mut [u8],
+        s: u128,
+        p: &[u128; 17],
+        a: (&[u8], u128),
+        b: (&[u8], u128),
+    ) -> [u128; 2] {
+        assert!(data.len() == 16 * 254, "ctr_brw255: not the body of a 4096-byte sector");
+        let mut ha = BrwQuarters::<Q>::new(p, a.0, a.1);
+        let mut hb = BrwQuarters::<Q>::new(p, b.0, b.1);
+        let mut k = [_mm512_setzero_si512(); 15];
+        for (r, key) in k.iter_mut().zip(rk.enc.iter()).take(NR + 1) {
+            *r = _mm512_broadcast_i32x4(_mm_loadu_si128(key.as_ptr().cast()));
+        }
+        let base = _mm512_broadcast_i32x4(_mm_set_epi64x((s >> 64) as i64, s as i64));
+        let mut cnt = _mm512_set_epi64(0, 4, 0, 3, 0, 2, 0, 1);
+        let step = _mm512_set_epi64(0, 4, 0, 4, 0, 4, 0, 4);
+        let ptr = data.as_mut_ptr();
+        for q in 0..Q {
+            let mut x = [_mm512_setzero_si512(); 4];
+            for v in x.iter_mut() {
+                *v = _mm512_xor_si512(_mm512_xor_si512(base, cnt), k[0]);
+                cnt = _mm512_add_epi64(cnt, step);
+            }
+            macro_rules! round {
+                ($r:expr) => {
+                    for v in x.iter_mut() {
+                        *v = _mm512_aesenc_epi128(*v, k[$r]);
+                    }
+                };
+            }
+            // The three phases of each hash's group between the rounds.
+            let (mut sa, mut sb) = (GroupState::zero(), GroupState::zero());
+            round!(1);
+            if HA {
+                sa = ha.group_load(q);
+            }
+            round!(2);
+            round!(3);
+            if HB {
+                sb = hb.group_load(q);
+            }
+            round!(4);
+            round!(5);
+            if HA {
+                sa = ha.group_reduce(q, sa);
+            }
+            round!(6);
+            round!(7);
+            if HB {
+                sb = hb.group_reduce(q, sb);
+            }
+            round!(8);
+            if HA {
+                ha.group_store(q, sa);
+            }
+            round!(9);
+            if HB {
+                hb.group_store(q, sb);
+            }
+            for r in 10..NR {
+                round!(r);
+            }
+            for v in x.iter_mut() {
+                *v = _mm512_aesenclast_epi128(*v, k[NR]);
+            }
+            for (r, v) in x.iter().enumerate() {
+                let off = 256 * q + 64 * r;
+                // SAFETY: data is 4064 bytes; every register but the last one of the last step
+                // (bytes 4032..4096) is whole, and that one is masked to its 32 bytes.
+                let dst = ptr.add(off);
+                if off + 64 <= 4064 {
+                    _mm512_storeu_si512(dst.cast(), _mm512_xor_si512(_mm512_loadu_si512(dst.cast()), *v));
+                } else {
+                    let d = _mm512_maskz_loadu_epi64(0x0f, dst.cast());
+                    _mm512_mask_storeu_epi64(dst.cast(), 0x0f, _mm512_xor_si512(d, *v));
+                }
+            }
+        }
+        let out = [if HA { ha.finish(p) } else { 0 }, if HB { hb.finish(p) } else { 0 }];
+        k = [_mm512_setzero_si512(); 15];
+        core::hint::black_box(&k);
+        out
     }
 }

@@ -643,37 +643,72 @@ pub(crate) mod x86 {
         out
     }
 
-    /// Four products at once, one per 128-bit lane, reduced modulo x^128 + x^7 + x^2 + x + 1
-    /// (FAST's field). Schoolbook (four carry-less multiplies) and a two-multiply reduction: the
-    /// top qword h1 folds to (h1 * 0x87) x^64, whose carry-out (7 bits) joins h0; then h0 folds
-    /// to h0 * 0x87. Both folds fit in 71 bits, so nothing is left over.
+    /// Four unreduced 256-bit products, one per 128-bit lane: lo + mid x^64 + hi x^128 with lo,
+    /// mid and hi 128 bits each. A sum of products is the lane-wise XOR of the parts, so sums
+    /// need one reduction, not one per product.
+    #[derive(Clone, Copy)]
+    struct Wide4 {
+        lo: __m512i,
+        mid: __m512i,
+        hi: __m512i,
+    }
+
+    impl Wide4 {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            let z = _mm512_setzero_si512();
+            Wide4 { lo: z, mid: z, hi: z }
+        }
+
+        #[inline(always)]
+        unsafe fn xor(self, o: Self) -> Self {
+            Wide4 { lo: _mm512_xor_si512(self.lo, o.lo), mid: _mm512_xor_si512(self.mid, o.mid), hi: _mm512_xor_si512(self.hi, o.hi) }
+        }
+    }
+
+    /// a * b lane-wise, unreduced (schoolbook: four carry-less multiplies).
     #[inline(always)]
-    unsafe fn mul4_le(a: __m512i, b: __m512i) -> __m512i {
-        let lo = _mm512_clmulepi64_epi128::<0x00>(a, b);
-        let hi = _mm512_clmulepi64_epi128::<0x11>(a, b);
-        let mid = _mm512_xor_si512(_mm512_clmulepi64_epi128::<0x01>(a, b), _mm512_clmulepi64_epi128::<0x10>(a, b));
-        let lo = _mm512_xor_si512(lo, _mm512_bslli_epi128::<8>(mid));
-        let hi = _mm512_xor_si512(hi, _mm512_bsrli_epi128::<8>(mid));
+    unsafe fn clmul4(a: __m512i, b: __m512i) -> Wide4 {
+        Wide4 {
+            lo: _mm512_clmulepi64_epi128::<0x00>(a, b),
+            mid: _mm512_xor_si512(_mm512_clmulepi64_epi128::<0x01>(a, b), _mm512_clmulepi64_epi128::<0x10>(a, b)),
+            hi: _mm512_clmulepi64_epi128::<0x11>(a, b),
+        }
+    }
+
+    /// Reduces four sums of products lane-wise modulo x^128 + x^7 + x^2 + x + 1 (FAST's field)
+    /// with two carry-less multiplies, without first folding the middle part in. With qwords
+    /// lo = (l0, l1), mid = (m0, m1), hi = (h0, h1), the value is l0 + (l1 + m0) x^64 +
+    /// (h0 + m1) x^128 + h1 x^192. First h1 x^192 = (h1 c) x^64 with c = 0x87: t = h1 c (71 bits,
+    /// t0 + t1 x^64) joins the x^64 and x^128 qwords. Then the x^128 qword g = h0 + m1 + t1 folds
+    /// to u = g c (71 bits) at x^0. Result: (l0 + u0) + (l1 + m0 + t0 + u1) x^64.
+    #[inline(always)]
+    unsafe fn reduce4_le(w: Wide4) -> __m512i {
         let c = _mm512_set1_epi64(LE_C as i64);
-        let t1 = _mm512_clmulepi64_epi128::<0x01>(hi, c); // h1 * 0x87, lands at x^64
-        let h0 = _mm512_xor_si512(hi, _mm512_bsrli_epi128::<8>(t1)); // low qword: h0 ^ carry-out
-        let t0 = _mm512_clmulepi64_epi128::<0x00>(h0, c); // h0 * 0x87, lands at x^0
-        _mm512_ternarylogic_epi64::<0x96>(lo, _mm512_bslli_epi128::<8>(t1), t0)
+        let t = _mm512_clmulepi64_epi128::<0x01>(w.hi, c); // h1 * c
+        let m = _mm512_xor_si512(w.mid, t); // qword 0: m0 ^ t0, qword 1: m1 ^ t1
+        let g = _mm512_xor_si512(_mm512_bslli_epi128::<8>(w.hi), m); // qword 1: h0 ^ m1 ^ t1
+        let u = _mm512_clmulepi64_epi128::<0x01>(g, c); // g * c
+        _mm512_ternarylogic_epi64::<0x96>(w.lo, u, _mm512_bslli_epi128::<8>(m))
     }
 
     /// BRW with four products per instruction for k = 16Q - 1 (Q = 1, 2, 4, 8, 16: k = 15 ..
     /// 255), every product in registers and every block loaded straight from `body`.
     ///
     /// Layout: lane j works on quarter j of the input (blocks X_{4Qj+1} .. X_{4Qj+4Q}, the last
-    /// one of quarter 3 being the zero X_{k+1}). Register q of level 1 takes group q (blocks
-    /// 4q+1..4q+4) of each quarter: four 64-byte loads, transposed, give x1..x4 with lane j =
-    /// block 1..4 of group q of quarter j, and z_q = (tau ^ x1)(tau^2 ^ x2) ^ x3. Because the
-    /// recursion splits at powers of two, the next log2(Q) levels pair neighbours inside each
-    /// quarter: z_i <- z_{2i} (tau^t ^ x4[(2ti + t)/4 - 1]) ^ z_{2i+1}, lane-wise, with the
-    /// multiplier taken from the fourth blocks already in registers (no shuffles, no gathers).
-    /// Lane j then holds BRW of quarter j's first 4Q - 1 blocks; the two last levels (t = 4Q,
-    /// 8Q) combine the lanes: (v0 (tau^4Q ^ X_4Q) ^ v1) (tau^8Q ^ X_8Q) ^ (v2 (tau^4Q ^ X_12Q)
-    /// ^ v3). `p[e]` = tau^(2^e); X_1..X_{k-1} are `body`, X_k is `last`.
+    /// one of quarter 3 being the zero X_{k+1}). Group q of level 1 takes blocks 4q+1..4q+4 of
+    /// each quarter: four 64-byte loads, transposed, give x1..x4 with lane j = block 1..4 of
+    /// group q of quarter j, and z_q = (tau ^ x1)(tau^2 ^ x2) ^ x3. Because the recursion splits
+    /// at powers of two, the next log2(Q) levels pair neighbours inside each quarter:
+    /// z_i <- z_{2i} (tau^t ^ x4[(2ti + t)/4 - 1]) ^ z_{2i+1}, lane-wise, with the multiplier
+    /// taken from the fourth blocks (no shuffles, no gathers). Lane j then holds BRW of quarter
+    /// j's first 4Q - 1 blocks; the two last levels (t = 4Q, 8Q) combine the lanes:
+    /// (v0 (tau^4Q ^ X_4Q) ^ v1) (tau^8Q ^ X_8Q) ^ (v2 (tau^4Q ^ X_12Q) ^ v3). `p[e]` =
+    /// tau^(2^e); X_1..X_{k-1} are `body`, X_k is `last`.
+    ///
+    /// The levels inside the quarters run as the groups arrive (see [`BrwQuarters`]), and only a
+    /// value that becomes the left operand of a further product is reduced: a right operand
+    /// enters its parent as an unreduced sum (16 reductions per quarter tree instead of 31).
     #[target_feature(enable = "avx512f,avx512bw,vpclmulqdq,pclmulqdq,sse2,sse4.1,avx2")]
     pub(crate) unsafe fn brw_le_wide(p: &[u128; 17], body: &[u8], last: u128, k: usize) -> u128 {
         match (k + 1) / 16 {
@@ -695,33 +730,79 @@ pub(crate) mod x86 {
         h.finish(p)
     }
 
+    /// The state of one group between the phases of [`BrwQuarters::group`].
+    pub(crate) struct GroupState {
+        z: Wide4,
+        v: __m512i,
+        x4: __m512i,
+    }
+
+    impl GroupState {
+        #[inline(always)]
+        pub(crate) unsafe fn zero() -> Self {
+            GroupState { z: Wide4::zero(), v: _mm512_setzero_si512(), x4: _mm512_setzero_si512() }
+        }
+    }
+
     /// The BRW of [`brw_le_wide`] for k = 16Q - 1 in steps: `group(q)` for q = 0, 1, ..., Q - 1
-    /// (level 1, four 64-byte loads each), then `finish` (the upper levels). The steps let a
-    /// caller interleave the hash with other work: FAST runs one sector's counter mode beside
-    /// other sectors' hashes, so that the AES and carry-less multiply units work together.
+    /// (level 1, four 64-byte loads each), then `finish` (the two levels across the lanes). The
+    /// steps let a caller interleave the hash with other work: FAST runs one sector's counter
+    /// mode beside other sectors' hashes, so that the AES and carry-less multiply units work
+    /// together.
+    ///
+    /// The levels inside the quarters are evaluated as the groups arrive, like a binary counter:
+    /// group q's value is a right child at every level l where bit l of q is set, and then just
+    /// joins (unreduced) the product its left sibling left in `pending[l]`; at the first clear bit
+    /// l it is a left child: it is reduced, and its product with tau^(2^(l+2)) ^ x4 (x4 of group
+    /// q is the block that follows it) waits in `pending[l]` for the sibling. Group Q - 1 ends the
+    /// quarter trees.
     pub(crate) struct BrwQuarters<'a, const Q: usize> {
         body: &'a [u8],
+        p: &'a [u128; 17],
         last: __m128i,
         t1: __m512i,
         t2: __m512i,
-        z: [__m512i; Q],
-        x4: [__m512i; Q],
+        /// pending[l]: the product of a finished left child at level l + 1 and its multiplier.
+        pending: [Wide4; 4],
+        /// The reduced quarter trees, lane j = quarter j (after group Q - 1).
+        root: __m512i,
+        /// x4 of group Q - 1: X_4Q, X_8Q, X_12Q and the zero X_16Q.
+        xlast: __m512i,
     }
 
     impl<'a, const Q: usize> BrwQuarters<'a, Q> {
         /// `body` = X_1..X_{k-1} (k - 1 = 16Q - 2 blocks), `last` = X_k.
         #[inline(always)]
-        pub(crate) unsafe fn new(p: &[u128; 17], body: &'a [u8], last: u128) -> Self {
+        pub(crate) unsafe fn new(p: &'a [u128; 17], body: &'a [u8], last: u128) -> Self {
             assert!(body.len() == 16 * (16 * Q - 2), "BrwQuarters: body is not k - 1 blocks");
+            assert!(Q.is_power_of_two() && Q <= 16, "BrwQuarters: Q is not 1, 2, 4, 8 or 16");
             let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
             let zero = _mm512_setzero_si512();
-            Self { body, last: from_u128(last), t1: bc(p[0]), t2: bc(p[1]), z: [zero; Q], x4: [zero; Q] }
+            Self {
+                body,
+                p,
+                last: from_u128(last),
+                t1: bc(p[0]),
+                t2: bc(p[1]),
+                pending: [Wide4::zero(); 4],
+                root: zero,
+                xlast: zero,
+            }
         }
 
-        /// Level 1 for group q of each quarter: z_q = (tau ^ x1)(tau^2 ^ x2) ^ x3, lane j from
-        /// quarter j; keeps x4 (the fourth blocks) for the multipliers of the upper levels.
+        /// Level 1 for group q of each quarter, z_q = (tau ^ x1)(tau^2 ^ x2) ^ x3 with lane j from
+        /// quarter j, and the levels above it that group q completes.
         #[inline(always)]
         pub(crate) unsafe fn group(&mut self, q: usize) {
+            let s = self.group_load(q);
+            let s = self.group_reduce(q, s);
+            self.group_store(q, s);
+        }
+
+        /// `group` in three dependent phases that a caller can spread between other work:
+        /// loads, transpose and the level-1 product.
+        #[inline(always)]
+        pub(crate) unsafe fn group_load(&mut self, q: usize) -> GroupState {
             debug_assert!(q < Q);
             let bp = self.body.as_ptr();
             // SAFETY: group q of quarter j is blocks 4Qj + 4q .. + 3, inside `body` (16Q - 2
@@ -743,43 +824,61 @@ pub(crate) mod x86 {
             let x1 = _mm512_shuffle_i64x2::<0x88>(u0, u2);
             let x2 = _mm512_shuffle_i64x2::<0xdd>(u0, u2);
             let x3 = _mm512_shuffle_i64x2::<0x88>(u1, u3);
-            self.x4[q] = _mm512_shuffle_i64x2::<0xdd>(u1, u3);
-            self.z[q] = _mm512_xor_si512(mul4_le(_mm512_xor_si512(self.t1, x1), _mm512_xor_si512(self.t2, x2)), x3);
+            let x4 = _mm512_shuffle_i64x2::<0xdd>(u1, u3);
+            let mut z = clmul4(_mm512_xor_si512(self.t1, x1), _mm512_xor_si512(self.t2, x2));
+            z.lo = _mm512_xor_si512(z.lo, x3);
+            GroupState { z, v: x4, x4 }
         }
 
-        /// The levels above level 1 (after `group` for every q); clears the state.
+        /// Phase 2: joins the left siblings' products (group q's value is a right child at the
+        /// levels of q's low one bits) and reduces.
+        #[inline(always)]
+        pub(crate) unsafe fn group_reduce(&mut self, q: usize, mut s: GroupState) -> GroupState {
+            let mut l = 0;
+            while (q >> l) & 1 == 1 {
+                s.z = s.z.xor(self.pending[l]);
+                l += 1;
+            }
+            s.v = reduce4_le(s.z);
+            s
+        }
+
+        /// Phase 3: a left child waits as its product with the parent's multiplier; group Q - 1
+        /// keeps the quarter trees.
+        #[inline(always)]
+        pub(crate) unsafe fn group_store(&mut self, q: usize, s: GroupState) {
+            if q + 1 == Q {
+                self.root = s.v;
+                self.xlast = s.x4;
+            } else {
+                // A left child at level l + 1 (l = number of low one bits of q): its parent
+                // multiplies it by tau^(2^(l+2)) ^ x4.
+                let l = q.trailing_ones() as usize;
+                let m = _mm512_xor_si512(_mm512_broadcast_i32x4(from_u128(self.p[l + 2])), s.x4);
+                self.pending[l] = clmul4(s.v, m);
+            }
+        }
+
+        /// The two levels across the lanes (after `group` for every q); clears the state.
         #[inline(always)]
         pub(crate) unsafe fn finish(&mut self, p: &[u128; 17]) -> u128 {
             let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
-            let (z, x4) = (&mut self.z, &self.x4);
-            // Levels inside the quarters.
-            let mut n = Q;
-            let mut e = 2;
-            while n > 1 {
-                let t = 1usize << e;
-                let pt = bc(p[e]);
-                for i in 0..n / 2 {
-                    let m = _mm512_xor_si512(pt, x4[(2 * t * i + t) / 4 - 1]);
-                    z[i] = _mm512_xor_si512(mul4_le(z[2 * i], m), z[2 * i + 1]);
-                }
-                n /= 2;
-                e += 1;
-            }
-            // Across the lanes: t = 4Q = 2^e, then 8Q. x4[Q - 1] holds X_4Q, X_8Q, X_12Q (and 0).
-            let v = z[0];
-            let f = x4[Q - 1];
-            let even = _mm512_shuffle_i64x2::<0x08>(v, v); // lanes v0, v2
-            let odd = _mm512_shuffle_i64x2::<0x0d>(v, v); // lanes v1, v3
-            let m = _mm512_xor_si512(bc(p[e]), _mm512_shuffle_i64x2::<0x08>(f, f)); // X_4Q, X_12Q
-            let w = _mm512_xor_si512(mul4_le(even, m), odd);
-            let m = _mm512_xor_si512(bc(p[e + 1]), _mm512_shuffle_i64x2::<0x01>(f, f)); // X_8Q
-            let w = _mm512_xor_si512(mul4_le(w, m), _mm512_shuffle_i64x2::<0x01>(w, w));
-            let out = to_u128(_mm512_castsi512_si128(w));
+            let e = 2 + Q.trailing_zeros() as usize; // 4Q = 2^e
+            let (v, f) = (self.root, self.xlast);
+            // t = 4Q: lanes 0 and 2 get v0 (tau^4Q ^ X_4Q) ^ v1 and v2 (tau^4Q ^ X_12Q) ^ v3
+            // (lanes 1 and 3 compute unused values).
+            let mut w = clmul4(v, _mm512_xor_si512(bc(p[e]), f));
+            w.lo = _mm512_xor_si512(w.lo, _mm512_shuffle_i64x2::<0xb1>(v, v)); // v1, v0, v3, v2
+            let w = reduce4_le(w);
+            // t = 8Q: lane 0 gets w0 (tau^8Q ^ X_8Q) ^ w1.
+            let mut r = clmul4(w, _mm512_xor_si512(bc(p[e + 1]), _mm512_shuffle_i64x2::<0x01>(f, f)));
+            r.lo = _mm512_xor_si512(r.lo, _mm512_shuffle_i64x2::<0x02>(w, w));
+            let out = to_u128(_mm512_castsi512_si128(reduce4_le(r)));
             // Do not leave data-dependent values (plaintext blocks) on the stack.
-            let zero = _mm512_setzero_si512();
-            self.z = [zero; Q];
-            self.x4 = [zero; Q];
-            core::hint::black_box((&self.z, &self.x4));
+            self.pending = [Wide4::zero(); 4];
+            self.root = _mm512_setzero_si512();
+            self.xlast = _mm512_setzero_si512();
+            core::hint::black_box((&self.pending, &self.root, &self.xlast));
             out
         }
     }

@@ -273,31 +273,37 @@ impl Fast {
             unit[16..32].copy_from_slice(&y2.to_le_bytes());
         };
         let brw = |body: &[u8], t: u128| self.hash.brw_le(&self.brw.0, body, t).expect("k = 255 has a BRW kernel");
-        // Units 0 and 1: input hashes and heads alone. Then for each u: counter mode of u beside
-        // the hashes of u - 1 (output) and u + 2 (input), the tail of u - 1 and the head of
-        // u + 2. A head is two serial AES calls; made a whole unit ahead, its latency hides
-        // behind the next unit's work instead of holding up the counter mode that needs it.
+        // Unit 0's input hash and head, and unit 1's input hash, alone. Then for each u: counter
+        // mode of u beside the hashes of u - 1 (output) and u + 2 (input) and the head of u + 1
+        // (its input hash came from the previous step), then the tail of u - 1. A head is two
+        // serial AES calls: made inside the counter loop, a step ahead, its latency is hidden.
         let (mut seed, mut saved) = head(&data[..L], brw(&data[32..L], tweak(0)));
-        let (mut seed1, mut saved1) = if n > 1 { head(&data[L..2 * L], brw(&data[L + 32..2 * L], tweak(1))) } else { (0, [0; 2]) };
+        let mut pre_next = if n > 1 { brw(&data[L + 32..2 * L], tweak(1)) } else { 0 };
         let mut prev_saved = saved;
         for u in 0..n {
             let (before, rest) = data.split_at_mut(u * L);
             let (cur, after) = rest.split_at_mut(L);
             let prev = (u > 0).then(|| (&before[(u - 1) * L + 32..], tweak(u - 1)));
             let next = (u + 2 < n).then(|| (&after[L + 32..2 * L], tweak(u + 2)));
+            let hd = (u + 1 < n).then(|| {
+                let (x1, x2) = (word(after, 0), word(after, 1));
+                let (first, second, c1) = if decrypt { (x1, x2, tau2) } else { (x2, x1, tau) };
+                x86::Head { first, second, c1, tau, pre: pre_next }
+            });
             // SAFETY: `fused` (and with it `round_keys`) is only set when `Vaes::new` succeeded
             // (AVX-512F/BW, VAES, VPCLMULQDQ, AES-NI, SSE2) and `hash.uses_wide()` holds
             // (PCLMULQDQ, SSSE3); SSE4.1 and AVX2 come with AVX-512F on every CPU that has it (the
             // other VAES kernels assume the same). The bodies are 254 blocks.
-            let [post_prev, pre_next] = unsafe { x86::ctr_brw255(rk, &mut cur[32..], seed, &self.brw.0, [prev, next]) };
+            let ([post_prev, pre], hout) = unsafe { x86::ctr_brw255(rk, &mut cur[32..], seed, &self.brw.0, [prev, next], hd) };
             if u > 0 {
                 tail(&mut before[(u - 1) * L..], post_prev, prev_saved);
             }
             prev_saved = saved;
-            (seed, saved) = (seed1, saved1);
-            if u + 2 < n {
-                (seed1, saved1) = head(&after[L..2 * L], pre_next);
+            if let Some([z, w, v]) = hout {
+                seed = z ^ w;
+                saved = if decrypt { [v, w] } else { [w, v] };
             }
+            pre_next = pre;
         }
         let last = &mut data[(n - 1) * L..];
         let post = brw(&last[32..], tweak(n - 1));
@@ -400,7 +406,8 @@ mod x86 {
     use core::arch::x86_64::*;
 
     use crate::aesni::RoundKeys;
-    use crate::gf128::x86::{BrwQuarters, GroupState};
+    use crate::gf128::x86::{from_u128, mul as gmul, to_u128, BrwQuarters, GroupState};
+    use crate::gf128::Field;
 
     /// Level-1 groups per quarter of a k = 255 BRW.
     const Q: usize = 16;
@@ -409,8 +416,9 @@ mod x86 {
     /// E(s ^ bin(2)) || ..., bin little-endian) with, in the same loop, the BRW hashes (k = 255)
     /// of up to two other bodies (254 blocks each, `last` as X_255). Each of the 16 steps
     /// encrypts 16 counter blocks (4 registers) and runs one level-1 group of each hash, so
-    /// that the AES rounds and the carry-less multiplies issue side by side. Returns the hashes
-    /// (0 where `None`).
+    /// that the AES rounds and the carry-less multiplies issue side by side. With `head`, the
+    /// first two steps also run that head's two AES calls (one round beside each round of the
+    /// counter blocks). Returns the hashes (0 where `None`) and the head's [z, w, v].
     ///
     /// # Safety
     /// The CPU must have AVX-512F/BW, VAES, VPCLMULQDQ, AES-NI, PCLMULQDQ, SSE2, SSE4.1 and AVX2.
@@ -421,19 +429,33 @@ mod x86 {
         s: u128,
         p: &[u128; 17],
         hashes: [Option<(&[u8], u128)>; 2],
-    ) -> [u128; 2] {
+        head: Option<Head>,
+    ) -> ([u128; 2], Option<[u128; 3]>) {
         let [a, b] = hashes;
         match (rk.rounds, a, b) {
-            (14, Some(a), Some(b)) => fused::<14, true, true>(rk, data, s, p, a, b),
-            (14, Some(a), None) => fused::<14, true, false>(rk, data, s, p, a, NONE),
-            (14, None, Some(b)) => fused::<14, false, true>(rk, data, s, p, NONE, b),
-            (14, None, None) => fused::<14, false, false>(rk, data, s, p, NONE, NONE),
-            (10, Some(a), Some(b)) => fused::<10, true, true>(rk, data, s, p, a, b),
-            (10, Some(a), None) => fused::<10, true, false>(rk, data, s, p, a, NONE),
-            (10, None, Some(b)) => fused::<10, false, true>(rk, data, s, p, NONE, b),
-            (10, None, None) => fused::<10, false, false>(rk, data, s, p, NONE, NONE),
+            (14, Some(a), Some(b)) => fused::<14, true, true>(rk, data, s, p, a, b, head),
+            (14, Some(a), None) => fused::<14, true, false>(rk, data, s, p, a, NONE, head),
+            (14, None, Some(b)) => fused::<14, false, true>(rk, data, s, p, NONE, b, head),
+            (14, None, None) => fused::<14, false, false>(rk, data, s, p, NONE, NONE, head),
+            (10, Some(a), Some(b)) => fused::<10, true, true>(rk, data, s, p, a, b, head),
+            (10, Some(a), None) => fused::<10, true, false>(rk, data, s, p, a, NONE, head),
+            (10, None, Some(b)) => fused::<10, false, true>(rk, data, s, p, NONE, b, head),
+            (10, None, None) => fused::<10, false, false>(rk, data, s, p, NONE, NONE, head),
             (nr, _, _) => unreachable!("ctr_brw255: {nr} AES rounds"),
         }
+    }
+
+    /// The start of a unit's FAST rounds from its input hash `pre`, with the unit's first two
+    /// blocks `first`, `second` and the constant `c1` chosen by direction: y = second ^ c1 pre,
+    /// z = first ^ tau y, w = y ^ E(z), v = z ^ E(w) (encryption: y, z, w, v = a1, f1, f2, b2
+    /// with c1 = tau; decryption: b2, f2, f1, a1 with c1 = tau^2, first and second swapped).
+    #[derive(Clone, Copy)]
+    pub(super) struct Head {
+        pub(super) first: u128,
+        pub(super) second: u128,
+        pub(super) c1: u128,
+        pub(super) tau: u128,
+        pub(super) pre: u128,
     }
 
     /// Stands in for an absent hash (never read).
@@ -448,7 +470,8 @@ mod x86 {
         p: &[u128; 17],
         a: (&[u8], u128),
         b: (&[u8], u128),
-    ) -> [u128; 2] {
+        head: Option<Head>,
+    ) -> ([u128; 2], Option<[u128; 3]>) {
         assert!(data.len() == 16 * 254, "ctr_brw255: not the body of a 4096-byte sector");
         let mut ha = BrwQuarters::<Q>::new(p, a.0, a.1);
         let mut hb = BrwQuarters::<Q>::new(p, b.0, b.1);
@@ -460,70 +483,106 @@ mod x86 {
         let mut cnt = _mm512_set_epi64(0, 4, 0, 3, 0, 2, 0, 1);
         let step = _mm512_set_epi64(0, 4, 0, 4, 0, 4, 0, 4);
         let ptr = data.as_mut_ptr();
-        for q in 0..Q {
-            let mut x = [_mm512_setzero_si512(); 4];
-            for v in x.iter_mut() {
-                *v = _mm512_xor_si512(_mm512_xor_si512(base, cnt), k[0]);
-                cnt = _mm512_add_epi64(cnt, step);
-            }
-            macro_rules! round {
-                ($r:expr) => {
-                    for v in x.iter_mut() {
-                        *v = _mm512_aesenc_epi128(*v, k[$r]);
-                    }
-                };
-            }
-            // The three phases of each hash's group between the rounds.
-            let (mut sa, mut sb) = (GroupState::zero(), GroupState::zero());
-            round!(1);
-            if HA {
-                sa = ha.group_load(q);
-            }
-            round!(2);
-            round!(3);
-            if HB {
-                sb = hb.group_load(q);
-            }
-            round!(4);
-            round!(5);
-            if HA {
-                sa = ha.group_reduce(q, sa);
-            }
-            round!(6);
-            round!(7);
-            if HB {
-                sb = hb.group_reduce(q, sb);
-            }
-            round!(8);
-            if HA {
-                ha.group_store(q, sa);
-            }
-            round!(9);
-            if HB {
-                hb.group_store(q, sb);
-            }
-            for r in 10..NR {
-                round!(r);
-            }
-            for v in x.iter_mut() {
-                *v = _mm512_aesenclast_epi128(*v, k[NR]);
-            }
-            for (r, v) in x.iter().enumerate() {
-                let off = 256 * q + 64 * r;
-                // SAFETY: data is 4064 bytes; every register but the last one of the last step
-                // (bytes 4032..4096) is whole, and that one is masked to its 32 bytes.
-                let dst = ptr.add(off);
-                if off + 64 <= 4064 {
-                    _mm512_storeu_si512(dst.cast(), _mm512_xor_si512(_mm512_loadu_si512(dst.cast()), *v));
-                } else {
-                    let d = _mm512_maskz_loadu_epi64(0x0f, dst.cast());
-                    _mm512_mask_storeu_epi64(dst.cast(), 0x0f, _mm512_xor_si512(d, *v));
+        // One step: 16 counter blocks (4 registers) and group q of each hash.
+        macro_rules! step {
+            ($q:expr, $fb:expr) => {{
+                let q: usize = $q;
+                let fb: Option<&mut __m128i> = $fb;
+                let mut x = [_mm512_setzero_si512(); 4];
+                for v in x.iter_mut() {
+                    *v = _mm512_xor_si512(_mm512_xor_si512(base, cnt), k[0]);
+                    cnt = _mm512_add_epi64(cnt, step);
                 }
-            }
+                // The head's single block (`fb`), when given, runs its rounds beside the counter's.
+                let mut f = _mm_setzero_si128();
+                if let Some(fb) = &fb {
+                    f = _mm_xor_si128(**fb, _mm512_castsi512_si128(k[0]));
+                }
+                macro_rules! round {
+                    ($r:expr) => {
+                        for v in x.iter_mut() {
+                            *v = _mm512_aesenc_epi128(*v, k[$r]);
+                        }
+                        if fb.is_some() {
+                            f = _mm_aesenc_si128(f, _mm512_castsi512_si128(k[$r]));
+                        }
+                    };
+                }
+                // The three phases of each hash's group between the rounds.
+                let (mut sa, mut sb) = (GroupState::zero(), GroupState::zero());
+                round!(1);
+                if HA {
+                    sa = ha.group_load(q);
+                }
+                round!(2);
+                round!(3);
+                if HB {
+                    sb = hb.group_load(q);
+                }
+                round!(4);
+                round!(5);
+                if HA {
+                    sa = ha.group_reduce(q, sa);
+                }
+                round!(6);
+                round!(7);
+                if HB {
+                    sb = hb.group_reduce(q, sb);
+                }
+                round!(8);
+                if HA {
+                    ha.group_store(q, sa);
+                }
+                round!(9);
+                if HB {
+                    hb.group_store(q, sb);
+                }
+                for r in 10..NR {
+                    round!(r);
+                }
+                for v in x.iter_mut() {
+                    *v = _mm512_aesenclast_epi128(*v, k[NR]);
+                }
+                if let Some(fb) = fb {
+                    *fb = _mm_aesenclast_si128(f, _mm512_castsi512_si128(k[NR]));
+                }
+                for (r, v) in x.iter().enumerate() {
+                    let off = 256 * q + 64 * r;
+                    // SAFETY: data is 4064 bytes; every register but the last one of the last step
+                    // (bytes 4032..4096) is whole, and that one is masked to its 32 bytes.
+                    let dst = ptr.add(off);
+                    if off + 64 <= 4064 {
+                        _mm512_storeu_si512(dst.cast(), _mm512_xor_si512(_mm512_loadu_si512(dst.cast()), *v));
+                    } else {
+                        let d = _mm512_maskz_loadu_epi64(0x0f, dst.cast());
+                        _mm512_mask_storeu_epi64(dst.cast(), 0x0f, _mm512_xor_si512(d, *v));
+                    }
+                }
+            }};
+        }
+        // Steps 0 and 1 also run the head of the next unit (see `Head`): its two serial AES
+        // calls ride along with the counter blocks instead of stalling the pipeline.
+        let mut head_out = None;
+        if let Some(hd) = head {
+            let y = hd.second ^ gmul(Field::Le, hd.c1, hd.pre);
+            let z = hd.first ^ gmul(Field::Le, hd.tau, y);
+            let mut fb = from_u128(z);
+            step!(0, Some(&mut fb));
+            let w = y ^ to_u128(fb);
+            let mut fb = from_u128(w);
+            step!(1, Some(&mut fb));
+            let v = z ^ to_u128(fb);
+            head_out = Some([z, w, v]);
+        } else {
+            step!(0, None);
+            step!(1, None);
+        }
+        for q in 2..Q {
+            step!(q, None);
         }
         let out = [if HA { ha.finish(p) } else { 0 }, if HB { hb.finish(p) } else { 0 }];
         k = [_mm512_setzero_si512(); 15];
         core::hint::black_box(&k);
-        out
+        (out, head_out)
     }
 }

@@ -439,7 +439,7 @@ def fio_job(uri: str, prof: Profile, size: int, runtime: float, ramp: float, out
 
 
 def repeats_for(args, regime: str) -> int:
-    return args.device_repeats if regime == "device" else args.repeats
+    return args.device_repeats if regime in DISK_REGIMES else args.repeats
 
 
 def backing_path(work: Path, regime: str, key: str) -> Path:

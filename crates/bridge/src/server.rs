@@ -21,7 +21,7 @@ pub const MAX_REQUEST: u32 = 32 << 20;
 /// closed, since draining would let a client make the server read unbounded data.
 const MAX_DRAIN: u32 = 64 << 20;
 /// Requests up to this size on a cached backing count as quick (see `Server::worker`).
-const QUICK_MAX_LEN: u32 = 128 * 1024;
+const QUICK_MAX_LEN: u32 = 16 * 1024;
 /// One recv on a connection takes up to this much: every request header queued behind it, so a
 /// queue of small requests costs one system call to read instead of two per request.
 const INBOUND_BUFFER: usize = 64 * 1024;

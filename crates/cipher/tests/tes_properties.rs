@@ -78,7 +78,10 @@ proptest! {
         prop_assert_ne!(x, y);
     }
 
-    /// A random bit of a random-length unit (at least 4 blocks): >= 95% of the blocks change.
+    /// A random bit of a random-length unit (at least 4 blocks): >= 95% of the whole 16-byte
+    /// blocks change. A partial last block of b bytes is left out: even an ideal wide-block
+    /// cipher leaves it unchanged with probability 2^-8b (1/256 for one byte), which made this
+    /// test fail about once in a few hundred runs when it counted.
     #[test]
     fn one_bit_changes_almost_every_block((s, key, tweak, data) in input(), bit in any::<prop::sample::Index>()) {
         prop_assume!(data.len() >= 64);
@@ -89,8 +92,9 @@ proptest! {
         y[i / 8] ^= 1 << (i % 8);
         c.encrypt(&tweak, &mut x).unwrap();
         c.encrypt(&tweak, &mut y).unwrap();
-        let (changed, blocks) = changed_blocks(&x, &y);
-        prop_assert!(changed * 100 >= blocks * 95, "{}: bit {i} changed {changed}/{blocks} blocks", SCHEMES[s].0);
+        let whole = x.len() / 16 * 16;
+        let (changed, blocks) = changed_blocks(&x[..whole], &y[..whole]);
+        prop_assert!(changed * 100 >= blocks * 95, "{}: bit {i} changed {changed}/{blocks} whole blocks", SCHEMES[s].0);
     }
 }
 

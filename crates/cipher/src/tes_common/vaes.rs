@@ -13,7 +13,6 @@ use core::arch::x86_64::*;
 use zeroize::{Zeroize, ZeroizeOnDrop};
 
 use crate::aesni::{expand, vaes_avx512_available};
-use crate::gf128::x86::BrwQuarters;
 use crate::gf128::xts_mul_alpha;
 
 /// Round keys for encryption and for the equivalent inverse cipher, as bytes so that they can be
@@ -43,25 +42,6 @@ impl Vaes {
     pub(crate) fn ctr_xor_le(&self, data: &mut [u8], s: u128) {
         // SAFETY: `new` checked every feature `ctr` is compiled for.
         unsafe { ctr(self, data, Counter::XorLe(s)) }
-    }
-
-    /// FAST's counter mode over one 4096-byte sector's body (254 blocks: `ctr_xor_le`) with, in
-    /// the same loop, the BRW hashes (k = 255) of up to two other bodies (each 254 blocks, the
-    /// tweak `last` as X_255): the AES rounds and the carry-less multiplies of the hashes run
-    /// side by side instead of one after the other. Returns the hashes (0 where `None`).
-    ///
-    /// # Safety
-    /// The caller must have checked PCLMULQDQ, SSE4.1 and AVX2 besides what [`Vaes::new`]
-    /// checks: [`crate::gf128::PolyHash::uses_wide`] is true.
-    pub(crate) unsafe fn ctr_xor_le_brw255(
-        &self,
-        data: &mut [u8],
-        s: u128,
-        p: &[u128; 17],
-        hashes: [Option<(&[u8], u128)>; 2],
-    ) -> [u128; 2] {
-        // SAFETY: the features are checked by `new` and by the caller (see above).
-        unsafe { ctr_brw255(self, data, s, p, hashes) }
     }
 
     /// data ^= E(D) || E(incr32(D)) || ... (XCB's counter: bytes 12..16 are a big-endian 32-bit
@@ -232,61 +212,6 @@ unsafe fn ctr(k: &Vaes, data: &mut [u8], c: Counter) {
         _mm512_mask_storeu_epi8(q.cast(), m, _mm512_xor_si512(d, x[0]));
         off += n;
     }
-}
-
-/// See [`Vaes::ctr_xor_le_brw255`]. The counter loop runs 32 blocks (8 registers) per step, the
-/// last step masked; each step also runs two level-1 groups of each hash (16 groups over the 8
-/// steps), and the hashes' upper levels follow the loop.
-#[target_feature(enable = "avx512f,avx512bw,vaes,vpclmulqdq,aes,pclmulqdq,sse2,ssse3,sse4.1,avx2")]
-unsafe fn ctr_brw255(k: &Vaes, data: &mut [u8], s: u128, p: &[u128; 17], hashes: [Option<(&[u8], u128)>; 2]) -> [u128; 2] {
-    const Q: usize = 16;
-    assert!(data.len() == 16 * 254, "ctr_brw255: not the body of a 4096-byte sector");
-    let mut h = hashes.map(|o| o.map(|(body, last)| BrwQuarters::<Q>::new(p, body, last)));
-    let rk = round_keys(&k.enc, k.nr);
-    let nr = k.nr;
-    let base = _mm512_broadcast_i32x4(_mm_set_epi64x((s >> 64) as i64, s as i64));
-    let mut cnt = _mm512_set_epi64(0, 4, 0, 3, 0, 2, 0, 1);
-    let step = _mm512_set_epi64(0, 4, 0, 4, 0, 4, 0, 4);
-    let len = data.len();
-    let ptr = data.as_mut_ptr();
-    let mut off = 0;
-    let mut group = 0;
-    while off < len {
-        let mut x = [_mm512_setzero_si512(); G];
-        for v in x.iter_mut() {
-            *v = _mm512_xor_si512(base, cnt);
-            cnt = _mm512_add_epi32(cnt, step);
-        }
-        aes(&rk, nr, false, &mut x);
-        for (r, v) in x.iter().enumerate() {
-            let start = (off + 64 * r).min(len);
-            let m = byte_mask(len - start);
-            // SAFETY: the masked load and store touch only bytes start .. min(start + 64, len)
-            // of `data`.
-            let q = ptr.add(start);
-            let d = _mm512_maskz_loadu_epi8(m, q.cast());
-            _mm512_mask_storeu_epi8(q.cast(), m, _mm512_xor_si512(d, *v));
-        }
-        for _ in 0..2 {
-            if group < Q {
-                for hh in h.iter_mut().flatten() {
-                    hh.group(group);
-                }
-                group += 1;
-            }
-        }
-        off += 64 * G;
-    }
-    let mut out = [0u128; 2];
-    for (o, hh) in out.iter_mut().zip(h.iter_mut()) {
-        if let Some(hh) = hh {
-            for g in group..Q {
-                hh.group(g);
-            }
-            *o = hh.finish(p);
-        }
-    }
-    out
 }
 
 /// Multiplies each 128-bit lane by x^K (K <= 56): shift left by K, fold the top K bits back with

@@ -53,9 +53,6 @@ pub struct Fast {
     /// the interleaved multi-unit path (`units_brw4096`).
     #[cfg(target_arch = "x86_64")]
     fused: bool,
-    /// AES round keys for the fused kernel (`x86::ctr_brw255`), present when `fused`.
-    #[cfg(target_arch = "x86_64")]
-    round_keys: Option<crate::aesni::RoundKeys>,
 }
 
 impl Fast {
@@ -80,10 +77,6 @@ impl Fast {
         Ok(Self {
             #[cfg(target_arch = "x86_64")]
             fused,
-            // SAFETY: `fused` implies `Vaes::new` succeeded: the CPU has AES-NI and SSE2 and the
-            // key is 16 or 32 bytes, what `expand` needs.
-            #[cfg(target_arch = "x86_64")]
-            round_keys: fused.then(|| unsafe { crate::aesni::expand(key) }),
             aes,
             #[cfg(target_arch = "x86_64")]
             vaes,
@@ -103,7 +96,6 @@ impl Fast {
         {
             f.vaes = None;
             f.fused = false;
-            f.round_keys = None;
         }
         f.hash = core::mem::replace(&mut f.hash, PolyHash::new(Field::Le, &[0; 16])).narrow();
         Ok(f)
@@ -293,7 +285,7 @@ impl Fast {
                 let (first, second, c1) = if decrypt { (x1, x2, tau2) } else { (x2, x1, tau) };
                 x86::Head { first, second, c1, tau, pre: pre_next }
             });
-            // SAFETY: `fused` (and with it `round_keys`) is only set when `Vaes::new` succeeded
+            // SAFETY: `fused` is only set when `Vaes::new` succeeded (`rk` is its schedule)
             // (AVX-512F/BW, VAES, VPCLMULQDQ, AES-NI, SSE2) and `hash.uses_wide()` holds
             // (PCLMULQDQ, SSSE3); SSE4.1 and AVX2 come with AVX-512F on every CPU that has it (the
             // other VAES kernels assume the same). The bodies are 254 blocks.
@@ -319,18 +311,15 @@ impl Fast {
             return Err(CipherError::UnitLength { unit_len, got: data.len() });
         }
         #[cfg(target_arch = "x86_64")]
-        if let (true, 4096, Some(rk)) = (self.fused, unit_len, &self.round_keys) {
-            self.units_brw4096(rk, first, step, data, decrypt);
+        if let (true, 4096, Some(v)) = (self.fused, unit_len, &self.vaes) {
+            self.units_brw4096(v.round_keys(), first, step, data, decrypt);
             return Ok(());
         }
         if unit_len < 48 || !unit_len.is_multiple_of(16) {
             // Not a valid FAST unit: the per-unit call reports the error.
-            let mut n = first;
-            for unit in data.chunks_exact_mut(unit_len) {
-                if decrypt { self.decrypt_unit(n, unit)? } else { self.encrypt_unit(n, unit)? }
-                n = n.wrapping_add(step);
-            }
-            return Ok(());
+            return crate::for_each_unit(first, step, unit_len, data, |n, unit| {
+                if decrypt { self.decrypt_unit(n, unit) } else { self.encrypt_unit(n, unit) }
+            });
         }
         let mut n = first;
         for chunk in data.chunks_mut(BATCH * unit_len) {

@@ -10,18 +10,15 @@
 
 use core::arch::x86_64::*;
 
-use zeroize::{Zeroize, ZeroizeOnDrop};
+use zeroize::Zeroize;
 
-use crate::aesni::{expand, vaes_avx512_available};
+use crate::aesni::{expand, vaes_avx512_available, RoundKeys};
 use crate::gf128::xts_mul_alpha;
 
-/// Round keys for encryption and for the equivalent inverse cipher, as bytes so that they can be
-/// zeroized on drop.
-#[derive(Zeroize, ZeroizeOnDrop)]
+/// The AES-NI round keys (encryption and equivalent inverse cipher) for the VAES kernels, held
+/// only on a CPU that has them; `RoundKeys` zeroizes them on drop.
 pub(crate) struct Vaes {
-    enc: [[u8; 16]; 15],
-    dec: [[u8; 16]; 15],
-    nr: usize,
+    keys: RoundKeys,
 }
 
 impl Vaes {
@@ -32,9 +29,12 @@ impl Vaes {
             return None;
         }
         // SAFETY: AES-NI and SSE2 were detected by `vaes_avx512_available`.
-        let k = unsafe { expand(key) };
-        // Copies of the arrays; `k` zeroizes its own on drop.
-        Some(Vaes { enc: k.enc, dec: k.dec, nr: k.rounds })
+        Some(Vaes { keys: unsafe { expand(key) } })
+    }
+
+    /// The key schedule, for kernels outside this module (FAST's fused loop).
+    pub(crate) fn round_keys(&self) -> &RoundKeys {
+        &self.keys
     }
 
     /// data ^= E(s ^ bin(1)) || E(s ^ bin(2)) || ... with bin(i) little-endian (FAST's counter,
@@ -127,19 +127,19 @@ unsafe fn aes<const N: usize>(rk: &[__m512i; 15], nr: usize, decrypt: bool, x: &
 
 #[target_feature(enable = "aes,sse2,sse4.1")]
 unsafe fn one_block(k: &Vaes, x: u128, decrypt: bool) -> u128 {
-    let keys = if decrypt { &k.dec } else { &k.enc };
+    let keys = if decrypt { &k.keys.dec } else { &k.keys.enc };
     let mut b = _mm_set_epi64x((x >> 64) as i64, x as i64);
     b = _mm_xor_si128(b, load128(&keys[0]));
     if decrypt {
-        for key in &keys[1..k.nr] {
+        for key in &keys[1..k.keys.rounds] {
             b = _mm_aesdec_si128(b, load128(key));
         }
-        b = _mm_aesdeclast_si128(b, load128(&keys[k.nr]));
+        b = _mm_aesdeclast_si128(b, load128(&keys[k.keys.rounds]));
     } else {
-        for key in &keys[1..k.nr] {
+        for key in &keys[1..k.keys.rounds] {
             b = _mm_aesenc_si128(b, load128(key));
         }
-        b = _mm_aesenclast_si128(b, load128(&keys[k.nr]));
+        b = _mm_aesenclast_si128(b, load128(&keys[k.keys.rounds]));
     }
     let lo = _mm_cvtsi128_si64(b) as u64;
     let hi = _mm_extract_epi64::<1>(b) as u64;
@@ -154,8 +154,8 @@ fn byte_mask(n: usize) -> __mmask64 {
 
 #[target_feature(enable = "avx512f,avx512bw,vaes,vpclmulqdq,aes,sse2,ssse3")]
 unsafe fn ctr(k: &Vaes, data: &mut [u8], c: Counter) {
-    let rk = round_keys(&k.enc, k.nr);
-    let nr = k.nr;
+    let rk = round_keys(&k.keys.enc, k.keys.rounds);
+    let nr = k.keys.rounds;
     // Four counter lanes; `next` advances them by four blocks.
     let (base, mut cnt, step, bswap) = match c {
         Counter::XorLe(s) => {
@@ -253,9 +253,9 @@ unsafe fn fold4(v: __m512i) -> u128 {
 /// Layer 2: c = x ^ M_j, sum c, x = f(c) ^ L_j.
 #[target_feature(enable = "avx512f,avx512bw,vaes,vpclmulqdq,aes,sse2,sse4.1,avx2")]
 unsafe fn masked_ecb(k: &Vaes, data: &mut [u8], m: u128, l: u128, decrypt: bool, first: bool) -> u128 {
-    let keys = if decrypt { &k.dec } else { &k.enc };
-    let rk = round_keys(keys, k.nr);
-    let nr = k.nr;
+    let keys = if decrypt { &k.keys.dec } else { &k.keys.enc };
+    let rk = round_keys(keys, k.keys.rounds);
+    let nr = k.keys.rounds;
     // Masks for lanes of register r of a 32-block group: base * alpha^(4r..4r+3).
     let z = _mm512_setzero_si512();
     let mut lm = [chain4(l), z, z, z, z, z, z, z];

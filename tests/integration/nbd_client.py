@@ -349,19 +349,9 @@ class NBDClient:
         return self
 
     # --- transmission ------------------------------------------------------------------------
-    def send_request(
-        self,
-        cmd: int,
-        offset: int = 0,
-        length: int = 0,
-        data: bytes = b"",
-        flags: int = 0,
-        handle: Optional[int] = None,
-        magic: int = REQUEST_MAGIC,
-        expect_data: Optional[int] = None,
-    ) -> int:
-        """Send one request (does not wait). ``length`` defaults to len(data) for writes."""
-        handle, wire = self.pack_request(cmd, offset, length, data, flags, handle, magic, expect_data)
+    def send_request(self, *args, **kwargs) -> int:
+        """Send one request (does not wait); the arguments are those of ``pack_request``."""
+        handle, wire = self.pack_request(*args, **kwargs)
         self.sendall(wire)
         return handle
 
@@ -376,8 +366,8 @@ class NBDClient:
         magic: int = REQUEST_MAGIC,
         expect_data: Optional[int] = None,
     ) -> tuple[int, bytes]:
-        """Encode one request and expect its reply, without sending it: for tests that control
-        how requests are cut into socket writes."""
+        """Encode one request and expect its reply, without sending it (``send_request`` sends
+        it). ``length`` defaults to len(data) for writes."""
         if handle is None:
             handle = next(self._handles)
         if cmd == CMD_WRITE and length == 0 and data:

@@ -919,15 +919,11 @@ mod tests {
     use serde_json::Value;
 
     fn vectors(name: &str) -> Vec<Value> {
-        let dir = std::env::var_os("CRYPTBRIDGE_VECTORS")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/vectors"));
-        let path = dir.join("aez").join(name);
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))).unwrap()
+        crate::test_vectors::load(&format!("aez/{name}"))
     }
 
     fn h(v: &Value) -> Vec<u8> {
-        hex::decode(v.as_str().unwrap()).unwrap()
+        crate::test_vectors::hex_bytes(v)
     }
 
     #[test]

@@ -19,6 +19,9 @@ pub mod tes_common;
 pub mod xcb;
 pub mod xts;
 
+#[cfg(test)]
+mod test_vectors;
+
 pub use error::CipherError;
 pub use registry::{new_cipher, CipherSpec};
 

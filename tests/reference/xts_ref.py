@@ -154,35 +154,22 @@ def sector_tweak(sector: int, sector_size: int, iv_large_sectors: bool = False) 
     return sector if iv_large_sectors else sector * (sector_size // 512)
 
 
+def _map_sectors(transform, key: bytes, data: bytes, sector_size: int, first_sector: int, iv_large_sectors: bool) -> bytes:
+    """``transform(key, tweak, sector)`` over every sector of ``data``, with dm-crypt's tweaks."""
+    assert len(data) % sector_size == 0
+    return b"".join(
+        transform(key, sector_tweak(first_sector + i, sector_size, iv_large_sectors), data[off : off + sector_size])
+        for i, off in enumerate(range(0, len(data), sector_size))
+    )
+
+
 def encrypt_sectors(
     key: bytes, plaintext: bytes, sector_size: int, first_sector: int = 0, iv_large_sectors: bool = False
 ) -> bytes:
-    assert len(plaintext) % sector_size == 0
-    out = []
-    for i in range(len(plaintext) // sector_size):
-        s = first_sector + i
-        out.append(
-            xts_any_encrypt(
-                key,
-                sector_tweak(s, sector_size, iv_large_sectors),
-                plaintext[i * sector_size : (i + 1) * sector_size],
-            )
-        )
-    return b"".join(out)
+    return _map_sectors(xts_any_encrypt, key, plaintext, sector_size, first_sector, iv_large_sectors)
 
 
 def decrypt_sectors(
     key: bytes, ciphertext: bytes, sector_size: int, first_sector: int = 0, iv_large_sectors: bool = False
 ) -> bytes:
-    assert len(ciphertext) % sector_size == 0
-    out = []
-    for i in range(len(ciphertext) // sector_size):
-        s = first_sector + i
-        out.append(
-            xts_any_decrypt(
-                key,
-                sector_tweak(s, sector_size, iv_large_sectors),
-                ciphertext[i * sector_size : (i + 1) * sector_size],
-            )
-        )
-    return b"".join(out)
+    return _map_sectors(xts_any_decrypt, key, ciphertext, sector_size, first_sector, iv_large_sectors)

@@ -862,18 +862,7 @@ pub(crate) mod x86 {
         /// The two levels across the lanes (after `group` for every q); clears the state.
         #[inline(always)]
         pub(crate) unsafe fn finish(&mut self, p: &[u128; 17]) -> u128 {
-            let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
-            let e = 2 + Q.trailing_zeros() as usize; // 4Q = 2^e
-            let (v, f) = (self.root, self.xlast);
-            // t = 4Q: lanes 0 and 2 get v0 (tau^4Q ^ X_4Q) ^ v1 and v2 (tau^4Q ^ X_12Q) ^ v3
-            // (lanes 1 and 3 compute unused values).
-            let mut w = clmul4(v, _mm512_xor_si512(bc(p[e]), f));
-            w.lo = _mm512_xor_si512(w.lo, _mm512_shuffle_i64x2::<0xb1>(v, v)); // v1, v0, v3, v2
-            let w = reduce4_le(w);
-            // t = 8Q: lane 0 gets w0 (tau^8Q ^ X_8Q) ^ w1.
-            let mut r = clmul4(w, _mm512_xor_si512(bc(p[e + 1]), _mm512_shuffle_i64x2::<0x01>(f, f)));
-            r.lo = _mm512_xor_si512(r.lo, _mm512_shuffle_i64x2::<0x02>(w, w));
-            let out = to_u128(_mm512_castsi512_si128(reduce4_le(r)));
+            let out = quarters_finish::<Q>(p, self.root, self.xlast);
             // Do not leave data-dependent values (plaintext blocks) on the stack.
             self.pending = [Wide4::zero(); 4];
             self.root = _mm512_setzero_si512();
@@ -881,6 +870,24 @@ pub(crate) mod x86 {
             core::hint::black_box((&self.pending, &self.root, &self.xlast));
             out
         }
+    }
+
+    /// The two levels of a [`BrwQuarters`] BRW across the lanes: `v` holds the reduced quarter
+    /// trees (lane j = quarter j) and `f` the fourth blocks of group Q - 1 (X_4Q, X_8Q, X_12Q and
+    /// the zero X_16Q). Also the end of FAST's assembly kernel, which keeps the same layout.
+    #[inline(always)]
+    pub(crate) unsafe fn quarters_finish<const Q: usize>(p: &[u128; 17], v: __m512i, f: __m512i) -> u128 {
+        let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
+        let e = 2 + Q.trailing_zeros() as usize; // 4Q = 2^e
+        // t = 4Q: lanes 0 and 2 get v0 (tau^4Q ^ X_4Q) ^ v1 and v2 (tau^4Q ^ X_12Q) ^ v3
+        // (lanes 1 and 3 compute unused values).
+        let mut w = clmul4(v, _mm512_xor_si512(bc(p[e]), f));
+        w.lo = _mm512_xor_si512(w.lo, _mm512_shuffle_i64x2::<0xb1>(v, v)); // v1, v0, v3, v2
+        let w = reduce4_le(w);
+        // t = 8Q: lane 0 gets w0 (tau^8Q ^ X_8Q) ^ w1.
+        let mut r = clmul4(w, _mm512_xor_si512(bc(p[e + 1]), _mm512_shuffle_i64x2::<0x01>(f, f)));
+        r.lo = _mm512_xor_si512(r.lo, _mm512_shuffle_i64x2::<0x02>(w, w));
+        to_u128(_mm512_castsi512_si128(reduce4_le(r)))
     }
 
     /// a[i] <- a[i] * b[i], four products per register.

@@ -674,7 +674,7 @@ mod x86 {
 
         use super::{Head, Q};
         use crate::aesni::RoundKeys;
-        use crate::gf128::x86::{from_u128, mul as gmul, quarters_finish, to_u128};
+        use crate::gf128::x86::{from_u128, mul as gmul, quarters_finish2, to_u128};
         use crate::gf128::Field;
 
         /// bin(i) for the counter blocks i = 1..256, four per 64 bytes (lane l of entry j is
@@ -1133,30 +1133,32 @@ mod x86 {
                     )
                 };
             }
-            // Steps 0 and 1 also run the head of the next unit (see `Head`): its two serial AES
-            // calls ride along with the counter blocks, one round beside each round, instead of
-            // stalling the pipeline.
+            // Steps 0 to 3 plainly; steps 4 and 5 also run the head of the next unit (see
+            // `Head`): its two serial AES calls ride along with the counter blocks, one round
+            // beside each round. Not steps 0 and 1: the head's input hash is the one the
+            // previous call finished last, and its products by tau and the first AES call would
+            // still be on their way there.
+            run!(0, 0, nohead;);
+            run!(1, 1, nohead;);
+            run!(2, 0, nohead;);
+            run!(3, 2, nohead;);
             let head_out = match head {
                 Some(hd) => {
                     let y = hd.second ^ gmul(Field::Le, hd.c1, hd.pre);
                     let z = hd.first ^ gmul(Field::Le, hd.tau, y);
                     let mut f = _mm_xor_si128(from_u128(z), k0);
-                    run!(0, 0, head; inout("xmm17") f,);
+                    run!(4, 0, head; inout("xmm17") f,);
                     let w = y ^ to_u128(f);
                     let mut f = _mm_xor_si128(from_u128(w), k0);
-                    run!(1, 1, head; inout("xmm17") f,);
+                    run!(5, 1, head; inout("xmm17") f,);
                     Some([z, w, z ^ to_u128(f)])
                 }
                 None => {
-                    run!(0, 0, nohead;);
-                    run!(1, 1, nohead;);
+                    run!(4, 0, nohead;);
+                    run!(5, 1, nohead;);
                     None
                 }
             };
-            run!(2, 0, nohead;);
-            run!(3, 2, nohead;);
-            run!(4, 0, nohead;);
-            run!(5, 1, nohead;);
             run!(6, 0, nohead;);
             run!(7, 3, nohead;);
             run!(8, 0, nohead;);
@@ -1168,16 +1170,18 @@ mod x86 {
             run!(14, 0, nohead;);
             // Set here rather than at the start: blocks 252 and 253 of hash A's body are the
             // previous unit's output, stored just before this call, and reading them at once
-            // would wait for those stores.
-            let word = |body: &[u8], i: usize| u128::from_le_bytes(body[16 * i..16 * i + 16].try_into().expect("16 bytes"));
-            (*pa).last_line = [word(a.0, 252), word(a.0, 253), a.1, 0];
-            (*pb).last_line = [word(b.0, 252), word(b.0, 253), b.1, 0];
-            run!(15, root, nohead;);
-            let fin = |pn: *const Pending| {
-                let root = &(*pn).root;
-                quarters_finish::<Q>(p, _mm512_load_si512(root[0].as_ptr().cast()), _mm512_load_si512(root[1].as_ptr().cast()))
+            // would wait for those stores. One 64-byte store, so that step 15's load of it is
+            // forwarded.
+            let line = |body: &[u8], last: u128| {
+                let two = _mm512_maskz_loadu_epi64(0x0f, body.as_ptr().add(16 * 252).cast());
+                _mm512_mask_broadcast_i32x4(two, 0x0f00, from_u128(last))
             };
-            let out = [fin(pa), fin(pb)];
+            _mm512_store_si512(core::ptr::addr_of_mut!((*pa).last_line).cast(), line(a.0, a.1));
+            _mm512_store_si512(core::ptr::addr_of_mut!((*pb).last_line).cast(), line(b.0, b.1));
+            run!(15, root, nohead;);
+            let root = |pn: *const Pending, i: usize| _mm512_load_si512((*pn).root[i].as_ptr().cast());
+            let (ha, hb) = quarters_finish2::<Q>(p, root(pa, 0), root(pa, 1), root(pb, 0), root(pb, 1));
+            let out = [ha, hb];
             // Do not leave the round keys (or the head's block) in registers.
             // SAFETY: only clears registers, declared as clobbered.
             asm!(

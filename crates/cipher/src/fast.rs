@@ -496,7 +496,7 @@ mod x86 {
     ) -> ([u128; 2], Option<[u128; 3]>) {
         let [a, b] = hashes;
         match (rk.rounds, a, b) {
-            (14, Some(a), Some(b)) => asm256::fused(rk, data, s, scratch, p, a, b, head),
+            (14, Some(a), Some(b)) => asm256::fused(rk, data, s, scratch, a, b, head),
             (14, Some(a), None) => fused::<14, true, false>(rk, data, s, p, a, NONE, head),
             (14, None, Some(b)) => fused::<14, false, true>(rk, data, s, p, NONE, b, head),
             (14, None, None) => fused::<14, false, false>(rk, data, s, p, NONE, NONE, head),
@@ -664,8 +664,8 @@ mod x86 {
     /// products) live in `Scratch`, which a run of units sets up and wipes once.
     ///
     /// Registers inside a step: zmm0..3 the counter blocks, zmm4..9 hash A, zmm10..15 hash B (the
-    /// same instructions, register numbers + 6), zmm16 = broadcast seed ^ round key 0, xmm17 the
-    /// head's block in steps 0 and 1, zmm18..31 = round keys 1..14.
+    /// same instructions, register numbers + 6), zmm16 = broadcast seed ^ round key 0, zmm17 zero
+    /// (xmm17 the head's block in steps 4 and 6), zmm18..31 = round keys 1..14.
     pub(super) mod asm256 {
         use core::arch::asm;
         use core::arch::x86_64::*;
@@ -723,6 +723,8 @@ mod x86 {
         pub(in super::super) struct Scratch {
             consts: Consts,
             pend: [Pending; 2],
+            /// tau^(2^i) (the finish's multipliers).
+            p: [u128; 17],
         }
 
         impl Scratch {
@@ -731,8 +733,21 @@ mod x86 {
                 Self {
                     consts: Consts { tau: [[p[0]; 4], [p[1]; 4]], poly: [0x87; 4], mult: [[p[2]; 4], [p[3]; 4], [p[4]; 4], [p[5]; 4]] },
                     pend: [pending(), pending()],
+                    p: *p,
                 }
             }
+        }
+
+        /// x << 64 in each lane: as an unpack with the zero in zmm17 where zmm17 is free (the
+        /// unpack does not compete with the AES rounds for a pipe, the byte shift does), else
+        /// as a byte shift.
+        macro_rules! shl64 {
+            (nohead, $unpack:literal, $shift:literal) => {
+                $unpack
+            };
+            (head, $unpack:literal, $shift:literal) => {
+                $shift
+            };
         }
 
         /// A line of the head's block (xmm17) in the steps that carry it, else nothing.
@@ -857,8 +872,8 @@ mod x86 {
                     head!($h, "vaesenc xmm17, xmm17, xmm26"),
                     "vpclmulqdq zmm6, zmm7, zmmword ptr [{kc} + 128], 0x01",
                     "vpclmulqdq zmm12, zmm13, zmmword ptr [{kc} + 128], 0x01",
-                    "vpslldq zmm7, zmm7, 8",
-                    "vpslldq zmm13, zmm13, 8",
+                    shl64!($h, "vpunpcklqdq zmm7, zmm17, zmm7", "vpslldq zmm7, zmm7, 8"),
+                    shl64!($h, "vpunpcklqdq zmm13, zmm17, zmm13", "vpslldq zmm13, zmm13, 8"),
                     // Round 10. g = (hi << 64) ^ mid ^ t: qword 1 is h0 ^ m1 ^ t1, qword 0 is m0 ^ t0; u = g1 c (zmm6).
                     "vaesenc zmm0, zmm0, zmm27",
                     "vaesenc zmm1, zmm1, zmm27",
@@ -875,8 +890,8 @@ mod x86 {
                     "vaesenc zmm2, zmm2, zmm28",
                     "vaesenc zmm3, zmm3, zmm28",
                     head!($h, "vaesenc xmm17, xmm17, xmm28"),
-                    "vpslldq zmm7, zmm7, 8",
-                    "vpslldq zmm13, zmm13, 8",
+                    shl64!($h, "vpunpcklqdq zmm7, zmm17, zmm7", "vpslldq zmm7, zmm7, 8"),
+                    shl64!($h, "vpunpcklqdq zmm13, zmm17, zmm13", "vpslldq zmm13, zmm13, 8"),
                     "vpternlogq zmm4, zmm6, zmm7, 0x96",
                     "vpternlogq zmm10, zmm12, zmm13, 0x96",
                     // Rounds 12 to 14: the end of the group (`$e1`, `$e2`, `$e3`).
@@ -1081,7 +1096,6 @@ mod x86 {
             data: &mut [u8],
             s: u128,
             scratch: &mut Scratch,
-            p: &[u128; 17],
             a: (&[u8], u128),
             b: (&[u8], u128),
             head: Option<Head>,
@@ -1107,7 +1121,13 @@ mod x86 {
                 if q + 1 == Q { core::ptr::addr_of!((*pn).last_line).cast() } else { h.add(64 * (3 * Q + q)) }
             };
             macro_rules! run {
-                ($q:expr, $t:tt, $h:tt; $($extra:tt)*) => {
+                ($q:expr, $t:tt, nohead; $($extra:tt)*) => {
+                    run!(@ $q, $t, nohead; in("zmm17") _mm512_setzero_si512(), $($extra)*)
+                };
+                ($q:expr, $t:tt, head; $($extra:tt)*) => {
+                    run!(@ $q, $t, head; $($extra)*)
+                };
+                (@ $q:expr, $t:tt, $h:tt; $($extra:tt)*) => {
                     // SAFETY: step q reads 256 bytes of counters at CTR + 256q and of data at
                     // 256q (and writes the data back; the last step only 32 bytes of its last
                     // 64), 64 bytes of each hash body at 64 (jQ + q) for quarters j = 0, 1, 2 and
@@ -1133,33 +1153,36 @@ mod x86 {
                     )
                 };
             }
-            // Steps 0 to 3 plainly; steps 4 and 5 also run the head of the next unit (see
-            // `Head`): its two serial AES calls ride along with the counter blocks, one round
-            // beside each round. Not steps 0 and 1: the head's input hash is the one the
-            // previous call finished last, and its products by tau and the first AES call would
-            // still be on their way there.
+            // The head of the next unit (see `Head`): its two products by tau first, before the
+            // steps (in program order ahead of them they are not starved of the multiplier),
+            // then its two serial AES calls beside the counter blocks of steps 4 and 6, one
+            // round beside each round, each call a step or more after its input is due.
+            let hd = head.map(|hd| {
+                let y = hd.second ^ gmul(Field::Le, hd.c1, hd.pre);
+                let z = hd.first ^ gmul(Field::Le, hd.tau, y);
+                (y, z)
+            });
             run!(0, 0, nohead;);
             run!(1, 1, nohead;);
             run!(2, 0, nohead;);
             run!(3, 2, nohead;);
-            let head_out = match head {
-                Some(hd) => {
-                    let y = hd.second ^ gmul(Field::Le, hd.c1, hd.pre);
-                    let z = hd.first ^ gmul(Field::Le, hd.tau, y);
+            let head_out = match hd {
+                Some((y, z)) => {
                     let mut f = _mm_xor_si128(from_u128(z), k0);
                     run!(4, 0, head; inout("xmm17") f,);
                     let w = y ^ to_u128(f);
                     let mut f = _mm_xor_si128(from_u128(w), k0);
-                    run!(5, 1, head; inout("xmm17") f,);
+                    run!(5, 1, nohead;);
+                    run!(6, 0, head; inout("xmm17") f,);
                     Some([z, w, z ^ to_u128(f)])
                 }
                 None => {
                     run!(4, 0, nohead;);
                     run!(5, 1, nohead;);
+                    run!(6, 0, nohead;);
                     None
                 }
             };
-            run!(6, 0, nohead;);
             run!(7, 3, nohead;);
             run!(8, 0, nohead;);
             run!(9, 1, nohead;);
@@ -1180,7 +1203,7 @@ mod x86 {
             _mm512_store_si512(core::ptr::addr_of_mut!((*pb).last_line).cast(), line(b.0, b.1));
             run!(15, root, nohead;);
             let root = |pn: *const Pending, i: usize| _mm512_load_si512((*pn).root[i].as_ptr().cast());
-            let (ha, hb) = quarters_finish2::<Q>(p, root(pa, 0), root(pa, 1), root(pb, 0), root(pb, 1));
+            let (ha, hb) = quarters_finish2::<Q>(&scratch.p, root(pa, 0), root(pa, 1), root(pb, 0), root(pb, 1));
             let out = [ha, hb];
             // Do not leave the round keys (or the head's block) in registers.
             // SAFETY: only clears registers, declared as clobbered.

@@ -760,6 +760,18 @@ mod x86 {
             };
         }
 
+        /// A line of the fourth counter register: all 512 bits (`full`), or in the last step,
+        /// whose fourth register has only two blocks inside the body (`half`), its low 256 bits
+        /// only (a 256-bit AES round takes one pass of the AES pipe, a 512-bit one two).
+        macro_rules! c3 {
+            (full, $zmm:literal, $ymm:literal) => {
+                $zmm
+            };
+            (half, $zmm:literal, $ymm:literal) => {
+                $ymm
+            };
+        }
+
         /// One step (see the module comment): counter blocks 16q+1..16q+16 through AES-256 and
         /// XORed into the data, group q of both hashes, and with `head` one round of the head's
         /// block per round. The lists are the instructions that depend on q: joining the
@@ -768,13 +780,13 @@ mod x86 {
         /// quarter trees), and the data lines (the last step's fourth register is half outside
         /// the body).
         macro_rules! step {
-            (@asm $h:tt [$($ja:literal),* $(,)?], [$($jb:literal),* $(,)?], [$($e1:literal),* $(,)?], [$($e2:literal),* $(,)?], [$($e3:literal),* $(,)?], [$($dl:literal),* $(,)?], $($op:tt)*) => {
+            (@asm $h:tt $w:tt [$($ja:literal),* $(,)?], [$($jb:literal),* $(,)?], [$($e1:literal),* $(,)?], [$($e2:literal),* $(,)?], [$($e3:literal),* $(,)?], [$($dl:literal),* $(,)?], $($op:tt)*) => {
                 asm!(
                     // Round 0: counter ^ seed ^ key 0. Hash loads: a, b = group q of quarters 0, 1.
                     "vpxorq zmm0, zmm16, zmmword ptr [{ctr}]",
                     "vpxorq zmm1, zmm16, zmmword ptr [{ctr} + 64]",
                     "vpxorq zmm2, zmm16, zmmword ptr [{ctr} + 128]",
-                    "vpxorq zmm3, zmm16, zmmword ptr [{ctr} + 192]",
+                    c3!($w, "vpxorq zmm3, zmm16, zmmword ptr [{ctr} + 192]", "vpxorq ymm3, ymm16, ymmword ptr [{ctr} + 192]"),
                     "vmovdqu64 zmm4, zmmword ptr [{ha}]",
                     "vmovdqu64 zmm10, zmmword ptr [{hb}]",
                     "vmovdqu64 zmm5, zmmword ptr [{ha} + 1024]",
@@ -783,7 +795,7 @@ mod x86 {
                     "vaesenc zmm0, zmm0, zmm18",
                     "vaesenc zmm1, zmm1, zmm18",
                     "vaesenc zmm2, zmm2, zmm18",
-                    "vaesenc zmm3, zmm3, zmm18",
+                    c3!($w, "vaesenc zmm3, zmm3, zmm18", "vaesenc ymm3, ymm3, ymm18"),
                     head!($h, "vaesenc xmm17, xmm17, xmm18"),
                     "vshufi64x2 zmm8, zmm4, zmm5, 0x44",
                     "vshufi64x2 zmm14, zmm10, zmm11, 0x44",
@@ -793,7 +805,7 @@ mod x86 {
                     "vaesenc zmm0, zmm0, zmm19",
                     "vaesenc zmm1, zmm1, zmm19",
                     "vaesenc zmm2, zmm2, zmm19",
-                    "vaesenc zmm3, zmm3, zmm19",
+                    c3!($w, "vaesenc zmm3, zmm3, zmm19", "vaesenc ymm3, ymm3, ymm19"),
                     head!($h, "vaesenc xmm17, xmm17, xmm19"),
                     "vmovdqu64 zmm6, zmmword ptr [{ha} + 2048]",
                     "vmovdqu64 zmm12, zmmword ptr [{hb} + 2048]",
@@ -803,7 +815,7 @@ mod x86 {
                     "vaesenc zmm0, zmm0, zmm20",
                     "vaesenc zmm1, zmm1, zmm20",
                     "vaesenc zmm2, zmm2, zmm20",
-                    "vaesenc zmm3, zmm3, zmm20",
+                    c3!($w, "vaesenc zmm3, zmm3, zmm20", "vaesenc ymm3, ymm3, ymm20"),
                     head!($h, "vaesenc xmm17, xmm17, xmm20"),
                     "vshufi64x2 zmm4, zmm6, zmm7, 0x44",
                     "vshufi64x2 zmm10, zmm12, zmm13, 0x44",
@@ -813,7 +825,7 @@ mod x86 {
                     "vaesenc zmm0, zmm0, zmm21",
                     "vaesenc zmm1, zmm1, zmm21",
                     "vaesenc zmm2, zmm2, zmm21",
-                    "vaesenc zmm3, zmm3, zmm21",
+                    c3!($w, "vaesenc zmm3, zmm3, zmm21", "vaesenc ymm3, ymm3, ymm21"),
                     head!($h, "vaesenc xmm17, xmm17, xmm21"),
                     "vshufi64x2 zmm6, zmm8, zmm4, 0x88",
                     "vshufi64x2 zmm12, zmm14, zmm10, 0x88",
@@ -823,7 +835,7 @@ mod x86 {
                     "vaesenc zmm0, zmm0, zmm22",
                     "vaesenc zmm1, zmm1, zmm22",
                     "vaesenc zmm2, zmm2, zmm22",
-                    "vaesenc zmm3, zmm3, zmm22",
+                    c3!($w, "vaesenc zmm3, zmm3, zmm22", "vaesenc ymm3, ymm3, ymm22"),
                     head!($h, "vaesenc xmm17, xmm17, xmm22"),
                     "vshufi64x2 zmm8, zmm9, zmm5, 0x88",
                     "vshufi64x2 zmm14, zmm15, zmm11, 0x88",
@@ -833,7 +845,7 @@ mod x86 {
                     "vaesenc zmm0, zmm0, zmm23",
                     "vaesenc zmm1, zmm1, zmm23",
                     "vaesenc zmm2, zmm2, zmm23",
-                    "vaesenc zmm3, zmm3, zmm23",
+                    c3!($w, "vaesenc zmm3, zmm3, zmm23", "vaesenc ymm3, ymm3, ymm23"),
                     head!($h, "vaesenc xmm17, xmm17, xmm23"),
                     "vpxorq zmm6, zmm6, zmmword ptr [{kc}]",
                     "vpxorq zmm12, zmm12, zmmword ptr [{kc}]",
@@ -845,7 +857,7 @@ mod x86 {
                     "vaesenc zmm0, zmm0, zmm24",
                     "vaesenc zmm1, zmm1, zmm24",
                     "vaesenc zmm2, zmm2, zmm24",
-                    "vaesenc zmm3, zmm3, zmm24",
+                    c3!($w, "vaesenc zmm3, zmm3, zmm24", "vaesenc ymm3, ymm3, ymm24"),
                     head!($h, "vaesenc xmm17, xmm17, xmm24"),
                     "vpxorq zmm4, zmm4, zmm8",
                     "vpxorq zmm10, zmm10, zmm14",
@@ -858,7 +870,7 @@ mod x86 {
                     "vaesenc zmm0, zmm0, zmm25",
                     "vaesenc zmm1, zmm1, zmm25",
                     "vaesenc zmm2, zmm2, zmm25",
-                    "vaesenc zmm3, zmm3, zmm25",
+                    c3!($w, "vaesenc zmm3, zmm3, zmm25", "vaesenc ymm3, ymm3, ymm25"),
                     head!($h, "vaesenc xmm17, xmm17, xmm25"),
                     "vpclmulqdq zmm7, zmm6, zmm7, 0x11",
                     "vpclmulqdq zmm13, zmm12, zmm13, 0x11",
@@ -868,7 +880,7 @@ mod x86 {
                     "vaesenc zmm0, zmm0, zmm26",
                     "vaesenc zmm1, zmm1, zmm26",
                     "vaesenc zmm2, zmm2, zmm26",
-                    "vaesenc zmm3, zmm3, zmm26",
+                    c3!($w, "vaesenc zmm3, zmm3, zmm26", "vaesenc ymm3, ymm3, ymm26"),
                     head!($h, "vaesenc xmm17, xmm17, xmm26"),
                     "vpclmulqdq zmm6, zmm7, zmmword ptr [{kc} + 128], 0x01",
                     "vpclmulqdq zmm12, zmm13, zmmword ptr [{kc} + 128], 0x01",
@@ -878,7 +890,7 @@ mod x86 {
                     "vaesenc zmm0, zmm0, zmm27",
                     "vaesenc zmm1, zmm1, zmm27",
                     "vaesenc zmm2, zmm2, zmm27",
-                    "vaesenc zmm3, zmm3, zmm27",
+                    c3!($w, "vaesenc zmm3, zmm3, zmm27", "vaesenc ymm3, ymm3, ymm27"),
                     head!($h, "vaesenc xmm17, xmm17, xmm27"),
                     "vpternlogq zmm7, zmm5, zmm6, 0x96",
                     "vpternlogq zmm13, zmm11, zmm12, 0x96",
@@ -888,7 +900,7 @@ mod x86 {
                     "vaesenc zmm0, zmm0, zmm28",
                     "vaesenc zmm1, zmm1, zmm28",
                     "vaesenc zmm2, zmm2, zmm28",
-                    "vaesenc zmm3, zmm3, zmm28",
+                    c3!($w, "vaesenc zmm3, zmm3, zmm28", "vaesenc ymm3, ymm3, ymm28"),
                     head!($h, "vaesenc xmm17, xmm17, xmm28"),
                     shl64!($h, "vpunpcklqdq zmm7, zmm17, zmm7", "vpslldq zmm7, zmm7, 8"),
                     shl64!($h, "vpunpcklqdq zmm13, zmm17, zmm13", "vpslldq zmm13, zmm13, 8"),
@@ -898,19 +910,19 @@ mod x86 {
                     "vaesenc zmm0, zmm0, zmm29",
                     "vaesenc zmm1, zmm1, zmm29",
                     "vaesenc zmm2, zmm2, zmm29",
-                    "vaesenc zmm3, zmm3, zmm29",
+                    c3!($w, "vaesenc zmm3, zmm3, zmm29", "vaesenc ymm3, ymm3, ymm29"),
                     head!($h, "vaesenc xmm17, xmm17, xmm29"),
                     $($e1,)*
                     "vaesenc zmm0, zmm0, zmm30",
                     "vaesenc zmm1, zmm1, zmm30",
                     "vaesenc zmm2, zmm2, zmm30",
-                    "vaesenc zmm3, zmm3, zmm30",
+                    c3!($w, "vaesenc zmm3, zmm3, zmm30", "vaesenc ymm3, ymm3, ymm30"),
                     head!($h, "vaesenc xmm17, xmm17, xmm30"),
                     $($e2,)*
                     "vaesenclast zmm0, zmm0, zmm31",
                     "vaesenclast zmm1, zmm1, zmm31",
                     "vaesenclast zmm2, zmm2, zmm31",
-                    "vaesenclast zmm3, zmm3, zmm31",
+                    c3!($w, "vaesenclast zmm3, zmm3, zmm31", "vaesenclast ymm3, ymm3, ymm31"),
                     head!($h, "vaesenclast xmm17, xmm17, xmm31"),
                     $($e3,)*
                     $($dl,)*
@@ -994,7 +1006,7 @@ mod x86 {
                     slot = const 576, mult = const 384, $($op)*)
             };
             (@product $h:tt [$($ja:literal),* $(,)?], [$($jb:literal),* $(,)?], $($op:tt)*) => {
-                step!(@asm $h [$($ja),*], [$($jb),*],
+                step!(@asm $h full [$($ja),*], [$($jb),*],
                     [
                         "vpxorq zmm9, zmm9, zmmword ptr [{kc} + {mult}]",
                         "vpxorq zmm15, zmm15, zmmword ptr [{kc} + {mult}]",
@@ -1035,7 +1047,7 @@ mod x86 {
             // fourth counter register is half past the body (bytes 4064..4096): only its low
             // 256 bits are used.
             (root $h:tt; $($op:tt)*) => {
-                step!(@asm $h
+                step!(@asm $h half
                     [
                         "vpxorq zmm4, zmm4, zmmword ptr [{pa}]",
                         "vpternlogq zmm5, zmm8, zmmword ptr [{pa} + 64], 0x96",

@@ -396,7 +396,31 @@ def qemu_opt_escape(s: str) -> str:
 # fio
 
 
-def fio_job(uri: str, prof: Profile, size: int, runtime: float, ramp: float, out_json: Path) -> dict:
+def machine_cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat (idle and iowait count
+    as not busy)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is in user)
+    return total - fields[3] - fields[4], total
+
+
+def process_cpu_ticks(pid: int | None) -> int | None:
+    """utime + stime of every thread of `pid`, in clock ticks."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def fio_job(uri: str, prof: Profile, size: int, runtime: float, ramp: float, out_json: Path,
+            server_pid: int | None = None) -> dict:
     argv = ["fio", f"--name={prof.key}", "--ioengine=nbd", f"--uri={uri}", f"--rw={prof.rw}",
             f"--bs={prof.bs}", f"--iodepth={prof.iodepth}", "--numjobs=1", f"--size={size}",
             "--time_based", f"--runtime={fio_time(runtime)}", f"--ramp_time={fio_time(ramp)}",
@@ -405,12 +429,16 @@ def fio_job(uri: str, prof: Profile, size: int, runtime: float, ramp: float, out
     if prof.rwmixread is not None:
         argv.append(f"--rwmixread={prof.rwmixread}")
     out_json.unlink(missing_ok=True)
+    # Where the CPU went during the job (ramp included): whether a profile is limited by the
+    # device or by the 2 vCPUs decides what its ratio means.
+    cpu0, srv0 = machine_cpu_ticks(), process_cpu_ticks(server_pid)
     t0 = time.monotonic()
     try:
         r = run(argv, timeout=runtime + ramp + 60)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": "fio timed out", "argv": argv}
     wall = time.monotonic() - t0
+    cpu1, srv1 = machine_cpu_ticks(), process_cpu_ticks(server_pid)
     try:
         data = json.loads(out_json.read_text())
         job = data["jobs"][0]
@@ -429,6 +457,10 @@ def fio_job(uri: str, prof: Profile, size: int, runtime: float, ramp: float, out
         "write_lat_us": wr.get("lat_ns", {}).get("mean", 0) / 1e3 if wbw else None,
         "wall_s": round(wall, 2),
     }
+    if cpu0 and cpu1 and cpu1[1] > cpu0[1]:
+        sample["machine_busy"] = round((cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1]), 3)
+    if srv0 is not None and srv1 is not None and wall > 0:
+        sample["server_cores"] = round((srv1 - srv0) / os.sysconf("SC_CLK_TCK") / wall, 3)
     if not sample["ok"]:
         sample["error"] = f"fio rc={r.returncode} job error={job.get('error')}: {r.stderr.strip()[-300:]}"
     return sample
@@ -571,7 +603,7 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
                         cell.append({"ok": False, "error": s.dead_reason})
                         continue
                     out = fio_dir / f"{s.key}.{prof.key}.r{rep + 1}.json"
-                    sample = fio_job(s.uri, prof, size, args.runtime, args.ramp, out)
+                    sample = fio_job(s.uri, prof, size, args.runtime, args.ramp, out, s.proc.pid)
                     sample["repeat"] = rep + 1
                     cell.append(sample)
                     if prof.writes:
@@ -614,6 +646,8 @@ def summarize(state: dict) -> dict:
                     "min_mbps": min(vals) if vals else None,
                     "max_mbps": max(vals) if vals else None,
                     "median_iops": median([s["iops"] for s in ok]),
+                    "median_machine_busy": median([s["machine_busy"] for s in ok if "machine_busy" in s]),
+                    "median_server_cores": median([s["server_cores"] for s in ok if "server_cores" in s]),
                     "n": len(vals),
                     "failed": len(samples) - len(vals),
                 }
@@ -707,15 +741,26 @@ def markdown(summary, targets, state, args) -> str:
         lines.append(f"**{REGIME_TITLES[regime]}, {human_size(size)} export**")
         lines.append("")
         head = ["Profile"] + [SERVER_LABELS[k] for k in keys]
-        if "cb-enc" in keys and "cb-pt" in keys:
+        pair = "cb-enc" in keys and "cb-pt" in keys
+        if pair:
             head.append("XTS overhead vs passthrough")
+        # In the disk regimes, whether a profile was limited by the disk or by the CPUs.
+        show_cpu = pair and regime in DISK_REGIMES
+        if show_cpu:
+            head += ["machine CPU busy, XTS / passthrough", "server cores, XTS / passthrough"]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" + "---:|" * (len(head) - 1))
         for prof in PROFILES:
             row = [prof.label] + [fmt(get_med(summary, regime, k, prof.key), 0) for k in keys]
-            if "cb-enc" in keys and "cb-pt" in keys:
+            if pair:
                 o = overhead(summary, regime, "cb-enc", prof.key)
                 row.append("—" if o is None else f"{o:.1f} %")
+            if show_cpu:
+                cell = lambda k, f: summary[regime][k].get(prof.key, {}).get(f)  # noqa: E731
+                busy = [cell(k, "median_machine_busy") for k in ("cb-enc", "cb-pt")]
+                cores = [cell(k, "median_server_cores") for k in ("cb-enc", "cb-pt")]
+                row.append(" / ".join("—" if b is None else f"{100 * b:.0f} %" for b in busy))
+                row.append(" / ".join(fmt(c, 2) for c in cores))
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
     if not args.quick and args.chart is None:

@@ -1,0 +1,585 @@
+//! The hot case of `ctr_brw255` (AES-256, both hashes present) written as one `asm!` block
+//! per step.
+//!
+//! Same arithmetic and layout as `fused` with `BrwQuarters` (lane j = quarter j, group q of
+//! every quarter in step q, the levels inside the quarters as a binary counter), and the same
+//! `quarters_finish` ends it. Why assembly: a step is 60 AES instructions in four dependent
+//! chains and ~70 hash instructions, and on Zen 4 the AES rounds, the carry-less multiplies
+//! and the lane shuffles compete for the same two FP pipes, so a step only runs at the pipes'
+//! rate when every round has some hash work beside it. LLVM's scheduler instead ran one
+//! chain's last rounds back to back, reloaded round keys from the stack and spilled the
+//! pending products. Written out, the order below is the order that issues, the 14 round
+//! keys stay in zmm18..zmm31, and the values kept from one step to a later one (the pending
+//! products) live in `Scratch`, which a run of units sets up and wipes once.
+//!
+//! Registers inside a step: zmm0..3 the counter blocks, zmm4..9 hash A, zmm10..15 hash B (the
+//! same instructions, register numbers + 6), zmm16 = broadcast seed ^ round key 0, zmm17 zero
+//! (xmm17 the head's block in steps 4 and 6), zmm18..31 = round keys 1..14.
+
+use core::arch::asm;
+use core::arch::x86_64::*;
+
+use zeroize::{Zeroize, ZeroizeOnDrop};
+
+use super::{Head, Q};
+use crate::aesni::RoundKeys;
+use crate::gf128::x86::{from_u128, mul as gmul, quarters_finish2, to_u128};
+use crate::gf128::Field;
+
+/// bin(i) for the counter blocks i = 1..256, four per 64 bytes (lane l of entry j is
+/// 4j + l + 1, little-endian): step q XORs entries 4q..4q+3 into the seed.
+#[repr(C, align(64))]
+struct CtrTable([u64; 2 * 256]);
+
+static CTR: CtrTable = CtrTable({
+    let mut t = [0u64; 2 * 256];
+    let mut i = 0;
+    while i < 256 {
+        t[2 * i] = i as u64 + 1;
+        i += 1;
+    }
+    t
+});
+
+/// Key-dependent constants, read as memory operands (the byte offsets are the
+/// template's).
+#[derive(Zeroize)]
+#[repr(C, align(64))]
+struct Consts {
+    /// +0: tau in every lane; +64: tau^2.
+    tau: [[u128; 4]; 2],
+    /// +128: 0x87 in every lane (the reduction constant, low qword).
+    poly: [u128; 4],
+    /// +192 + 64 l: tau^(2^(l+2)), the multiplier of a left child at level l + 1.
+    mult: [[u128; 4]; 4],
+}
+
+/// One hash's values between steps (the byte offsets are the template's).
+#[derive(Zeroize)]
+#[repr(C, align(64))]
+struct Pending {
+    /// +192 l: lo, mid, hi of the pending product of level l (see `BrwQuarters`).
+    slot: [[[u128; 4]; 3]; 4],
+    /// +768: the reduced quarter trees after group Q - 1; +832: its fourth blocks.
+    root: [[u128; 4]; 2],
+    /// The last line of quarter 3: X_253, X_254, X_255 (the tweak) and the zero X_256.
+    last_line: [u128; 4],
+}
+
+/// The kernel's memory for a run of units: set up once, wiped on drop. Every slot is
+/// written before it is read within a unit, so nothing needs clearing between units.
+#[derive(Zeroize, ZeroizeOnDrop)]
+pub(in super::super) struct Scratch {
+    consts: Consts,
+    pend: [Pending; 2],
+    /// tau^(2^i) (the finish's multipliers).
+    p: [u128; 17],
+}
+
+impl Scratch {
+    pub(in super::super) fn new(p: &[u128; 17]) -> Self {
+        let pending = || Pending { slot: [[[0; 4]; 3]; 4], root: [[0; 4]; 2], last_line: [0; 4] };
+        Self {
+            consts: Consts { tau: [[p[0]; 4], [p[1]; 4]], poly: [0x87; 4], mult: [[p[2]; 4], [p[3]; 4], [p[4]; 4], [p[5]; 4]] },
+            pend: [pending(), pending()],
+            p: *p,
+        }
+    }
+}
+
+/// x << 64 in each lane: as an unpack with the zero in zmm17 where zmm17 is free (the
+/// unpack does not compete with the AES rounds for a pipe, the byte shift does), else
+/// as a byte shift.
+macro_rules! shl64 {
+    (nohead, $unpack:literal, $shift:literal) => {
+        $unpack
+    };
+    (head, $unpack:literal, $shift:literal) => {
+        $shift
+    };
+}
+
+/// A line of the head's block (xmm17) in the steps that carry it, else nothing.
+macro_rules! head {
+    (head, $line:literal) => {
+        $line
+    };
+    (nohead, $line:literal) => {
+        ""
+    };
+}
+
+/// A line of the fourth counter register: all 512 bits (`full`), or in the last step,
+/// whose fourth register has only two blocks inside the body (`half`), its low 256 bits
+/// only (a 256-bit AES round takes one pass of the AES pipe, a 512-bit one two).
+macro_rules! c3 {
+    (full, $zmm:literal, $ymm:literal) => {
+        $zmm
+    };
+    (half, $zmm:literal, $ymm:literal) => {
+        $ymm
+    };
+}
+
+/// One step (see the module comment): counter blocks 16q+1..16q+16 through AES-256 and
+/// XORed into the data, group q of both hashes, and with `head` one round of the head's
+/// block per round. The lists are the instructions that depend on q: joining the
+/// pending products of the t = trailing_ones(q) levels below (hash A, hash B), the three
+/// parts of the end of the group (the pending product of level t, or for q = Q - 1 the
+/// quarter trees), and the data lines (the last step's fourth register is half outside
+/// the body).
+macro_rules! step {
+    (@asm $h:tt $w:tt [$($ja:literal),* $(,)?], [$($jb:literal),* $(,)?], [$($e1:literal),* $(,)?], [$($e2:literal),* $(,)?], [$($e3:literal),* $(,)?], [$($dl:literal),* $(,)?], $($op:tt)*) => {
+        asm!(
+            // Round 0: counter ^ seed ^ key 0. Hash loads: a, b = group q of quarters 0, 1.
+            "vpxorq zmm0, zmm16, zmmword ptr [{ctr}]",
+            "vpxorq zmm1, zmm16, zmmword ptr [{ctr} + 64]",
+            "vpxorq zmm2, zmm16, zmmword ptr [{ctr} + 128]",
+            c3!($w, "vpxorq zmm3, zmm16, zmmword ptr [{ctr} + 192]", "vpxorq ymm3, ymm16, ymmword ptr [{ctr} + 192]"),
+            "vmovdqu64 zmm4, zmmword ptr [{ha}]",
+            "vmovdqu64 zmm10, zmmword ptr [{hb}]",
+            "vmovdqu64 zmm5, zmmword ptr [{ha} + 1024]",
+            "vmovdqu64 zmm11, zmmword ptr [{hb} + 1024]",
+            // Round 1. Transpose, first half: u0 = a0 a1 b0 b1 (zmm8), u1 = a2 a3 b2 b3 (zmm9).
+            "vaesenc zmm0, zmm0, zmm18",
+            "vaesenc zmm1, zmm1, zmm18",
+            "vaesenc zmm2, zmm2, zmm18",
+            c3!($w, "vaesenc zmm3, zmm3, zmm18", "vaesenc ymm3, ymm3, ymm18"),
+            head!($h, "vaesenc xmm17, xmm17, xmm18"),
+            "vshufi64x2 zmm8, zmm4, zmm5, 0x44",
+            "vshufi64x2 zmm14, zmm10, zmm11, 0x44",
+            "vshufi64x2 zmm9, zmm4, zmm5, 0xee",
+            "vshufi64x2 zmm15, zmm10, zmm11, 0xee",
+            // Round 2. c, d = group q of quarters 2, 3.
+            "vaesenc zmm0, zmm0, zmm19",
+            "vaesenc zmm1, zmm1, zmm19",
+            "vaesenc zmm2, zmm2, zmm19",
+            c3!($w, "vaesenc zmm3, zmm3, zmm19", "vaesenc ymm3, ymm3, ymm19"),
+            head!($h, "vaesenc xmm17, xmm17, xmm19"),
+            "vmovdqu64 zmm6, zmmword ptr [{ha} + 2048]",
+            "vmovdqu64 zmm12, zmmword ptr [{hb} + 2048]",
+            "vmovdqu64 zmm7, zmmword ptr [{ha3}]",
+            "vmovdqu64 zmm13, zmmword ptr [{hb3}]",
+            // Round 3. u2 = c0 c1 d0 d1 (zmm4), u3 = c2 c3 d2 d3 (zmm5).
+            "vaesenc zmm0, zmm0, zmm20",
+            "vaesenc zmm1, zmm1, zmm20",
+            "vaesenc zmm2, zmm2, zmm20",
+            c3!($w, "vaesenc zmm3, zmm3, zmm20", "vaesenc ymm3, ymm3, ymm20"),
+            head!($h, "vaesenc xmm17, xmm17, xmm20"),
+            "vshufi64x2 zmm4, zmm6, zmm7, 0x44",
+            "vshufi64x2 zmm10, zmm12, zmm13, 0x44",
+            "vshufi64x2 zmm5, zmm6, zmm7, 0xee",
+            "vshufi64x2 zmm11, zmm12, zmm13, 0xee",
+            // Round 4. x1 (zmm6), x2 (zmm7): blocks 1, 2 of the group, lane j = quarter j.
+            "vaesenc zmm0, zmm0, zmm21",
+            "vaesenc zmm1, zmm1, zmm21",
+            "vaesenc zmm2, zmm2, zmm21",
+            c3!($w, "vaesenc zmm3, zmm3, zmm21", "vaesenc ymm3, ymm3, ymm21"),
+            head!($h, "vaesenc xmm17, xmm17, xmm21"),
+            "vshufi64x2 zmm6, zmm8, zmm4, 0x88",
+            "vshufi64x2 zmm12, zmm14, zmm10, 0x88",
+            "vshufi64x2 zmm7, zmm8, zmm4, 0xdd",
+            "vshufi64x2 zmm13, zmm14, zmm10, 0xdd",
+            // Round 5. x3 (zmm8), x4 (zmm9).
+            "vaesenc zmm0, zmm0, zmm22",
+            "vaesenc zmm1, zmm1, zmm22",
+            "vaesenc zmm2, zmm2, zmm22",
+            c3!($w, "vaesenc zmm3, zmm3, zmm22", "vaesenc ymm3, ymm3, ymm22"),
+            head!($h, "vaesenc xmm17, xmm17, xmm22"),
+            "vshufi64x2 zmm8, zmm9, zmm5, 0x88",
+            "vshufi64x2 zmm14, zmm15, zmm11, 0x88",
+            "vshufi64x2 zmm9, zmm9, zmm5, 0xdd",
+            "vshufi64x2 zmm15, zmm15, zmm11, 0xdd",
+            // Round 6. Level 1: (tau ^ x1)(tau^2 ^ x2), low part (zmm4) first.
+            "vaesenc zmm0, zmm0, zmm23",
+            "vaesenc zmm1, zmm1, zmm23",
+            "vaesenc zmm2, zmm2, zmm23",
+            c3!($w, "vaesenc zmm3, zmm3, zmm23", "vaesenc ymm3, ymm3, ymm23"),
+            head!($h, "vaesenc xmm17, xmm17, xmm23"),
+            "vpxorq zmm6, zmm6, zmmword ptr [{kc}]",
+            "vpxorq zmm12, zmm12, zmmword ptr [{kc}]",
+            "vpxorq zmm7, zmm7, zmmword ptr [{kc} + 64]",
+            "vpxorq zmm13, zmm13, zmmword ptr [{kc} + 64]",
+            "vpclmulqdq zmm4, zmm6, zmm7, 0x00",
+            "vpclmulqdq zmm10, zmm12, zmm13, 0x00",
+            // Round 7. lo ^= x3; the cross terms (zmm5, zmm8).
+            "vaesenc zmm0, zmm0, zmm24",
+            "vaesenc zmm1, zmm1, zmm24",
+            "vaesenc zmm2, zmm2, zmm24",
+            c3!($w, "vaesenc zmm3, zmm3, zmm24", "vaesenc ymm3, ymm3, ymm24"),
+            head!($h, "vaesenc xmm17, xmm17, xmm24"),
+            "vpxorq zmm4, zmm4, zmm8",
+            "vpxorq zmm10, zmm10, zmm14",
+            "vpclmulqdq zmm5, zmm6, zmm7, 0x01",
+            "vpclmulqdq zmm11, zmm12, zmm13, 0x01",
+            "vpclmulqdq zmm8, zmm6, zmm7, 0x10",
+            "vpclmulqdq zmm14, zmm12, zmm13, 0x10",
+            // Round 8. hi (zmm7); mid (zmm5) = cross terms, joined with the pending products of the levels
+            // Round 8. group q completes.
+            "vaesenc zmm0, zmm0, zmm25",
+            "vaesenc zmm1, zmm1, zmm25",
+            "vaesenc zmm2, zmm2, zmm25",
+            c3!($w, "vaesenc zmm3, zmm3, zmm25", "vaesenc ymm3, ymm3, ymm25"),
+            head!($h, "vaesenc xmm17, xmm17, xmm25"),
+            "vpclmulqdq zmm7, zmm6, zmm7, 0x11",
+            "vpclmulqdq zmm13, zmm12, zmm13, 0x11",
+            $($ja,)*
+            $($jb,)*
+            // Round 9. Reduction (`reduce4_le`): t = h1 c (zmm6), hi << 64.
+            "vaesenc zmm0, zmm0, zmm26",
+            "vaesenc zmm1, zmm1, zmm26",
+            "vaesenc zmm2, zmm2, zmm26",
+            c3!($w, "vaesenc zmm3, zmm3, zmm26", "vaesenc ymm3, ymm3, ymm26"),
+            head!($h, "vaesenc xmm17, xmm17, xmm26"),
+            "vpclmulqdq zmm6, zmm7, zmmword ptr [{kc} + 128], 0x01",
+            "vpclmulqdq zmm12, zmm13, zmmword ptr [{kc} + 128], 0x01",
+            shl64!($h, "vpunpcklqdq zmm7, zmm17, zmm7", "vpslldq zmm7, zmm7, 8"),
+            shl64!($h, "vpunpcklqdq zmm13, zmm17, zmm13", "vpslldq zmm13, zmm13, 8"),
+            // Round 10. g = (hi << 64) ^ mid ^ t: qword 1 is h0 ^ m1 ^ t1, qword 0 is m0 ^ t0; u = g1 c (zmm6).
+            "vaesenc zmm0, zmm0, zmm27",
+            "vaesenc zmm1, zmm1, zmm27",
+            "vaesenc zmm2, zmm2, zmm27",
+            c3!($w, "vaesenc zmm3, zmm3, zmm27", "vaesenc ymm3, ymm3, ymm27"),
+            head!($h, "vaesenc xmm17, xmm17, xmm27"),
+            "vpternlogq zmm7, zmm5, zmm6, 0x96",
+            "vpternlogq zmm13, zmm11, zmm12, 0x96",
+            "vpclmulqdq zmm6, zmm7, zmmword ptr [{kc} + 128], 0x01",
+            "vpclmulqdq zmm12, zmm13, zmmword ptr [{kc} + 128], 0x01",
+            // Round 11. v = lo ^ u ^ ((m0 ^ t0) << 64) (zmm4), reduced.
+            "vaesenc zmm0, zmm0, zmm28",
+            "vaesenc zmm1, zmm1, zmm28",
+            "vaesenc zmm2, zmm2, zmm28",
+            c3!($w, "vaesenc zmm3, zmm3, zmm28", "vaesenc ymm3, ymm3, ymm28"),
+            head!($h, "vaesenc xmm17, xmm17, xmm28"),
+            shl64!($h, "vpunpcklqdq zmm7, zmm17, zmm7", "vpslldq zmm7, zmm7, 8"),
+            shl64!($h, "vpunpcklqdq zmm13, zmm17, zmm13", "vpslldq zmm13, zmm13, 8"),
+            "vpternlogq zmm4, zmm6, zmm7, 0x96",
+            "vpternlogq zmm10, zmm12, zmm13, 0x96",
+            // Rounds 12 to 14: the end of the group (`$e1`, `$e2`, `$e3`).
+            "vaesenc zmm0, zmm0, zmm29",
+            "vaesenc zmm1, zmm1, zmm29",
+            "vaesenc zmm2, zmm2, zmm29",
+            c3!($w, "vaesenc zmm3, zmm3, zmm29", "vaesenc ymm3, ymm3, ymm29"),
+            head!($h, "vaesenc xmm17, xmm17, xmm29"),
+            $($e1,)*
+            "vaesenc zmm0, zmm0, zmm30",
+            "vaesenc zmm1, zmm1, zmm30",
+            "vaesenc zmm2, zmm2, zmm30",
+            c3!($w, "vaesenc zmm3, zmm3, zmm30", "vaesenc ymm3, ymm3, ymm30"),
+            head!($h, "vaesenc xmm17, xmm17, xmm30"),
+            $($e2,)*
+            "vaesenclast zmm0, zmm0, zmm31",
+            "vaesenclast zmm1, zmm1, zmm31",
+            "vaesenclast zmm2, zmm2, zmm31",
+            c3!($w, "vaesenclast zmm3, zmm3, zmm31", "vaesenclast ymm3, ymm3, ymm31"),
+            head!($h, "vaesenclast xmm17, xmm17, xmm31"),
+            $($e3,)*
+            $($dl,)*
+            $($op)*
+            out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+            out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _, out("zmm8") _, out("zmm9") _,
+            out("zmm10") _, out("zmm11") _, out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
+            options(nostack, preserves_flags),
+        )
+    };
+    // Groups q < Q - 1, t = trailing_ones(q): join levels 0..t, then the product of
+    // v and its parent's multiplier tau^(2^(t+2)) ^ x4 waits in slot t for q's sibling.
+    (0 $h:tt; $($op:tt)*) => {
+        step!(@product $h
+            [
+                "vpxorq zmm5, zmm5, zmm8",
+            ],
+            [
+                "vpxorq zmm11, zmm11, zmm14",
+            ],
+            slot = const 0, mult = const 192, $($op)*)
+    };
+    (1 $h:tt; $($op:tt)*) => {
+        step!(@product $h
+            [
+                "vpxorq zmm4, zmm4, zmmword ptr [{pa}]",
+                "vpternlogq zmm5, zmm8, zmmword ptr [{pa} + 64], 0x96",
+                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 128]",
+            ],
+            [
+                "vpxorq zmm10, zmm10, zmmword ptr [{pb}]",
+                "vpternlogq zmm11, zmm14, zmmword ptr [{pb} + 64], 0x96",
+                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 128]",
+            ],
+            slot = const 192, mult = const 256, $($op)*)
+    };
+    (2 $h:tt; $($op:tt)*) => {
+        step!(@product $h
+            [
+                "vpxorq zmm4, zmm4, zmmword ptr [{pa}]",
+                "vpternlogq zmm5, zmm8, zmmword ptr [{pa} + 64], 0x96",
+                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 128]",
+                "vpxorq zmm4, zmm4, zmmword ptr [{pa} + 192]",
+                "vpxorq zmm5, zmm5, zmmword ptr [{pa} + 256]",
+                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 320]",
+            ],
+            [
+                "vpxorq zmm10, zmm10, zmmword ptr [{pb}]",
+                "vpternlogq zmm11, zmm14, zmmword ptr [{pb} + 64], 0x96",
+                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 128]",
+                "vpxorq zmm10, zmm10, zmmword ptr [{pb} + 192]",
+                "vpxorq zmm11, zmm11, zmmword ptr [{pb} + 256]",
+                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 320]",
+            ],
+            slot = const 384, mult = const 320, $($op)*)
+    };
+    (3 $h:tt; $($op:tt)*) => {
+        step!(@product $h
+            [
+                "vpxorq zmm4, zmm4, zmmword ptr [{pa}]",
+                "vpternlogq zmm5, zmm8, zmmword ptr [{pa} + 64], 0x96",
+                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 128]",
+                "vpxorq zmm4, zmm4, zmmword ptr [{pa} + 192]",
+                "vpxorq zmm5, zmm5, zmmword ptr [{pa} + 256]",
+                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 320]",
+                "vpxorq zmm4, zmm4, zmmword ptr [{pa} + 384]",
+                "vpxorq zmm5, zmm5, zmmword ptr [{pa} + 448]",
+                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 512]",
+            ],
+            [
+                "vpxorq zmm10, zmm10, zmmword ptr [{pb}]",
+                "vpternlogq zmm11, zmm14, zmmword ptr [{pb} + 64], 0x96",
+                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 128]",
+                "vpxorq zmm10, zmm10, zmmword ptr [{pb} + 192]",
+                "vpxorq zmm11, zmm11, zmmword ptr [{pb} + 256]",
+                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 320]",
+                "vpxorq zmm10, zmm10, zmmword ptr [{pb} + 384]",
+                "vpxorq zmm11, zmm11, zmmword ptr [{pb} + 448]",
+                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 512]",
+            ],
+            slot = const 576, mult = const 384, $($op)*)
+    };
+    (@product $h:tt [$($ja:literal),* $(,)?], [$($jb:literal),* $(,)?], $($op:tt)*) => {
+        step!(@asm $h full [$($ja),*], [$($jb),*],
+            [
+                "vpxorq zmm9, zmm9, zmmword ptr [{kc} + {mult}]",
+                "vpxorq zmm15, zmm15, zmmword ptr [{kc} + {mult}]",
+                "vpclmulqdq zmm5, zmm4, zmm9, 0x00",
+                "vpclmulqdq zmm11, zmm10, zmm15, 0x00",
+            ],
+            [
+                "vpclmulqdq zmm6, zmm4, zmm9, 0x01",
+                "vpclmulqdq zmm12, zmm10, zmm15, 0x01",
+                "vpclmulqdq zmm7, zmm4, zmm9, 0x10",
+                "vpclmulqdq zmm13, zmm10, zmm15, 0x10",
+                "vmovdqu64 zmmword ptr [{pa} + {slot}], zmm5",
+                "vmovdqu64 zmmword ptr [{pb} + {slot}], zmm11",
+            ],
+            [
+                "vpclmulqdq zmm8, zmm4, zmm9, 0x11",
+                "vpclmulqdq zmm14, zmm10, zmm15, 0x11",
+                "vpxorq zmm6, zmm6, zmm7",
+                "vpxorq zmm12, zmm12, zmm13",
+                "vmovdqu64 zmmword ptr [{pa} + {slot} + 64], zmm6",
+                "vmovdqu64 zmmword ptr [{pb} + {slot} + 64], zmm12",
+                "vmovdqu64 zmmword ptr [{pa} + {slot} + 128], zmm8",
+                "vmovdqu64 zmmword ptr [{pb} + {slot} + 128], zmm14",
+            ],
+            [
+                "vpxorq zmm0, zmm0, zmmword ptr [{d}]",
+                "vmovdqu64 zmmword ptr [{d}], zmm0",
+                "vpxorq zmm1, zmm1, zmmword ptr [{d} + 64]",
+                "vmovdqu64 zmmword ptr [{d} + 64], zmm1",
+                "vpxorq zmm2, zmm2, zmmword ptr [{d} + 128]",
+                "vmovdqu64 zmmword ptr [{d} + 128], zmm2",
+                "vpxorq zmm3, zmm3, zmmword ptr [{d} + 192]",
+                "vmovdqu64 zmmword ptr [{d} + 192], zmm3",
+            ],
+            $($op)*)
+    };
+    // Group Q - 1 (t = 4) ends the quarter trees: v and x4 go to `Pending::root`. Its
+    // fourth counter register is half past the body (bytes 4064..4096): only its low
+    // 256 bits are used.
+    (root $h:tt; $($op:tt)*) => {
+        step!(@asm $h half
+            [
+                "vpxorq zmm4, zmm4, zmmword ptr [{pa}]",
+                "vpternlogq zmm5, zmm8, zmmword ptr [{pa} + 64], 0x96",
+                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 128]",
+                "vpxorq zmm4, zmm4, zmmword ptr [{pa} + 192]",
+                "vpxorq zmm5, zmm5, zmmword ptr [{pa} + 256]",
+                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 320]",
+                "vpxorq zmm4, zmm4, zmmword ptr [{pa} + 384]",
+                "vpxorq zmm5, zmm5, zmmword ptr [{pa} + 448]",
+                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 512]",
+                "vpxorq zmm4, zmm4, zmmword ptr [{pa} + 576]",
+                "vpxorq zmm5, zmm5, zmmword ptr [{pa} + 640]",
+                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 704]",
+            ],
+            [
+                "vpxorq zmm10, zmm10, zmmword ptr [{pb}]",
+                "vpternlogq zmm11, zmm14, zmmword ptr [{pb} + 64], 0x96",
+                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 128]",
+                "vpxorq zmm10, zmm10, zmmword ptr [{pb} + 192]",
+                "vpxorq zmm11, zmm11, zmmword ptr [{pb} + 256]",
+                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 320]",
+                "vpxorq zmm10, zmm10, zmmword ptr [{pb} + 384]",
+                "vpxorq zmm11, zmm11, zmmword ptr [{pb} + 448]",
+                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 512]",
+                "vpxorq zmm10, zmm10, zmmword ptr [{pb} + 576]",
+                "vpxorq zmm11, zmm11, zmmword ptr [{pb} + 640]",
+                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 704]",
+            ],
+            [
+                "vmovdqu64 zmmword ptr [{pa} + 768], zmm4",
+                "vmovdqu64 zmmword ptr [{pb} + 768], zmm10",
+                "vmovdqu64 zmmword ptr [{pa} + 832], zmm9",
+                "vmovdqu64 zmmword ptr [{pb} + 832], zmm15",
+            ],
+            [],
+            [],
+            [
+                "vpxorq zmm0, zmm0, zmmword ptr [{d}]",
+                "vmovdqu64 zmmword ptr [{d}], zmm0",
+                "vpxorq zmm1, zmm1, zmmword ptr [{d} + 64]",
+                "vmovdqu64 zmmword ptr [{d} + 64], zmm1",
+                "vpxorq zmm2, zmm2, zmmword ptr [{d} + 128]",
+                "vmovdqu64 zmmword ptr [{d} + 128], zmm2",
+                "vpxorq ymm3, ymm3, ymmword ptr [{d} + 192]",
+                "vmovdqu ymmword ptr [{d} + 192], ymm3",
+            ],
+            $($op)*)
+    };
+}
+
+/// `ctr_brw255` for AES-256 with both hashes present (see the module comment).
+///
+/// # Safety
+/// As `ctr_brw255`; `rk` must be an AES-256 schedule.
+#[inline(always)]
+pub(in super::super) unsafe fn fused(
+    rk: &RoundKeys,
+    data: &mut [u8],
+    s: u128,
+    scratch: &mut Scratch,
+    a: (&[u8], u128),
+    b: (&[u8], u128),
+    head: Option<Head>,
+) -> ([u128; 2], Option<[u128; 3]>) {
+    const BODY: usize = 16 * 254;
+    assert!(rk.rounds == 14, "asm256: not an AES-256 schedule");
+    assert!(data.len() == BODY && a.0.len() == BODY && b.0.len() == BODY, "asm256: not 4096-byte sector bodies");
+    let bc = |v: __m128i| _mm512_broadcast_i32x4(v);
+    let k0 = _mm_loadu_si128(rk.enc[0].as_ptr().cast());
+    // Plain values (not an array wiped through a reference, which LLVM would reload from
+    // the stack before every step); the asm at the end clears their registers.
+    let k: [__m512i; 14] = core::array::from_fn(|r| bc(_mm_loadu_si128(rk.enc[r + 1].as_ptr().cast())));
+    let sk0 = _mm512_xor_si512(bc(from_u128(s)), bc(k0));
+    let (dp, ap, bp) = (data.as_mut_ptr(), a.0.as_ptr(), b.0.as_ptr());
+    let ctr = CTR.0.as_ptr();
+    let kc: *const Consts = &scratch.consts;
+    let [pa, pb]: [*mut Pending; 2] = {
+        let [x, y] = &mut scratch.pend;
+        [x, y]
+    };
+    // Quarter 3's line of group q (inside the body but for q = Q - 1).
+    let line3 = |h: *const u8, pn: *mut Pending, q: usize| -> *const u8 {
+        if q + 1 == Q { core::ptr::addr_of!((*pn).last_line).cast() } else { h.add(64 * (3 * Q + q)) }
+    };
+    macro_rules! run {
+        ($q:expr, $t:tt, nohead; $($extra:tt)*) => {
+            run!(@ $q, $t, nohead; in("zmm17") _mm512_setzero_si512(), $($extra)*)
+        };
+        ($q:expr, $t:tt, head; $($extra:tt)*) => {
+            run!(@ $q, $t, head; $($extra)*)
+        };
+        (@ $q:expr, $t:tt, $h:tt; $($extra:tt)*) => {
+            // SAFETY: step q reads 256 bytes of counters at CTR + 256q and of data at
+            // 256q (and writes the data back; the last step only 32 bytes of its last
+            // 64), 64 bytes of each hash body at 64 (jQ + q) for quarters j = 0, 1, 2 and
+            // quarter 3's line from `line3` (all inside the 254-block bodies, checked
+            // above), reads `Consts` and reads and writes `Pending` at the offsets
+            // their layouts document. Every register it writes is an output.
+            step!($t $h;
+                ctr = in(reg) ctr.add(32 * $q),
+                d = in(reg) dp.add(256 * $q),
+                ha = in(reg) ap.add(64 * $q),
+                hb = in(reg) bp.add(64 * $q),
+                ha3 = in(reg) line3(ap, pa, $q),
+                hb3 = in(reg) line3(bp, pb, $q),
+                kc = in(reg) kc,
+                pa = in(reg) pa,
+                pb = in(reg) pb,
+                in("zmm16") sk0,
+                in("zmm18") k[0], in("zmm19") k[1], in("zmm20") k[2], in("zmm21") k[3],
+                in("zmm22") k[4], in("zmm23") k[5], in("zmm24") k[6], in("zmm25") k[7],
+                in("zmm26") k[8], in("zmm27") k[9], in("zmm28") k[10], in("zmm29") k[11],
+                in("zmm30") k[12], in("zmm31") k[13],
+                $($extra)*
+            )
+        };
+    }
+    // The head of the next unit (see `Head`): its two products by tau first, before the
+    // steps (in program order ahead of them they are not starved of the multiplier),
+    // then its two serial AES calls beside the counter blocks of steps 4 and 6, one
+    // round beside each round, each call a step or more after its input is due.
+    let hd = head.map(|hd| {
+        let y = hd.second ^ gmul(Field::Le, hd.c1, hd.pre);
+        let z = hd.first ^ gmul(Field::Le, hd.tau, y);
+        (y, z)
+    });
+    run!(0, 0, nohead;);
+    run!(1, 1, nohead;);
+    run!(2, 0, nohead;);
+    run!(3, 2, nohead;);
+    let head_out = match hd {
+        Some((y, z)) => {
+            let mut f = _mm_xor_si128(from_u128(z), k0);
+            run!(4, 0, head; inout("xmm17") f,);
+            let w = y ^ to_u128(f);
+            let mut f = _mm_xor_si128(from_u128(w), k0);
+            run!(5, 1, nohead;);
+            run!(6, 0, head; inout("xmm17") f,);
+            Some([z, w, z ^ to_u128(f)])
+        }
+        None => {
+            run!(4, 0, nohead;);
+            run!(5, 1, nohead;);
+            run!(6, 0, nohead;);
+            None
+        }
+    };
+    run!(7, 3, nohead;);
+    run!(8, 0, nohead;);
+    run!(9, 1, nohead;);
+    run!(10, 0, nohead;);
+    run!(11, 2, nohead;);
+    run!(12, 0, nohead;);
+    run!(13, 1, nohead;);
+    run!(14, 0, nohead;);
+    // Set here rather than at the start: blocks 252 and 253 of hash A's body are the
+    // previous unit's output, stored just before this call, and reading them at once
+    // would wait for those stores. One 64-byte store, so that step 15's load of it is
+    // forwarded.
+    let line = |body: &[u8], last: u128| {
+        let two = _mm512_maskz_loadu_epi64(0x0f, body.as_ptr().add(16 * 252).cast());
+        _mm512_mask_broadcast_i32x4(two, 0x0f00, from_u128(last))
+    };
+    _mm512_store_si512(core::ptr::addr_of_mut!((*pa).last_line).cast(), line(a.0, a.1));
+    _mm512_store_si512(core::ptr::addr_of_mut!((*pb).last_line).cast(), line(b.0, b.1));
+    run!(15, root, nohead;);
+    let root = |pn: *const Pending, i: usize| _mm512_load_si512((*pn).root[i].as_ptr().cast());
+    let (ha, hb) = quarters_finish2::<Q>(&scratch.p, root(pa, 0), root(pa, 1), root(pb, 0), root(pb, 1));
+    let out = [ha, hb];
+    // Do not leave the round keys (or the head's block) in registers.
+    // SAFETY: only clears registers, declared as clobbered.
+    asm!(
+        "vpxord xmm16, xmm16, xmm16",
+        "vmovdqa64 zmm17, zmm16", "vmovdqa64 zmm18, zmm16", "vmovdqa64 zmm19, zmm16",
+        "vmovdqa64 zmm20, zmm16", "vmovdqa64 zmm21, zmm16", "vmovdqa64 zmm22, zmm16",
+        "vmovdqa64 zmm23, zmm16", "vmovdqa64 zmm24, zmm16", "vmovdqa64 zmm25, zmm16",
+        "vmovdqa64 zmm26, zmm16", "vmovdqa64 zmm27, zmm16", "vmovdqa64 zmm28, zmm16",
+        "vmovdqa64 zmm29, zmm16", "vmovdqa64 zmm30, zmm16", "vmovdqa64 zmm31, zmm16",
+        out("zmm16") _, out("zmm17") _, out("zmm18") _, out("zmm19") _, out("zmm20") _,
+        out("zmm21") _, out("zmm22") _, out("zmm23") _, out("zmm24") _, out("zmm25") _,
+        out("zmm26") _, out("zmm27") _, out("zmm28") _, out("zmm29") _, out("zmm30") _,
+        out("zmm31") _,
+        options(nomem, nostack, preserves_flags),
+    );
+    (out, head_out)
+}

@@ -143,7 +143,7 @@ impl Backing {
 const BLKDISCARD: libc::c_ulong = 0x1277;
 
 fn check_aligned(size: u64, sector_size: usize) -> Result<(), BackingError> {
-    if size == 0 || size % sector_size as u64 != 0 {
+    if size == 0 || !size.is_multiple_of(sector_size as u64) {
         return Err(BackingError::UnalignedSize { size, sector_size });
     }
     Ok(())

@@ -158,7 +158,7 @@ impl Pipeline {
         let ss = self.sector_size;
         let (start, end) = self.span(offset, data.len() as u64);
         let aligned = start == offset && end == offset + data.len() as u64;
-        let direct_ok = !self.backing.is_direct() || data.as_ptr() as usize % ALIGN == 0;
+        let direct_ok = !self.backing.is_direct() || (data.as_ptr() as usize).is_multiple_of(ALIGN);
         if aligned && direct_ok {
             return self.write_sectors(start, data);
         }

@@ -20,7 +20,7 @@ impl Ecb {
     }
 
     fn check(data: &[u8]) -> Result<(), CipherError> {
-        if data.len() % 16 != 0 || data.is_empty() {
+        if !data.len().is_multiple_of(16) || data.is_empty() {
             return Err(CipherError::DataNotBlocks { cipher: NAME, got: data.len() });
         }
         Ok(())

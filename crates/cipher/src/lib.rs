@@ -79,7 +79,7 @@ pub(crate) fn for_each_unit(
     data: &mut [u8],
     mut f: impl FnMut(u64, &mut [u8]) -> Result<(), CipherError>,
 ) -> Result<(), CipherError> {
-    if unit_len == 0 || data.len() % unit_len != 0 {
+    if unit_len == 0 || !data.len().is_multiple_of(unit_len) {
         return Err(CipherError::UnitLength { unit_len, got: data.len() });
     }
     let mut n = first;

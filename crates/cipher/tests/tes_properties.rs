@@ -178,7 +178,7 @@ fn bad_inputs_are_errors() {
             assert!(c.encrypt(&[], &mut vec![0u8; min + 1]).is_err(), "{name}: ragged data accepted");
         }
         if name != "aez" {
-            assert!(new_cipher(name, &vec![1u8; 13], KeyPolicy::Volume).is_err(), "{name}: 13-byte key accepted");
+            assert!(new_cipher(name, &[1u8; 13], KeyPolicy::Volume).is_err(), "{name}: 13-byte key accepted");
         }
     }
     assert!(new_cipher("fast-horner(aes)", &[1u8; 16], KeyPolicy::Volume).unwrap().encrypt(&[0u8; 17], &mut [0u8; 48]).is_err());
@@ -213,7 +213,9 @@ fn simd_paths_equal_portable_paths() {
     use cryptbridge_cipher::xcb::Xcb;
     for klen in [16usize, 24, 32] {
         let key: Vec<u8> = (0..klen).map(|_| next()).collect();
-        let mut pairs: Vec<(&str, Box<dyn SectorCipher>, Box<dyn SectorCipher>, bool)> = vec![
+        // (name, SIMD implementation, portable implementation, whole blocks only)
+        type Pair = (&'static str, Box<dyn SectorCipher>, Box<dyn SectorCipher>, bool);
+        let mut pairs: Vec<Pair> = vec![
             ("hctr2", Box::new(Hctr2::new(&key).unwrap()), Box::new(Hctr2::new_generic(&key).unwrap()), false),
             ("fast-horner", Box::new(Fast::new(&key, FastHash::Horner).unwrap()), Box::new(Fast::new_generic(&key, FastHash::Horner).unwrap()), true),
             ("fast-brw", Box::new(Fast::new(&key, FastHash::Brw).unwrap()), Box::new(Fast::new_generic(&key, FastHash::Brw).unwrap()), true),

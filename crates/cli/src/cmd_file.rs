@@ -254,9 +254,9 @@ fn sweep(a: SweepArgs) -> Result<ExitCode> {
 }
 
 fn human(n: usize) -> String {
-    if n >= 1 << 20 && n % (1 << 20) == 0 {
+    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
         format!("{}M", n >> 20)
-    } else if n >= 1024 && n % 1024 == 0 {
+    } else if n >= 1024 && n.is_multiple_of(1024) {
         format!("{}K", n >> 10)
     } else if n >= 10 * 1024 {
         format!("{:.0}K", n as f64 / 1024.0)

@@ -69,7 +69,7 @@ impl Engine {
     fn process_on(&self, dir: Direction, first_sector: u64, buf: &mut [u8], pool: bool) -> Result<(), EngineError> {
         let Some(backend) = &self.backend else { return Ok(()) };
         let ss = self.layout.sector_size;
-        if buf.len() % ss != 0 {
+        if !buf.len().is_multiple_of(ss) {
             return Err(EngineError::NotWholeSectors { len: buf.len(), sector_size: ss });
         }
         let run = self.layout.run(first_sector);

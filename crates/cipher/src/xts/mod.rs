@@ -38,7 +38,7 @@ impl Xts {
     /// volumes should use [`Xts::new_strict`].
     pub fn new(key: &[u8]) -> Result<Self, CipherError> {
         let bad_len = || CipherError::KeyLength { cipher: NAME, expected: "32, 48 or 64", got: key.len() };
-        if key.len() % 2 != 0 {
+        if !key.len().is_multiple_of(2) {
             return Err(bad_len());
         }
         let (k1, k2) = key.split_at(key.len() / 2);
@@ -185,7 +185,7 @@ impl Xts {
     fn crypt_units(&self, dir: Direction, first: u64, step: u64, unit_len: usize, data: &mut [u8]) -> Result<(), CipherError> {
         #[cfg(target_arch = "x86_64")]
         if let Some(v) = &self.vaes {
-            if unit_len != 0 && unit_len % vaes::UNIT_MULTIPLE == 0 && data.len() % unit_len == 0 {
+            if unit_len != 0 && unit_len.is_multiple_of(vaes::UNIT_MULTIPLE) && data.len().is_multiple_of(unit_len) {
                 v.crypt_units(dir, first, step, unit_len, data);
                 return Ok(());
             }

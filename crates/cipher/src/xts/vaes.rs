@@ -62,7 +62,7 @@ impl VaesXts {
     /// units at a time, so a 512-byte sector costs little more than its 32 AES blocks.
     /// `unit_len` must be a multiple of [`UNIT_MULTIPLE`] and divide `data.len()`.
     pub(super) fn crypt_units(&self, dir: Direction, first: u64, step: u64, unit_len: usize, data: &mut [u8]) {
-        debug_assert!(unit_len % UNIT_MULTIPLE == 0 && unit_len > 0 && data.len() % unit_len == 0);
+        debug_assert!(unit_len.is_multiple_of(UNIT_MULTIPLE) && unit_len > 0 && data.len().is_multiple_of(unit_len));
         let run = UnitRun { first, step, unit_len };
         let tk = &self.tweak.enc;
         // SAFETY: construction checked every feature these functions are compiled for.

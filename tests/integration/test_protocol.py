@@ -10,6 +10,7 @@ import random
 import socket
 import struct
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -647,6 +648,51 @@ def test_replies_sent_before_waiting_for_a_cut_request(vol, cut):
         r = c.recv_reply()
         assert r.handle == h and r.error == 0
         assert c.read(8192, 4096) == data
+
+
+@pytest.mark.parametrize("poll_ns", [0, 32_768, 5_000_000])
+def test_one_request_at_a_time_with_socket_polling(ws, poll_ns):
+    """After a quick request the server polls the socket for up to --poll-max-ns before it
+    sleeps in read. Requests that come at once, inside the window, after it and after a long
+    pause must all be served; 0 turns polling off."""
+    v = Vol(ws, size=1 * MiB, sector_size=4096, extra=("--poll-max-ns", str(poll_ns)))
+    rng = random.Random(poll_ns)
+    model = bytearray(v.plaintext_on_disk(0, 1 * MiB))
+    with v.client() as c:
+        c.sock.settimeout(10)
+        for i, pause in enumerate([0, 0, 0.001, 0.002, 0.0, 0.02, 0.3, 0, 0.003, 0.05]):
+            time.sleep(pause)
+            off = rng.randrange(0, 1 * MiB - 8192)
+            if i % 2:
+                d = rng.randbytes(rng.randint(1, 8192))
+                c.write(off, d)
+                model[off : off + len(d)] = d
+            else:
+                n = rng.randint(1, 8192)
+                assert c.read(off, n) == bytes(model[off : off + n])
+        c.flush()
+    assert v.plaintext_on_disk(0, 1 * MiB) == bytes(model)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_socket_polling_stops_after_its_window(ws):
+    """The poll after a quick request is bounded: a client that goes quiet costs the server no
+    CPU time once the window (here 5 ms) has passed, while one that never stopped polling would
+    burn a whole core for the second the client waits."""
+    v = Vol(ws, size=1 * MiB, sector_size=4096, extra=("--poll-max-ns", "5000000"))
+    pid = v.bridge.proc.pid
+    with v.client() as c:
+        for _ in range(20):
+            c.read(0, 4096)
+        before = _cpu_seconds(pid)
+        time.sleep(1.0)
+        spent = _cpu_seconds(pid) - before
+        assert c.read(4096, 4096) == v.plaintext_on_disk(4096, 4096)
+    assert spent < 0.3, f"server used {spent:.2f} s of CPU while the client was idle for 1 s"
 
 
 @pytest.mark.parametrize("sector_size", [512, 4096])

@@ -296,8 +296,9 @@ impl Server {
 
     fn worker(&self, conn: &Connection) {
         let mut batch = ReplyBatch::default();
-        // Whether the request this thread ran last was a quick one: a client then often sends
-        // its next request within microseconds, so the socket is polled before sleeping.
+        // Whether the request this thread read last is a quick one: it runs on this thread, and
+        // as a client then often sends its next request within microseconds, the socket is
+        // polled before sleeping.
         let mut after_quick = false;
         loop {
             let mut inbound = conn.reader.lock().expect("reader lock");
@@ -321,7 +322,7 @@ impl Server {
                     Next::Rejected(request, error) => batch.push(Reply { handle: request.handle, error, data: None }),
                     // A quick request runs here, keeping the read side: handing it to another
                     // thread costs a wake-up, which on a small machine costs more than the request.
-                    Next::Run(request, payload) if self.is_quick(&request) => batch.push(self.execute(conn, request, payload)),
+                    Next::Run(request, payload) if after_quick => batch.push(self.execute(conn, request, payload)),
                     Next::Run(request, payload) => {
                         drop(inbound);
                         conn.send(&mut batch);

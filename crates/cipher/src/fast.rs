@@ -268,38 +268,56 @@ impl Fast {
             unit[16..32].copy_from_slice(&y2.to_le_bytes());
         };
         let brw = |body: &[u8], t: u128| self.hash.brw_le(&self.brw.0, body, t).expect("k = 255 has a BRW kernel");
-        // Unit 0's input hash and head, and unit 1's input hash, alone. Then for each u: counter
-        // mode of u beside the hashes of u - 1 (output) and u + 2 (input) and the head of u + 1
-        // (its input hash came from the previous step), then the tail of u - 1. A head is two
-        // serial AES calls: made inside the counter loop, a step ahead, its latency is hidden.
-        let (mut seed, mut saved) = head(&data[..L], brw(&data[32..L], tweak(0)));
-        let mut pre_next = if n > 1 { brw(&data[L + 32..2 * L], tweak(1)) } else { 0 };
+        // The kernel's products after its hashes (`x86::Link`): [m0, m1, m2, m3] with m0 for
+        // the output hash in the tail, m1 and m2 = tau m1 for the input hash in the head.
+        let mult = if decrypt { [tau, tau2, mul(tau, tau2), tau] } else { [tau2, tau, tau2, tau] };
+        // A later unit's first two blocks in the order `x86::Link` takes them.
+        let pair = |unit: &[u8]| if decrypt { (word(unit, 0), word(unit, 1)) } else { (word(unit, 1), word(unit, 0)) };
+        // The tail's value multiplied by tau (b2, a1) from the saved pair.
+        let tail_s = |[s1, s2]: [u128; 2]| if decrypt { s1 } else { s2 };
+        // Unit 0's input hash and head, and unit 1's head inputs y, z, alone. Then for each u:
+        // counter mode of u beside the hashes of u - 1 (output) and u + 2 (input) and the head
+        // of u + 1 (its y and z came from the previous step), then the tail of u - 1. A head
+        // is two serial AES calls: made inside the counter loop, a step ahead, its latency is
+        // hidden. The products after the hashes (the tail's, and y and z of u + 2's head) are
+        // the kernel's, four to a register.
+        let (mut seed, mut saved) = head(&data[..L], brw(&data[..L][32..], tweak(0)));
+        let mut next_head = (n > 1).then(|| {
+            let (first, second) = pair(&data[L..]);
+            let y = second ^ mul(mult[1], brw(&data[L + 32..2 * L], tweak(1)));
+            x86::Head { y, z: first ^ mul(tau, y) }
+        });
         let mut prev_saved = saved;
-        let mut scratch = x86::asm256::Scratch::new(&self.brw.0);
+        let mut scratch = x86::asm256::Scratch::new(&self.brw.0, mult);
         for u in 0..n {
             let (before, rest) = data.split_at_mut(u * L);
             let (cur, after) = rest.split_at_mut(L);
             let prev = (u > 0).then(|| (&before[(u - 1) * L + 32..], tweak(u - 1)));
             let next = (u + 2 < n).then(|| (&after[L + 32..2 * L], tweak(u + 2)));
-            let hd = (u + 1 < n).then(|| {
-                let (x1, x2) = (word(after, 0), word(after, 1));
-                let (first, second, c1) = if decrypt { (x1, x2, tau2) } else { (x2, x1, tau) };
-                x86::Head { first, second, c1, tau, pre: pre_next }
-            });
+            let (first, second) = if u + 2 < n { pair(&after[L..]) } else { (0, 0) };
+            let link = x86::Link { s: tail_s(prev_saved), first, second };
             // SAFETY: `fused` is only set when `Vaes::new` succeeded (`rk` is its schedule)
             // (AVX-512F/BW, VAES, VPCLMULQDQ, AES-NI, SSE2) and `hash.uses_wide()` holds
             // (PCLMULQDQ, SSSE3); SSE4.1 and AVX2 come with AVX-512F on every CPU that has it (the
             // other VAES kernels assume the same). The bodies are 254 blocks.
-            let ([post_prev, pre], hout) = unsafe { x86::ctr_brw255(rk, &mut cur[32..], seed, &mut scratch, &self.brw.0, [prev, next], hd) };
+            let (out, hout) = unsafe { x86::ctr_brw255(rk, &mut cur[32..], seed, &mut scratch, &self.brw.0, [prev, next], next_head, link) };
             if u > 0 {
-                tail(&mut before[(u - 1) * L..], post_prev, prev_saved);
+                // encrypt: C1 = f2 ^ tau b2, C2 = b2 ^ tau^2 post; decrypt: P1 = a1 ^ tau post,
+                // P2 = f1 ^ tau a1.
+                let [s1, s2] = prev_saved;
+                let [mp, ms] = out.tail;
+                let (y1, y2) = if decrypt { (s1 ^ mp, s2 ^ ms) } else { (s1 ^ ms, s2 ^ mp) };
+                let unit = &mut before[(u - 1) * L..];
+                unit[..16].copy_from_slice(&y1.to_le_bytes());
+                unit[16..32].copy_from_slice(&y2.to_le_bytes());
             }
             prev_saved = saved;
             if let Some([z, w, v]) = hout {
                 seed = z ^ w;
                 saved = if decrypt { [v, w] } else { [w, v] };
             }
-            pre_next = pre;
+            let [y, z] = out.head;
+            next_head = (u + 2 < n).then_some(x86::Head { y, z });
         }
         let last = &mut data[(n - 1) * L..];
         let post = brw(&last[32..], tweak(n - 1));

@@ -16,12 +16,13 @@ const Q: usize = 16;
 /// E(s ^ bin(2)) || ..., bin little-endian) with, in the same loop, the BRW hashes (k = 255)
 /// of up to two other bodies (254 blocks each, `last` as X_255). Each of the 16 steps
 /// encrypts 16 counter blocks (4 registers) and runs one level-1 group of each hash, so
-/// that the AES rounds and the carry-less multiplies issue side by side. With `head`, the
-/// first two steps also run that head's two AES calls (one round beside each round of the
-/// counter blocks). Returns the hashes (0 where `None`) and the head's [z, w, v].
+/// that the AES rounds and the carry-less multiplies issue side by side. With `head`, two
+/// steps also run that head's two AES calls (one round beside each round of the counter
+/// blocks). Returns what the hashes are needed for (see `Linked`) and the head's [z, w, v].
 ///
 /// # Safety
 /// The CPU must have AVX-512F/BW, VAES, VPCLMULQDQ, AES-NI, PCLMULQDQ, SSE2, SSE4.1 and AVX2.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,vaes,vpclmulqdq,aes,pclmulqdq,sse2,ssse3,sse4.1,avx2")]
 pub(super) unsafe fn ctr_brw255(
     rk: &RoundKeys,
@@ -31,10 +32,12 @@ pub(super) unsafe fn ctr_brw255(
     p: &[u128; 17],
     hashes: [Option<(&[u8], u128)>; 2],
     head: Option<Head>,
-) -> ([u128; 2], Option<[u128; 3]>) {
+    link: Link,
+) -> (Linked, Option<[u128; 3]>) {
     let [a, b] = hashes;
-    match (rk.rounds, a, b) {
-        (14, Some(a), Some(b)) => asm256::fused(rk, data, s, scratch, a, b, head),
+    let (present_a, present_b) = (a.is_some(), b.is_some());
+    let (hs, head_out) = match (rk.rounds, a, b) {
+        (14, Some(a), Some(b)) => return asm256::fused(rk, data, s, scratch, a, b, head, link),
         (14, Some(a), None) => fused::<14, true, false>(rk, data, s, p, a, NONE, head),
         (14, None, Some(b)) => fused::<14, false, true>(rk, data, s, p, NONE, b, head),
         (14, None, None) => fused::<14, false, false>(rk, data, s, p, NONE, NONE, head),
@@ -43,20 +46,47 @@ pub(super) unsafe fn ctr_brw255(
         (10, None, Some(b)) => fused::<10, false, true>(rk, data, s, p, NONE, b, head),
         (10, None, None) => fused::<10, false, false>(rk, data, s, p, NONE, NONE, head),
         (nr, _, _) => unreachable!("ctr_brw255: {nr} AES rounds"),
+    };
+    // The same products as the assembly kernel's finish, one at a time.
+    let m = scratch.mult();
+    let mut out = Linked { tail: [0; 2], head: [0; 2] };
+    if present_a {
+        out.tail = [gmul(Field::Le, m[0], hs[0]), gmul(Field::Le, m[3], link.s)];
     }
+    if present_b {
+        let y = link.second ^ gmul(Field::Le, m[1], hs[1]);
+        out.head = [y, link.first ^ gmul(Field::Le, p[0], y)];
+    }
+    (out, head_out)
 }
 
-/// The start of a unit's FAST rounds from its input hash `pre`, with the unit's first two
-/// blocks `first`, `second` and the constant `c1` chosen by direction: y = second ^ c1 pre,
-/// z = first ^ tau y, w = y ^ E(z), v = z ^ E(w) (encryption: y, z, w, v = a1, f1, f2, b2
-/// with c1 = tau; decryption: b2, f2, f1, a1 with c1 = tau^2, first and second swapped).
+/// The start of a unit's FAST rounds, y and z: w = y ^ E(z), v = z ^ E(w) (encryption: y, z,
+/// w, v = a1, f1, f2, b2; decryption: b2, f2, f1, a1). See `Link` for y and z.
 #[derive(Clone, Copy)]
 pub(super) struct Head {
+    pub(super) y: u128,
+    pub(super) z: u128,
+}
+
+/// The inputs of the products a call makes from its hashes, besides the constants in
+/// `Scratch::mult` ([m0, m1, m2, m3] = [tau^2, tau, tau^2, tau] for encryption and [tau,
+/// tau^2, tau^3, tau] for decryption). Hash A is the output BRW of the unit before, whose
+/// tail needs m0 BRW and m3 s (`s` is b2 for encryption, a1 for decryption). Hash B is the
+/// input BRW `pre` of a later unit, whose head starts y = second ^ m1 pre, z = first ^ tau y
+/// = first ^ tau second ^ m2 pre, with `first`, `second` that unit's first two blocks by
+/// direction (encryption: P2, P1; decryption: C1, C2).
+#[derive(Clone, Copy)]
+pub(super) struct Link {
+    pub(super) s: u128,
     pub(super) first: u128,
     pub(super) second: u128,
-    pub(super) c1: u128,
-    pub(super) tau: u128,
-    pub(super) pre: u128,
+}
+
+/// What a call gives on: the tail's products [m0 BRW_A, m3 s] (zero without hash A) and
+/// [y, z] of the head for hash B (zero without hash B).
+pub(super) struct Linked {
+    pub(super) tail: [u128; 2],
+    pub(super) head: [u128; 2],
 }
 
 /// Stands in for an absent hash (never read).
@@ -164,9 +194,7 @@ unsafe fn fused<const NR: usize, const HA: bool, const HB: bool>(
     // Steps 0 and 1 also run the head of the next unit (see `Head`): its two serial AES
     // calls ride along with the counter blocks instead of stalling the pipeline.
     let mut head_out = None;
-    if let Some(hd) = head {
-        let y = hd.second ^ gmul(Field::Le, hd.c1, hd.pre);
-        let z = hd.first ^ gmul(Field::Le, hd.tau, y);
+    if let Some(Head { y, z }) = head {
         let mut fb = from_u128(z);
         step!(0, Some(&mut fb));
         let w = y ^ to_u128(fb);

@@ -3,7 +3,8 @@
 //!
 //! Same arithmetic and layout as `fused` with `BrwQuarters` (lane j = quarter j, group q of
 //! every quarter in step q, the levels inside the quarters as a binary counter), and the same
-//! `quarters_finish` ends it. Why assembly: a step is 60 AES instructions in four dependent
+//! levels across the lanes end it (`quarters_finish2_mul`, which also makes the products by
+//! constants that the tail and the next head need). Why assembly: a step is 60 AES instructions in four dependent
 //! chains and ~70 hash instructions, and on Zen 4 the AES rounds, the carry-less multiplies
 //! and the lane shuffles compete for the same two FP pipes, so a step only runs at the pipes'
 //! rate when every round has some hash work beside it. LLVM's scheduler instead ran one
@@ -21,10 +22,9 @@ use core::arch::x86_64::*;
 
 use zeroize::{Zeroize, ZeroizeOnDrop};
 
-use super::{Head, Q};
+use super::{Head, Link, Linked, Q};
 use crate::aesni::RoundKeys;
-use crate::gf128::x86::{from_u128, mul as gmul, quarters_finish2, to_u128};
-use crate::gf128::Field;
+use crate::gf128::x86::{from_u128, quarters_finish2_mul, to_u128};
 
 /// bin(i) for the counter blocks i = 1..256, four per 64 bytes (lane l of entry j is
 /// 4j + l + 1, little-endian): step q XORs entries 4q..4q+3 into the seed.
@@ -74,16 +74,28 @@ pub(in super::super) struct Scratch {
     pend: [Pending; 2],
     /// tau^(2^i) (the finish's multipliers).
     p: [u128; 17],
+    /// The constants of the products after the finish (see `Link`).
+    mult: Mult,
 }
 
+#[derive(Zeroize)]
+#[repr(C, align(64))]
+struct Mult([u128; 4]);
+
 impl Scratch {
-    pub(in super::super) fn new(p: &[u128; 17]) -> Self {
+    /// `mult`: see `Link`.
+    pub(in super::super) fn new(p: &[u128; 17], mult: [u128; 4]) -> Self {
         let pending = || Pending { slot: [[[0; 4]; 3]; 4], root: [[0; 4]; 2], last_line: [0; 4] };
         Self {
             consts: Consts { tau: [[p[0]; 4], [p[1]; 4]], poly: [0x87; 4], mult: [[p[2]; 4], [p[3]; 4], [p[4]; 4], [p[5]; 4]] },
             pend: [pending(), pending()],
             p: *p,
+            mult: Mult(mult),
         }
+    }
+
+    pub(in super::super) fn mult(&self) -> [u128; 4] {
+        self.mult.0
     }
 }
 
@@ -460,7 +472,8 @@ pub(in super::super) unsafe fn fused(
     a: (&[u8], u128),
     b: (&[u8], u128),
     head: Option<Head>,
-) -> ([u128; 2], Option<[u128; 3]>) {
+    link: Link,
+) -> (Linked, Option<[u128; 3]>) {
     const BODY: usize = 16 * 254;
     assert!(rk.rounds == 14, "asm256: not an AES-256 schedule");
     assert!(data.len() == BODY && a.0.len() == BODY && b.0.len() == BODY, "asm256: not 4096-byte sector bodies");
@@ -514,21 +527,15 @@ pub(in super::super) unsafe fn fused(
             )
         };
     }
-    // The head of the next unit (see `Head`): its two products by tau first, before the
-    // steps (in program order ahead of them they are not starved of the multiplier),
-    // then its two serial AES calls beside the counter blocks of steps 4 and 6, one
+    // The head of the next unit (see `Head`; its y and z came from an earlier call's
+    // finish): its two serial AES calls beside the counter blocks of steps 4 and 6, one
     // round beside each round, each call a step or more after its input is due.
-    let hd = head.map(|hd| {
-        let y = hd.second ^ gmul(Field::Le, hd.c1, hd.pre);
-        let z = hd.first ^ gmul(Field::Le, hd.tau, y);
-        (y, z)
-    });
     run!(0, 0, nohead;);
     run!(1, 1, nohead;);
     run!(2, 0, nohead;);
     run!(3, 2, nohead;);
-    let head_out = match hd {
-        Some((y, z)) => {
+    let head_out = match head {
+        Some(Head { y, z }) => {
             let mut f = _mm_xor_si128(from_u128(z), k0);
             run!(4, 0, head; inout("xmm17") f,);
             let w = y ^ to_u128(f);
@@ -564,8 +571,11 @@ pub(in super::super) unsafe fn fused(
     _mm512_store_si512(core::ptr::addr_of_mut!((*pb).last_line).cast(), line(b.0, b.1));
     run!(15, root, nohead;);
     let root = |pn: *const Pending, i: usize| _mm512_load_si512((*pn).root[i].as_ptr().cast());
-    let (ha, hb) = quarters_finish2::<Q>(&scratch.p, root(pa, 0), root(pa, 1), root(pb, 0), root(pb, 1));
-    let out = [ha, hb];
+    let mult = _mm512_load_si512(scratch.mult.0.as_ptr().cast());
+    let roots = [root(pa, 0), root(pa, 1), root(pb, 0), root(pb, 1)];
+    let (c, tau_second) = quarters_finish2_mul::<Q>(&scratch.p, roots, mult, link.second, link.s);
+    let y = link.second ^ c[1];
+    let out = Linked { tail: [c[0], c[3]], head: [y, link.first ^ tau_second ^ c[2]] };
     // Do not leave the round keys (or the head's block) in registers.
     // SAFETY: only clears registers, declared as clobbered.
     asm!(

@@ -37,7 +37,7 @@ pub(super) unsafe fn ctr_brw255(
     let [a, b] = hashes;
     let (present_a, present_b) = (a.is_some(), b.is_some());
     let (hs, head_out) = match (rk.rounds, a, b) {
-        (14, Some(a), Some(b)) => return asm256::fused(rk, data, s, scratch, a, b, head, link),
+        (14, Some(a), Some(b)) => return asm256::fused(rk, data, s, scratch, [a, b], head, link),
         (14, Some(a), None) => fused::<14, true, false>(rk, data, s, p, a, NONE, head),
         (14, None, Some(b)) => fused::<14, false, true>(rk, data, s, p, NONE, b, head),
         (14, None, None) => fused::<14, false, false>(rk, data, s, p, NONE, NONE, head),

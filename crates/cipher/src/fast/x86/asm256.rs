@@ -469,8 +469,7 @@ pub(in super::super) unsafe fn fused(
     data: &mut [u8],
     s: u128,
     scratch: &mut Scratch,
-    a: (&[u8], u128),
-    b: (&[u8], u128),
+    [a, b]: [(&[u8], u128); 2],
     head: Option<Head>,
     link: Link,
 ) -> (Linked, Option<[u128; 3]>) {

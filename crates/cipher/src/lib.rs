@@ -15,6 +15,7 @@ pub mod fast;
 mod gf128;
 pub mod hctr2;
 pub mod registry;
+mod registers;
 pub mod tes_common;
 pub mod xcb;
 pub mod xts;
@@ -23,6 +24,7 @@ pub mod xts;
 mod test_vectors;
 
 pub use error::CipherError;
+pub use registers::clear_vector_registers;
 pub use registry::{new_cipher, CipherSpec};
 
 /// A tweakable, length-preserving cipher over one data unit (usually a disk sector).

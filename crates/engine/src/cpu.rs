@@ -36,13 +36,17 @@ impl CpuBackend {
         Ok(Self { cipher, pool, threads })
     }
 
+    /// One batch on the calling thread; the vector registers are wiped after it, so no key,
+    /// keystream or plaintext stays in this thread's register file (see
+    /// `cryptbridge_cipher::clear_vector_registers`).
     fn serial(&self, dir: Direction, run: SectorRun, buf: &mut [u8]) -> Result<(), EngineError> {
         let (first, step, len) = (run.first_tweak, run.tweak_step, run.sector_size);
-        match dir {
-            Direction::Encrypt => self.cipher.encrypt_units(first, step, len, buf)?,
-            Direction::Decrypt => self.cipher.decrypt_units(first, step, len, buf)?,
-        }
-        Ok(())
+        let done = match dir {
+            Direction::Encrypt => self.cipher.encrypt_units(first, step, len, buf),
+            Direction::Decrypt => self.cipher.decrypt_units(first, step, len, buf),
+        };
+        cryptbridge_cipher::clear_vector_registers();
+        Ok(done?)
     }
 }
 

@@ -1,0 +1,100 @@
+//! Clearing the vector registers after a batch of sectors.
+//!
+//! The SIMD kernels leave keystream, tweaks, hash state and plaintext in vector registers when
+//! they return; the next vector code of the thread overwrites them, but until then they sit in
+//! the register file and, at every context switch, in the kernel's copy of it (register-file
+//! leaks such as Zenbleed read exactly these). Wiping per call would cost more than a
+//! 512-byte sector's crypto, so callers that own a batch (the engine) wipe once per batch.
+
+/// Zeroes the vector registers this crate's kernels use: zmm0-31 where AVX-512 is present,
+/// ymm0-15 where only AVX is, else nothing (the SSE-only paths are not in this build's hot set).
+pub fn clear_vector_registers() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F (checked above), and the asm only writes registers,
+            // all of which `clobber_abi` declares clobbered.
+            unsafe { clear_avx512() }
+        } else if std::is_x86_feature_detected!("avx") {
+            // SAFETY: the CPU has AVX (checked above); the asm only writes clobbered registers.
+            unsafe { clear_avx() }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn clear_avx512() {
+    // vzeroall zeroes zmm0-15 whole; zmm16-31 need explicit writes.
+    core::arch::asm!(
+        "vzeroall",
+        "vpxord xmm16, xmm16, xmm16", "vpxord xmm17, xmm17, xmm17", "vpxord xmm18, xmm18, xmm18",
+        "vpxord xmm19, xmm19, xmm19", "vpxord xmm20, xmm20, xmm20", "vpxord xmm21, xmm21, xmm21",
+        "vpxord xmm22, xmm22, xmm22", "vpxord xmm23, xmm23, xmm23", "vpxord xmm24, xmm24, xmm24",
+        "vpxord xmm25, xmm25, xmm25", "vpxord xmm26, xmm26, xmm26", "vpxord xmm27, xmm27, xmm27",
+        "vpxord xmm28, xmm28, xmm28", "vpxord xmm29, xmm29, xmm29", "vpxord xmm30, xmm30, xmm30",
+        "vpxord xmm31, xmm31, xmm31",
+        clobber_abi("C"),
+        options(nomem, nostack, preserves_flags),
+    );
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn clear_avx() {
+    core::arch::asm!("vzeroall", clobber_abi("C"), options(nomem, nostack, preserves_flags));
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// Loads a marker into every vector register, clears, and reads them all back.
+    #[test]
+    fn leaves_every_vector_register_zero() {
+        if !std::is_x86_feature_detected!("avx512f") {
+            eprintln!("skipped: no AVX-512F");
+            return;
+        }
+        let marker = [0xa5u8; 64];
+        let mut out = [[0xffu8; 64]; 32];
+        // SAFETY: AVX-512F is present (checked above). The first block loads the marker into
+        // every zmm register and declares them all clobbered; the second stores all 32 into
+        // `out`, which is 32 x 64 bytes.
+        unsafe {
+            load_all(marker.as_ptr());
+            clear_vector_registers();
+            store_all(out.as_mut_ptr().cast());
+        }
+        assert!(out.iter().all(|r| r.iter().all(|&b| b == 0)));
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load_all(p: *const u8) {
+        macro_rules! loads {
+            ($($r:literal)*) => {
+                core::arch::asm!(
+                    $(concat!("vmovdqu64 zmm", $r, ", zmmword ptr [{p}]"),)*
+                    p = in(reg) p,
+                    clobber_abi("C"),
+                    options(readonly, nostack, preserves_flags),
+                )
+            };
+        }
+        loads!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31);
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store_all(p: *mut u8) {
+        macro_rules! stores {
+            ($($r:literal)*) => {
+                core::arch::asm!(
+                    $(concat!("vmovdqu64 zmmword ptr [{p} + 64 * ", $r, "], zmm", $r),)*
+                    p = in(reg) p,
+                    options(nostack, preserves_flags),
+                )
+            };
+        }
+        stores!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31);
+    }
+}

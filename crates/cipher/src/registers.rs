@@ -3,11 +3,11 @@
 //! The SIMD kernels leave keystream, tweaks, hash state and plaintext in vector registers when
 //! they return; the next vector code of the thread overwrites them, but until then they sit in
 //! the register file and, at every context switch, in the kernel's copy of it (register-file
-//! leaks such as Zenbleed read exactly these). Wiping per call would cost more than a
-//! 512-byte sector's crypto, so callers that own a batch (the engine) wipe once per batch.
+//! leaks such as Zenbleed read exactly these). The kernels do not wipe on return: a multi-unit
+//! call would pay it once per unit. Callers that own a batch (the engine) wipe once per batch.
 
 /// Zeroes the vector registers this crate's kernels use: zmm0-31 where AVX-512 is present,
-/// ymm0-15 where only AVX is, else nothing (the SSE-only paths are not in this build's hot set).
+/// ymm0-15 where only AVX is, else xmm0-15.
 pub fn clear_vector_registers() {
     #[cfg(target_arch = "x86_64")]
     {
@@ -18,6 +18,9 @@ pub fn clear_vector_registers() {
         } else if std::is_x86_feature_detected!("avx") {
             // SAFETY: the CPU has AVX (checked above); the asm only writes clobbered registers.
             unsafe { clear_avx() }
+        } else {
+            // SAFETY: SSE2 is part of x86_64; the asm only writes clobbered registers.
+            unsafe { clear_sse() }
         }
     }
 }
@@ -45,6 +48,18 @@ unsafe fn clear_avx() {
     core::arch::asm!("vzeroall", clobber_abi("C"), options(nomem, nostack, preserves_flags));
 }
 
+#[cfg(target_arch = "x86_64")]
+unsafe fn clear_sse() {
+    core::arch::asm!(
+        "pxor xmm0, xmm0", "pxor xmm1, xmm1", "pxor xmm2, xmm2", "pxor xmm3, xmm3",
+        "pxor xmm4, xmm4", "pxor xmm5, xmm5", "pxor xmm6, xmm6", "pxor xmm7, xmm7",
+        "pxor xmm8, xmm8", "pxor xmm9, xmm9", "pxor xmm10, xmm10", "pxor xmm11, xmm11",
+        "pxor xmm12, xmm12", "pxor xmm13, xmm13", "pxor xmm14, xmm14", "pxor xmm15, xmm15",
+        clobber_abi("C"),
+        options(nomem, nostack, preserves_flags),
+    );
+}
+
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
@@ -65,6 +80,35 @@ mod tests {
             load_all(marker.as_ptr());
             clear_vector_registers();
             store_all(out.as_mut_ptr().cast());
+        }
+        assert!(out.iter().all(|r| r.iter().all(|&b| b == 0)));
+    }
+
+    /// The path of CPUs without AVX: xmm0-15 (the low 128 bits that SSE code uses).
+    #[test]
+    fn sse_path_zeroes_xmm0_to_15() {
+        let marker = [0x5au8; 16];
+        let mut out = [[0xffu8; 16]; 16];
+        // SAFETY: SSE2 is part of x86_64. The loads declare every register clobbered; the
+        // stores write 16 x 16 bytes into `out`.
+        unsafe {
+            macro_rules! xmm {
+                ($($r:literal)*) => {
+                    core::arch::asm!(
+                        $(concat!("movdqu xmm", $r, ", xmmword ptr [{p}]"),)*
+                        p = in(reg) marker.as_ptr(),
+                        clobber_abi("C"),
+                        options(readonly, nostack, preserves_flags),
+                    );
+                    clear_sse();
+                    core::arch::asm!(
+                        $(concat!("movdqu xmmword ptr [{p} + 16 * ", $r, "], xmm", $r),)*
+                        p = in(reg) out.as_mut_ptr(),
+                        options(nostack, preserves_flags),
+                    );
+                };
+            }
+            xmm!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
         }
         assert!(out.iter().all(|r| r.iter().all(|&b| b == 0)));
     }

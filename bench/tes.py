@@ -98,9 +98,11 @@ def build_example(no_build: bool) -> Path:
     return exe
 
 
-def cipher_only(exe: Path, seconds: float) -> dict:
-    specs = [f"{name}:{klen}" for _, name, klen, _ in ROWS]
-    p = run([exe, "--seconds", seconds, "--json", *specs], timeout=60 + 10 * seconds * len(specs) * 4)
+def cipher_only(exe: Path, seconds: float, specs: list[str] | None = None, sector: int | None = None) -> dict:
+    """tes_speed's figures keyed by (cipher, sector size): every row at both sizes by default."""
+    specs = specs or [f"{name}:{klen}" for _, name, klen, _ in ROWS]
+    sizes = ["--sector", sector] if sector else []
+    p = run([exe, "--seconds", seconds, "--json", *sizes, *specs], timeout=60 + 10 * seconds * len(specs) * 4)
     if p.returncode != 0:
         raise SystemExit(f"tes_speed failed: {p.stderr[-2000:]}")
     out = {}
@@ -121,11 +123,8 @@ def paired_ratio(exe: Path, seconds: float, pairs: int) -> dict:
         specs = ["xts(aes):64", "fast-brw(aes):32"]
         if i % 2:
             specs.reverse()
-        p = run([exe, "--seconds", seconds, "--json", "--sector", 4096, *specs], timeout=60 + 10 * seconds)
-        if p.returncode != 0:
-            raise SystemExit(f"tes_speed failed: {p.stderr[-2000:]}")
-        enc = {d["cipher"]: d["encrypt_gbps"] for d in map(json.loads, p.stdout.splitlines())}
-        ratios.append(enc["fast-brw(aes)"] / enc["xts(aes)"])
+        got = cipher_only(exe, seconds, specs, 4096)
+        ratios.append(got[("fast-brw(aes)", 4096)]["encrypt_gbps"] / got[("xts(aes)", 4096)]["encrypt_gbps"])
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "ratios": ratios}
 
 

@@ -551,8 +551,8 @@ def build_servers(regime: str, keys: list[str], args, work: Path, rundir: Path, 
 def job_order(servers: list, rep: int, profile_index: int) -> list:
     """The order of one profile's jobs in one repeat. Rotating the list gives every server each
     position in turn, but leaves every server the same predecessor: measured here, that biased a
-    pair of identical-cost servers by about 10 % at RND4K Q1 (whichever server followed the
-    other cryptbridge won 7 to 8 of 9 pairs, in either list order). With more than two servers the
+    pair of identical-cost servers by about 10 % at RND4K Q1 (in three runs the cryptbridge that
+    always followed the other won 8/9, 7/9 and 7/7 pairs, whichever it was). With more than two servers the
     rotated order is also reversed on every other repeat, so each server follows its neighbours
     on both sides equally often."""
     n = len(servers)
@@ -688,7 +688,7 @@ def paired_ratio(results: dict, regime: str, num: str, den: str, pkey: str) -> t
     by_rep = lambda key: {s.get("repeat"): s["mbps"] for s in per.get(key, {}).get(pkey, [])  # noqa: E731
                           if s.get("ok") and s.get("mbps")}
     a, b = by_rep(num), by_rep(den)
-    ratios = [a[r] / b[r] for r in sorted(set(a) & set(b), key=lambda r: r or 0)]
+    ratios = [a[r] / b[r] for r in a.keys() & b.keys()]
     return median(ratios), len(ratios)
 
 

@@ -15,6 +15,8 @@ use crate::aligned::{BufPool, PooledBuf, ALIGN};
 use crate::backing::Backing;
 use crate::range_lock::RangeLocks;
 
+/// A sealed read is decrypted and handed on in pieces of this size (see [`Pipeline::open_into`]).
+const OPEN_PIECE: usize = 128 * 1024;
 /// Zeroes are written in pieces of this size so a 4 GiB WRITE_ZEROES does not need 4 GiB of RAM.
 const ZERO_CHUNK: u64 = 1 << 20;
 
@@ -59,6 +61,14 @@ impl Deref for ReadData {
     }
 }
 
+/// Ciphertext returned by [`Pipeline::read_sealed`], for [`Pipeline::open_into`] to decrypt.
+pub struct SealedRead {
+    buf: PooledBuf,
+    first_sector: u64,
+    start: usize,
+    len: usize,
+}
+
 impl Pipeline {
     pub fn new(backing: Backing, engine: Engine) -> Self {
         let sector_size = engine.layout().sector_size as u64;
@@ -95,6 +105,40 @@ impl Pipeline {
         let mut buf = self.pool.get((end - start) as usize);
         self.read_sectors(start, &mut buf)?;
         Ok(ReadData { buf, start: (offset - start) as usize, len })
+    }
+
+    /// Reads the sectors under `[offset, offset + len)` and leaves them encrypted, for a reply
+    /// that decrypts them piece by piece while it sends ([`Pipeline::open_into`]). The caller has
+    /// checked the range.
+    pub fn read_sealed(&self, offset: u64, len: usize) -> io::Result<SealedRead> {
+        let (start, end) = self.span(offset, len as u64);
+        let mut buf = self.pool.get((end - start) as usize);
+        self.backing.read_at(&mut buf, start)?;
+        Ok(SealedRead { buf, first_sector: start / self.sector_size, start: (offset - start) as usize, len })
+    }
+
+    /// Decrypts `sealed` on this thread a piece at a time and hands each piece of the requested
+    /// bytes to `sink` as soon as it is plaintext.
+    ///
+    /// Why: a large read's reply is sent while the client copies it out of the socket on the
+    /// other core. Decrypting the whole buffer first runs the crypto beside some other
+    /// request's transfer, which then has one core fewer (on 2 vCPUs, 0.1 ms of any CPU work per
+    /// MiB read cost SEQ1M Q8 O_DIRECT reads about 9 % of their throughput, a scalar spin as
+    /// much as the decryption). Decrypting piece k + 1 while the client drains piece k puts the
+    /// crypto where this thread would otherwise wait on the socket.
+    pub fn open_into(&self, mut sealed: SealedRead, mut sink: impl FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
+        let ss = self.sector_size as usize;
+        let piece = OPEN_PIECE.div_ceil(ss) * ss;
+        let (want_start, want_end) = (sealed.start, sealed.start + sealed.len);
+        for (i, chunk) in sealed.buf.chunks_mut(piece).enumerate() {
+            let at = i * piece;
+            self.engine.decrypt_here(sealed.first_sector + (at / ss) as u64, chunk).map_err(io::Error::other)?;
+            let (lo, hi) = (want_start.max(at), want_end.min(at + chunk.len()));
+            if lo < hi {
+                sink(&chunk[lo - at..hi - at])?;
+            }
+        }
+        Ok(())
     }
 
     /// Encrypts and writes `data` at `offset`; `data` may be overwritten with ciphertext.

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::aligned::PooledBuf;
-use crate::pipeline::ReadData;
+use crate::pipeline::{ReadData, SealedRead};
 use crate::nbd::handshake::{negotiate, Outcome};
 use crate::nbd::transmission::{holds_whole_request, read_request, reply_header, write_all_vectored, write_reply, Request};
 use crate::nbd::*;
@@ -20,6 +20,11 @@ pub const MAX_REQUEST: u32 = 32 << 20;
 /// An over-sized WRITE's payload is read and dropped up to this size; beyond it the connection is
 /// closed, since draining would let a client make the server read unbounded data.
 const MAX_DRAIN: u32 = 64 << 20;
+/// READs from this size on an O_DIRECT backing are decrypted while their reply is sent
+/// (`Pipeline::open_into`). On a cached backing the machine is CPU-bound and splitting the
+/// decryption over the crypto pool before sending measured faster (SEQ1M Q8 page-cache reads:
+/// streamed 0.90x of split, median of 10 pairs), so those keep the split.
+const STREAMED_MIN_LEN: u32 = 256 * 1024;
 /// Requests up to this size on a cached backing count as quick (see `Server::worker`).
 const QUICK_MAX_LEN: u32 = 16 * 1024;
 /// One recv on a connection takes up to this much: every request header queued behind it, so a
@@ -153,6 +158,21 @@ impl Connection {
     fn reply(&self, handle: u64, error: u32, data: &[u8]) {
         let mut w = self.writer.lock().expect("writer lock");
         let result = write_reply(&mut *w, handle, error, data);
+        self.check_sent(&w, result);
+    }
+
+    /// Sends a successful READ's reply, decrypting the data a piece at a time as it goes out.
+    /// Should the decryption fail after the header has gone, the connection is closed: the
+    /// client must not take the rest of the stream for data.
+    fn reply_streamed(&self, pipeline: &Pipeline, handle: u64, sealed: SealedRead) {
+        let header = reply_header(handle, 0);
+        let mut header = Some(&header[..]);
+        let mut w = self.writer.lock().expect("writer lock");
+        let result = pipeline.open_into(sealed, |piece| match header.take() {
+            // The header and the first piece in one writev, as `write_reply` does.
+            Some(h) => write_all_vectored(&mut *w, &mut [IoSlice::new(h), IoSlice::new(piece)]),
+            None => w.write_all(piece),
+        });
         self.check_sent(&w, result);
     }
 
@@ -326,13 +346,21 @@ impl Server {
                     Next::Run(request, payload) => {
                         drop(inbound);
                         conn.send(&mut batch);
-                        let reply = self.execute(conn, request, payload);
-                        conn.reply(reply.handle, reply.error, reply.data.as_deref().unwrap_or(&[]));
+                        if self.streams(&request) {
+                            self.read_streamed(conn, request);
+                        } else {
+                            let reply = self.execute(conn, request, payload);
+                            conn.reply(reply.handle, reply.error, reply.data.as_deref().unwrap_or(&[]));
+                        }
                         break;
                     }
                 }
             }
         }
+    }
+
+    fn streams(&self, r: &Request) -> bool {
+        self.pipeline.is_direct() && r.command == CMD_READ && r.length >= STREAMED_MIN_LEN
     }
 
     /// Requests that finish in microseconds: small, no sync, and the backing is in the page cache.
@@ -417,6 +445,17 @@ impl Server {
             }
         };
         Reply { handle: r.handle, error: errno, data: None }
+    }
+
+    /// A large READ: read the ciphertext, then decrypt it while the reply goes out.
+    fn read_streamed(&self, conn: &Connection, r: Request) {
+        match self.pipeline.read_sealed(r.offset, r.length as usize) {
+            Ok(sealed) => conn.reply_streamed(&self.pipeline, r.handle, sealed),
+            Err(e) => {
+                tracing::error!(conn = conn.id, request = ?r, "I/O error: {e}");
+                conn.reply(r.handle, errno_of(&e), &[]);
+            }
+        }
     }
 
     /// Checks a request against the export before any I/O; the error is the NBD errno.

@@ -132,3 +132,36 @@ fn existing_backing_of_other_size_is_refused() {
     let missing = dir.path().join("missing.img");
     assert!(Backing::open(&missing, &opts(None)).err().unwrap().to_string().contains("--size"));
 }
+
+#[test]
+fn sealed_reads_open_piece_by_piece_to_the_plaintext() {
+    for sector_size in [512usize, 4096] {
+        let dir = tempfile::tempdir().unwrap();
+        let size = 1usize << 20;
+        let (p, _) = pipeline(&dir, sector_size, size as u64);
+        let plain = pattern(7, size);
+        p.write(0, &mut plain.clone(), false).unwrap();
+        // Whole, sector-aligned, and windows that start and end inside sectors and pieces.
+        for (off, len) in [(0usize, size), (1, 300_000), (4095, 131_073), (131_072, 262_144), (500_000, 400_001), (size - 1, 1)] {
+            let sealed = p.read_sealed(off as u64, len).unwrap();
+            let (mut got, mut pieces) = (Vec::new(), 0);
+            p.open_into(sealed, |piece| {
+                got.extend_from_slice(piece);
+                pieces += 1;
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(got, &plain[off..off + len], "{off}+{len} ({sector_size})");
+            let spanned = (off + len).div_ceil(sector_size) * sector_size - off / sector_size * sector_size;
+            assert_eq!(pieces, spanned.div_ceil(128 * 1024), "{off}+{len} ({sector_size})");
+        }
+        // A failing sink (the client went away) stops the reply there.
+        let mut calls = 0;
+        let failed = p.open_into(p.read_sealed(0, size).unwrap(), |_| {
+            calls += 1;
+            Err(std::io::Error::other("gone"))
+        });
+        assert!(failed.is_err());
+        assert_eq!(calls, 1);
+    }
+}

@@ -10,14 +10,15 @@ Profiles (one fio job, one NBD connection each; MB/s = 10^6 B/s, read+write for 
 Regimes:
   device  One backing file on the machine's disk, shared by both servers (one job runs at a
           time), opened with --direct (O_DIRECT), pre-filled with data: cryptbridge encrypted vs
-          cryptbridge --passthrough.
+          cryptbridge --passthrough. --device-repeats (11) short jobs (--device-runtime 2.5 s):
+          the disk's speed drifts within seconds, so pairs close in time compare better.
           Target: encrypted >= 0.95 x passthrough per profile.
   ssd     The device regime with the servers' disk I/O throttled (cgroup blkio / io.max) to the
           disk the issue measured on these machines: 600 MB/s writing, 880 MB/s reading with
           O_DIRECT, the class of the paper's SATA SSD. The VM disk now takes O_DIRECT writes at
           2-3.8 GB/s, which makes the device regime CPU-bound on 2 vCPUs; this regime keeps the
-          paper's setting, where the device is the limit. Same files, servers and target; median
-          of --repeats. Needs root and a blkio/io cgroup controller; skipped with the reason
+          paper's setting, where the device is the limit. Same files, servers, target and
+          repeats. Needs root and a blkio/io cgroup controller; skipped with the reason
           otherwise.
   cpu     Backing files in the page cache (no --direct, files pre-filled and re-read before every
           repeat; the plain servers share one file): cryptbridge encrypted, cryptbridge --passthrough, `nbdkit file`,
@@ -479,6 +480,16 @@ def repeats_for(args, regime: str) -> int:
     return args.device_repeats if regime in DISK_REGIMES else args.repeats
 
 
+def job_time(args, regime: str) -> tuple[float, float]:
+    """(runtime, ramp) of one fio job. The disk regimes pair two servers on a VM disk whose speed
+    moves by tens of per cent within seconds (0.9-1.8 GB/s between 2 s O_DIRECT read jobs with
+    nothing else running): short jobs keep the two halves of a pair close in time, and more
+    pairs narrow the median."""
+    if regime in DISK_REGIMES:
+        return args.device_runtime, args.device_ramp
+    return args.runtime, args.ramp
+
+
 def backing_path(work: Path, regime: str, key: str) -> Path:
     """The plain servers of a regime (cryptbridge encrypted and passthrough, nbdkit file) share
     one backing file: only one fio job runs at a time, and a shared file puts every server on the
@@ -622,7 +633,8 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
                         cell.append({"ok": False, "error": s.dead_reason})
                         continue
                     out = fio_dir / f"{s.key}.{prof.key}.r{rep + 1}.json"
-                    sample = fio_job(s.uri, prof, size, args.runtime, args.ramp, out, s.proc.pid)
+                    runtime, ramp = job_time(args, regime)
+                    sample = fio_job(s.uri, prof, size, runtime, ramp, out, s.proc.pid)
                     sample["repeat"] = rep + 1
                     cell.append(sample)
                     if prof.writes:
@@ -732,7 +744,7 @@ def print_tables(summary, results, targets, args) -> None:
             continue
         keys = regime_keys(summary, regime)
         log("")
-        log(f"{REGIME_TITLES[regime]} — MB/s, median of {repeats_for(args, regime)} x {args.runtime:g}s")
+        log(f"{REGIME_TITLES[regime]} — MB/s, median of {repeats_for(args, regime)} x {job_time(args, regime)[0]:g}s")
         w = 14
         log(f"{'profile':22}" + "".join(f"{k:>{w}}" for k in keys))
         for prof in PROFILES:
@@ -762,7 +774,7 @@ def markdown(summary, targets, state, args) -> str:
         f"Measured {env['date'][:10]} on {env['cpu']} ({env['nproc']} CPUs, Linux {env['kernel']}); "
         f"fio `ioengine=nbd` over unix sockets, one connection per job, "
         f"{args.runtime:g} s per job after {args.ramp:g} s ramp, median of {args.repeats} "
-        f"interleaved repeats ({args.device_repeats} in the device regime; the ssd regime's disk I/O is throttled to {SSD_WRITE_BPS / 1e6:.0f} MB/s write, {SSD_READ_BPS / 1e6:.0f} MB/s read, the disk the issue measured). MB/s = 10^6 B/s. cryptbridge XTS = AES-256-XTS "
+        f"interleaved repeats ({args.device_repeats} of {args.device_runtime:g} s after {args.device_ramp:g} s in the disk regimes; the ssd regime's disk I/O is throttled to {SSD_WRITE_BPS / 1e6:.0f} MB/s write, {SSD_READ_BPS / 1e6:.0f} MB/s read, the disk the issue measured). MB/s = 10^6 B/s. cryptbridge XTS = AES-256-XTS "
         f"(512-bit key), {args.sector_size}-byte sectors. "
         f"Peers: {state['versions'].get('nbdkit') or 'nbdkit'} (file plugin, luks filter on a LUKS1 "
         f"AES-256-XTS (aes-256 xts-plain64, 512-bit key) image), {state['versions'].get('qemu-nbd') or 'qemu-nbd'} (driver=luks).",
@@ -911,8 +923,12 @@ def main() -> int:
     ap.add_argument("--ramp", type=float, default=None, help="fio ramp_time seconds (default 1; quick 0.5)")
     ap.add_argument("--repeats", type=int, default=None, help="repeats, median reported (default 3; quick 1)")
     ap.add_argument("--device-repeats", type=int, default=None,
-                    help="repeats in the device regime (default 5; quick 1): a VM disk varies more "
-                         "run to run than the page cache, and its jobs are only two servers wide")
+                    help="repeats in the device and ssd regimes (default 11; quick 1): a VM disk varies "
+                         "more run to run than the page cache, and its jobs are only two servers wide")
+    ap.add_argument("--device-runtime", type=float, default=None,
+                    help="seconds per fio job in the device and ssd regimes (default 2.5; quick 2)")
+    ap.add_argument("--device-ramp", type=float, default=None,
+                    help="fio ramp_time in the device and ssd regimes (default 0.5)")
     ap.add_argument("--quick", action="store_true", help="smoke run: short jobs, 1 repeat, small files")
     ap.add_argument("--regimes", default="device,ssd,cpu", help="comma list of device,ssd,cpu")
     ap.add_argument("--profiles", default=None,
@@ -944,7 +960,9 @@ def main() -> int:
             ap.error(f"unknown profile(s): {', '.join(unknown)}")
         PROFILES = [p for p in PROFILES if p.key in wanted]
     args.repeats = max(1, args.repeats if args.repeats is not None else (1 if q else 3))
-    args.device_repeats = max(1, args.device_repeats if args.device_repeats is not None else (1 if q else 5))
+    args.device_repeats = max(1, args.device_repeats if args.device_repeats is not None else (1 if q else 11))
+    args.device_runtime = args.device_runtime if args.device_runtime is not None else (2.0 if q else 2.5)
+    args.device_ramp = args.device_ramp if args.device_ramp is not None else 0.5
     dev_size = parse_size(args.device_size or ("512M" if q else "2G"))
     cpu_size = parse_size(args.cpu_size or ("256M" if q else "1G"))
     chart_path = args.chart or (OUT / "bench-bridge.png" if q else REPO / "docs" / "bench-bridge.png")
@@ -967,8 +985,9 @@ def main() -> int:
     install_signal_handlers()
 
     njobs = sum(len(ks) * repeats_for(args, r) for r, ks in plan.items()) * len(PROFILES)
-    log(f"bridge: {njobs} fio jobs x ({args.runtime:g}+{args.ramp:g}) s ≈ "
-        f"{njobs * (args.runtime + args.ramp + 0.7) / 60:.1f} min plus setup; plan: "
+    minutes = sum(len(ks) * repeats_for(args, r) * len(PROFILES) * (sum(job_time(args, r)) + 0.7)
+                  for r, ks in plan.items()) / 60
+    log(f"bridge: {njobs} fio jobs ≈ {minutes:.1f} min plus setup; plan: "
         + "; ".join(f"{r}: {','.join(ks)}" for r, ks in plan.items()))
 
     work = args.workdir.resolve()
@@ -997,7 +1016,8 @@ def main() -> int:
     state = {
         "benchmark": "bridge",
         "config": {"runtime_s": args.runtime, "ramp_s": args.ramp, "repeats": args.repeats,
-                   "device_repeats": args.device_repeats,
+                   "device_repeats": args.device_repeats, "device_runtime_s": args.device_runtime,
+                   "device_ramp_s": args.device_ramp,
                    "quick": q, "device_size": dev_size, "cpu_size": cpu_size,
                    "sector_size": args.sector_size, "cb_threads": args.cb_threads,
                    "cb_extra": args.cb_extra, "plan": plan, "workdir": str(work),

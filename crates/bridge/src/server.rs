@@ -359,6 +359,7 @@ impl Server {
         }
     }
 
+    /// Large READs on an O_DIRECT backing (see `STREAMED_MIN_LEN`).
     fn streams(&self, r: &Request) -> bool {
         self.pipeline.is_direct() && r.command == CMD_READ && r.length >= STREAMED_MIN_LEN
     }

@@ -101,10 +101,9 @@ impl Pipeline {
 
     /// Reads and decrypts `len` bytes at `offset`. The caller has checked the range.
     pub fn read(&self, offset: u64, len: usize) -> io::Result<ReadData> {
-        let (start, end) = self.span(offset, len as u64);
-        let mut buf = self.pool.get((end - start) as usize);
-        self.read_sectors(start, &mut buf)?;
-        Ok(ReadData { buf, start: (offset - start) as usize, len })
+        let SealedRead { mut buf, first_sector, start, len } = self.read_sealed(offset, len)?;
+        self.engine.decrypt(first_sector, &mut buf).map_err(io::Error::other)?;
+        Ok(ReadData { buf, start, len })
     }
 
     /// Reads the sectors under `[offset, offset + len)` and leaves them encrypted, for a reply

@@ -60,10 +60,6 @@ struct Consts {
 struct Pending {
     /// +192 l: lo, mid, hi of the pending product of level l (see `BrwQuarters`).
     slot: [[[u128; 4]; 3]; 4],
-    /// +768: the reduced quarter trees after group Q - 1; +832: its fourth blocks.
-    root: [[u128; 4]; 2],
-    /// The last line of quarter 3: X_253, X_254, X_255 (the tweak) and the zero X_256.
-    last_line: [u128; 4],
 }
 
 /// The kernel's memory for a run of units: set up once, wiped on drop. Every slot is
@@ -85,7 +81,7 @@ struct Mult([u128; 4]);
 impl Scratch {
     /// `mult`: see `Link`.
     pub(in super::super) fn new(p: &[u128; 17], mult: [u128; 4]) -> Self {
-        let pending = || Pending { slot: [[[0; 4]; 3]; 4], root: [[0; 4]; 2], last_line: [0; 4] };
+        let pending = || Pending { slot: [[[0; 4]; 3]; 4] };
         Self {
             consts: Consts { tau: [[p[0]; 4], [p[1]; 4]], poly: [0x87; 4], mult: [[p[2]; 4], [p[3]; 4], [p[4]; 4], [p[5]; 4]] },
             pend: [pending(), pending()],
@@ -170,8 +166,8 @@ macro_rules! step {
             head!($h, "vaesenc xmm17, xmm17, xmm19"),
             "vmovdqu64 zmm6, zmmword ptr [{ha} + 2048]",
             "vmovdqu64 zmm12, zmmword ptr [{hb} + 2048]",
-            "vmovdqu64 zmm7, zmmword ptr [{ha3}]",
-            "vmovdqu64 zmm13, zmmword ptr [{hb3}]",
+            c3!($w, "vmovdqu64 zmm7, zmmword ptr [{ha3}]", ""),
+            c3!($w, "vmovdqu64 zmm13, zmmword ptr [{hb3}]", ""),
             // Round 3. u2 = c0 c1 d0 d1 (zmm4), u3 = c2 c3 d2 d3 (zmm5).
             "vaesenc zmm0, zmm0, zmm20",
             "vaesenc zmm1, zmm1, zmm20",
@@ -289,8 +285,7 @@ macro_rules! step {
             $($dl,)*
             $($op)*
             out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
-            out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _, out("zmm8") _, out("zmm9") _,
-            out("zmm10") _, out("zmm11") _, out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
+            out("zmm5") _, out("zmm6") _, out("zmm8") _, out("zmm11") _, out("zmm12") _, out("zmm14") _,
             options(nostack, preserves_flags),
         )
     };
@@ -404,9 +399,10 @@ macro_rules! step {
             ],
             $($op)*)
     };
-    // Group Q - 1 (t = 4) ends the quarter trees: v and x4 go to `Pending::root`. Its
-    // fourth counter register is half past the body (bytes 4064..4096): only its low
-    // 256 bits are used.
+    // Group Q - 1 (t = 4) ends the quarter trees: v and x4 stay in zmm4 and zmm9 (hash A),
+    // zmm10 and zmm15 (hash B), outputs of the block, and quarter 3's line (X_253, X_254,
+    // X_255 = the tweak, the zero X_256) comes in zmm7 and zmm13. Its fourth counter
+    // register is half past the body (bytes 4064..4096): only its low 256 bits are used.
     (root $h:tt; $($op:tt)*) => {
         step!(@asm $h half
             [
@@ -437,12 +433,7 @@ macro_rules! step {
                 "vpxorq zmm11, zmm11, zmmword ptr [{pb} + 640]",
                 "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 704]",
             ],
-            [
-                "vmovdqu64 zmmword ptr [{pa} + 768], zmm4",
-                "vmovdqu64 zmmword ptr [{pb} + 768], zmm10",
-                "vmovdqu64 zmmword ptr [{pa} + 832], zmm9",
-                "vmovdqu64 zmmword ptr [{pb} + 832], zmm15",
-            ],
+            [],
             [],
             [],
             [
@@ -489,31 +480,45 @@ pub(in super::super) unsafe fn fused(
         let [x, y] = &mut scratch.pend;
         [x, y]
     };
-    // Quarter 3's line of group q (inside the body but for q = Q - 1).
-    let line3 = |h: *const u8, pn: *mut Pending, q: usize| -> *const u8 {
-        if q + 1 == Q { core::ptr::addr_of!((*pn).last_line).cast() } else { h.add(64 * (3 * Q + q)) }
-    };
     macro_rules! run {
+        // The last step takes quarter 3's lines in zmm7 and zmm13 and gives the quarter
+        // trees in registers (see `step!(root ..)`); the others load the lines.
+        ($q:expr, root, nohead; $($extra:tt)*) => {
+            run!(@ $q, root, nohead; [] in("zmm17") _mm512_setzero_si512(), $($extra)*)
+        };
         ($q:expr, $t:tt, nohead; $($extra:tt)*) => {
-            run!(@ $q, $t, nohead; in("zmm17") _mm512_setzero_si512(), $($extra)*)
+            run!($q, $t, lines; in("zmm17") _mm512_setzero_si512(), $($extra)*)
         };
         ($q:expr, $t:tt, head; $($extra:tt)*) => {
-            run!(@ $q, $t, head; $($extra)*)
+            run!(@ $q, $t, head; [
+                ha3 = in(reg) ap.add(64 * (3 * Q + $q)),
+                hb3 = in(reg) bp.add(64 * (3 * Q + $q)),
+            ] $($extra)*
+                out("zmm4") _, out("zmm7") _, out("zmm9") _, out("zmm10") _, out("zmm13") _, out("zmm15") _,
+            )
         };
-        (@ $q:expr, $t:tt, $h:tt; $($extra:tt)*) => {
+        ($q:expr, $t:tt, lines; $($extra:tt)*) => {
+            run!(@ $q, $t, nohead; [
+                ha3 = in(reg) ap.add(64 * (3 * Q + $q)),
+                hb3 = in(reg) bp.add(64 * (3 * Q + $q)),
+            ] $($extra)*
+                out("zmm4") _, out("zmm7") _, out("zmm9") _, out("zmm10") _, out("zmm13") _, out("zmm15") _,
+            )
+        };
+        (@ $q:expr, $t:tt, $h:tt; [$($lines:tt)*] $($extra:tt)*) => {
             // SAFETY: step q reads 256 bytes of counters at CTR + 256q and of data at
             // 256q (and writes the data back; the last step only 32 bytes of its last
-            // 64), 64 bytes of each hash body at 64 (jQ + q) for quarters j = 0, 1, 2 and
-            // quarter 3's line from `line3` (all inside the 254-block bodies, checked
-            // above), reads `Consts` and reads and writes `Pending` at the offsets
-            // their layouts document. Every register it writes is an output.
+            // 64), 64 bytes of each hash body at 64 (jQ + q) for quarters j = 0, 1, 2, 3
+            // (quarter 3 but in the last step, which takes it in registers; all inside
+            // the 254-block bodies, checked above), reads `Consts` and reads and writes
+            // `Pending` at the offsets their layouts document. Every register it writes is
+            // an output.
             step!($t $h;
                 ctr = in(reg) ctr.add(32 * $q),
                 d = in(reg) dp.add(256 * $q),
                 ha = in(reg) ap.add(64 * $q),
                 hb = in(reg) bp.add(64 * $q),
-                ha3 = in(reg) line3(ap, pa, $q),
-                hb3 = in(reg) line3(bp, pb, $q),
+                $($lines)*
                 kc = in(reg) kc,
                 pa = in(reg) pa,
                 pb = in(reg) pb,
@@ -560,18 +565,20 @@ pub(in super::super) unsafe fn fused(
     run!(14, 0, nohead;);
     // Set here rather than at the start: blocks 252 and 253 of hash A's body are the
     // previous unit's output, stored just before this call, and reading them at once
-    // would wait for those stores. One 64-byte store, so that step 15's load of it is
-    // forwarded.
+    // would wait for those stores. Passed in registers, as the quarter trees come out:
+    // through memory, each would be a 512-bit store read back at once.
     let line = |body: &[u8], last: u128| {
         let two = _mm512_maskz_loadu_epi64(0x0f, body.as_ptr().add(16 * 252).cast());
         _mm512_mask_broadcast_i32x4(two, 0x0f00, from_u128(last))
     };
-    _mm512_store_si512(core::ptr::addr_of_mut!((*pa).last_line).cast(), line(a.0, a.1));
-    _mm512_store_si512(core::ptr::addr_of_mut!((*pb).last_line).cast(), line(b.0, b.1));
-    run!(15, root, nohead;);
-    let root = |pn: *const Pending, i: usize| _mm512_load_si512((*pn).root[i].as_ptr().cast());
+    let (line_a, line_b) = (line(a.0, a.1), line(b.0, b.1));
+    let (va, fa, vb, fb): (__m512i, __m512i, __m512i, __m512i);
+    run!(15, root, nohead;
+        inout("zmm7") line_a => _, inout("zmm13") line_b => _,
+        out("zmm4") va, out("zmm9") fa, out("zmm10") vb, out("zmm15") fb,
+    );
     let mult = _mm512_load_si512(scratch.mult.0.as_ptr().cast());
-    let roots = [root(pa, 0), root(pa, 1), root(pb, 0), root(pb, 1)];
+    let roots = [va, fa, vb, fb];
     let (c, tau_second) = quarters_finish2_mul::<Q>(&scratch.p, roots, mult, link.second, link.s);
     let y = link.second ^ c[1];
     let out = Linked { tail: [c[0], c[3]], head: [y, link.first ^ tau_second ^ c[2]] };

@@ -487,18 +487,13 @@ pub(in super::super) unsafe fn fused(
             run!(@ $q, root, nohead; [] in("zmm17") _mm512_setzero_si512(), $($extra)*)
         };
         ($q:expr, $t:tt, nohead; $($extra:tt)*) => {
-            run!($q, $t, lines; in("zmm17") _mm512_setzero_si512(), $($extra)*)
+            run!(lines $q, $t, nohead; in("zmm17") _mm512_setzero_si512(), $($extra)*)
         };
         ($q:expr, $t:tt, head; $($extra:tt)*) => {
-            run!(@ $q, $t, head; [
-                ha3 = in(reg) ap.add(64 * (3 * Q + $q)),
-                hb3 = in(reg) bp.add(64 * (3 * Q + $q)),
-            ] $($extra)*
-                out("zmm4") _, out("zmm7") _, out("zmm9") _, out("zmm10") _, out("zmm13") _, out("zmm15") _,
-            )
+            run!(lines $q, $t, head; $($extra)*)
         };
-        ($q:expr, $t:tt, lines; $($extra:tt)*) => {
-            run!(@ $q, $t, nohead; [
+        (lines $q:expr, $t:tt, $h:tt; $($extra:tt)*) => {
+            run!(@ $q, $t, $h; [
                 ha3 = in(reg) ap.add(64 * (3 * Q + $q)),
                 hb3 = in(reg) bp.add(64 * (3 * Q + $q)),
             ] $($extra)*

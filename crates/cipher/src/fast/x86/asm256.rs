@@ -129,6 +129,17 @@ macro_rules! c3 {
     };
 }
 
+/// The load of quarter 3's line of a hash in every step but the last (`full`); the last
+/// step (`half`) takes that line in a register (see `step!(root ..)`).
+macro_rules! line3 {
+    (full, $load:literal) => {
+        $load
+    };
+    (half, $load:literal) => {
+        ""
+    };
+}
+
 /// One step (see the module comment): counter blocks 16q+1..16q+16 through AES-256 and
 /// XORed into the data, group q of both hashes, and with `head` one round of the head's
 /// block per round. The lists are the instructions that depend on q: joining the
@@ -166,8 +177,8 @@ macro_rules! step {
             head!($h, "vaesenc xmm17, xmm17, xmm19"),
             "vmovdqu64 zmm6, zmmword ptr [{ha} + 2048]",
             "vmovdqu64 zmm12, zmmword ptr [{hb} + 2048]",
-            c3!($w, "vmovdqu64 zmm7, zmmword ptr [{ha3}]", ""),
-            c3!($w, "vmovdqu64 zmm13, zmmword ptr [{hb3}]", ""),
+            line3!($w, "vmovdqu64 zmm7, zmmword ptr [{ha3}]"),
+            line3!($w, "vmovdqu64 zmm13, zmmword ptr [{hb3}]"),
             // Round 3. u2 = c0 c1 d0 d1 (zmm4), u3 = c2 c3 d2 d3 (zmm5).
             "vaesenc zmm0, zmm0, zmm20",
             "vaesenc zmm1, zmm1, zmm20",

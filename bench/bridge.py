@@ -280,7 +280,7 @@ class DiskThrottle:
     """A cgroup whose member processes get at most the given bytes/s from the disk under `path`
     (cgroup v1 blkio throttle, or v2 io.max). Threads the members start later inherit it."""
 
-    def __init__(self, path: Path, write_bps: int, read_bps: int):
+    def __init__(self, path: Path, write_bps: int, read_bps: int, name: str = "ssd"):
         if os.geteuid() != 0:
             raise RuntimeError("needs root")
         st = os.stat(path)
@@ -293,13 +293,13 @@ class DiskThrottle:
         v1 = Path("/sys/fs/cgroup/blkio")
         v2 = Path("/sys/fs/cgroup")
         if v1.is_dir():
-            self.dir = v1 / f"cryptbridge-bench-{os.getpid()}"
+            self.dir = v1 / f"cryptbridge-bench-{os.getpid()}-{name}"
             self.dir.mkdir(exist_ok=True)
             (self.dir / "blkio.throttle.write_bps_device").write_text(f"{dev} {write_bps}\n")
             (self.dir / "blkio.throttle.read_bps_device").write_text(f"{dev} {read_bps}\n")
         elif (v2 / "cgroup.controllers").exists() and "io" in (v2 / "cgroup.controllers").read_text().split():
             (v2 / "cgroup.subtree_control").write_text("+io\n")
-            self.dir = v2 / f"cryptbridge-bench-{os.getpid()}"
+            self.dir = v2 / f"cryptbridge-bench-{os.getpid()}-{name}"
             self.dir.mkdir(exist_ok=True)
             (self.dir / "io.max").write_text(f"{dev} wbps={write_bps} rbps={read_bps}\n")
         else:

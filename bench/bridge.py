@@ -502,26 +502,32 @@ def backing_path(work: Path, regime: str, key: str) -> Path:
     return work / f"{regime}-plain.img"
 
 
+def cryptbridge_argv(key: str, binary, backing: Path, keyfile: Path, sock: Path, sector_size: int,
+                     extra: list) -> list:
+    """`cryptbridge serve` as the benchmarks run it: "cb-enc" (AES-256-XTS) or "cb-pt"
+    (--passthrough). `extra`: --direct, --threads and the like."""
+    if key == "cb-enc":
+        mode = ["--key-file", keyfile, "--cipher", "aes-xts-plain64", "--key-size", "512",
+                "--sector-size", str(sector_size)]
+    elif key == "cb-pt":
+        mode = ["--passthrough"]
+    else:
+        raise ValueError(key)
+    return [str(binary), "serve", "--backing", backing] + mode + ["--unix", sock] + list(extra)
+
+
 def build_servers(regime: str, keys: list[str], args, work: Path, rundir: Path, logdir: Path,
                   keyfile: Path, passfile: Path, size: int) -> list[Server]:
-    direct = ["--direct"] if regime in DISK_REGIMES else []
-    extra_cb = list(args.cb_extra)
+    extra_cb = (["--direct"] if regime in DISK_REGIMES else []) + list(args.cb_extra)
     if args.cb_threads:
         extra_cb += ["--threads", str(args.cb_threads)]
-    binary = str(args.binary)
     servers = []
     for key in keys:
         backing = backing_path(work, regime, key)
 
-        if key == "cb-enc":
-            def fn(sock, _pid, b=backing):
-                return [binary, "serve", "--backing", b, "--key-file", keyfile,
-                        "--cipher", "aes-xts-plain64", "--key-size", "512",
-                        "--sector-size", str(args.sector_size), "--unix", sock] + direct + extra_cb
-            ready = True
-        elif key == "cb-pt":
-            def fn(sock, _pid, b=backing):
-                return [binary, "serve", "--backing", b, "--passthrough", "--unix", sock] + direct + extra_cb
+        if key in ("cb-enc", "cb-pt"):
+            def fn(sock, _pid, b=backing, k=key):
+                return cryptbridge_argv(k, args.binary, b, keyfile, sock, args.sector_size, extra_cb)
             ready = True
         elif key == "nbdkit-file":
             def fn(sock, pid, b=backing):

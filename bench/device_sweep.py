@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import bridge
@@ -201,7 +200,6 @@ def main() -> int:
                 raise RuntimeError(f"cryptbridge keygen failed: {r.stderr.strip()}")
         bridge.prepare_plain(backing, size)
         bridge.drop_file_cache(backing)
-        binary = str(args.binary)
         for cap in caps:
             name = cap_name(cap)
             throttle = None
@@ -210,13 +208,9 @@ def main() -> int:
                                                name=f"cap{name}")
                 throttles.append(throttle)
             pair = [
-                bridge.Server("cb-enc", f"cap{name}", lambda sock, _pid: [
-                    binary, "serve", "--backing", backing, "--key-file", keyfile, "--cipher", "aes-xts-plain64",
-                    "--key-size", "512", "--sector-size", "4096", "--unix", sock, "--direct"],
-                    backing, rundir, logdir, True),
-                bridge.Server("cb-pt", f"cap{name}", lambda sock, _pid: [
-                    binary, "serve", "--backing", backing, "--passthrough", "--unix", sock, "--direct"],
-                    backing, rundir, logdir, True),
+                bridge.Server(key, f"cap{name}", lambda sock, _pid, k=key: bridge.cryptbridge_argv(
+                    k, args.binary, backing, keyfile, sock, 4096, ["--direct"]), backing, rundir, logdir, True)
+                for key in ("cb-enc", "cb-pt")
             ]
             for s in pair:
                 s.start()
@@ -251,8 +245,7 @@ def main() -> int:
     finally:
         for pair in servers.values():
             for s in pair:
-                s.stop()
-        time.sleep(0.2)
+                s.stop()  # waits for the process, so its cgroup is empty after
         for t in throttles:
             t.remove()
         if created and not args.keep_files:
@@ -261,7 +254,7 @@ def main() -> int:
 
     rows = summarize(state["results"], caps, profiles)
     for r in rows:
-        limit = r["cap_read_mbps"] if r["profile"].endswith("read") else r["cap_write_mbps"]
+        limit = r["cap_write_mbps"] if by_key[r["profile"]].writes else r["cap_read_mbps"]
         if limit is not None and r["pt_max_mbps"] is not None and r["pt_max_mbps"] > 1.1 * limit:
             warn(f"cap {limit} MB/s did not hold: {r['profile_label']} passthrough reached "
                  f"{r['pt_max_mbps']:.0f} MB/s")

@@ -35,6 +35,25 @@ READY_TIMEOUT = 20.0
 STOP_TIMEOUT = 15.0
 
 
+def load_bench_module(stem: str):
+    """Imports bench/<stem>.py for tests of a benchmark's pure parts; yields the module, then
+    forgets it (a generator, for module-scoped fixtures)."""
+    import importlib.util
+
+    bench = REPO / "bench"
+    name = f"bench_{stem}"
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location(name, bench / f"{stem}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look the module up by name
+    spec.loader.exec_module(module)
+    try:
+        yield module
+    finally:
+        sys.modules.pop(name, None)
+        sys.path.remove(str(bench))
+
+
 def run(cmd, timeout: float = 60, input: Optional[bytes] = None, check: bool = False, **kw):
     """subprocess.run with a mandatory timeout and captured output (bytes)."""
     cmd = [str(c) for c in cmd]

@@ -1,25 +1,15 @@
 """The bridge benchmark's statistics: job order and paired ratios (bench/bridge.py)."""
 
-import importlib.util
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from conftest import load_bench_module
 
 
 @pytest.fixture(scope="module")
 def bridge():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_bridge", BENCH / "bridge.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_bridge"] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_bridge", None)
-    sys.path.remove(str(BENCH))
+    yield from load_bench_module("bridge")
 
 
 def test_every_server_takes_every_position(bridge):

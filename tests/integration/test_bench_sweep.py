@@ -1,24 +1,13 @@
 """The device sweep's arguments, order and statistics (bench/device_sweep.py)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from conftest import load_bench_module
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_device_sweep", BENCH / "device_sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_device_sweep"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_device_sweep", None)
-    sys.path.remove(str(BENCH))
+    yield from load_bench_module("device_sweep")
 
 
 def test_caps_parse_numbers_and_none(sweep):

@@ -465,7 +465,8 @@ macro_rules! step {
 ///
 /// # Safety
 /// As `ctr_brw255`; `rk` must be an AES-256 schedule.
-#[inline(always)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,vaes,vpclmulqdq,aes,pclmulqdq,sse2,ssse3,sse4.1,avx2")]
 pub(in super::super) unsafe fn fused(
     rk: &RoundKeys,
     data: &mut [u8],

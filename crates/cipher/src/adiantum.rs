@@ -24,7 +24,7 @@ use zeroize::{Zeroize, ZeroizeOnDrop};
 
 use crate::aes_any::AesAny;
 use crate::hctr2::linux_tweak;
-use crate::{CipherError, SectorCipher};
+use crate::{CipherError, CpuLevel, SectorCipher};
 
 /// NH processes the message in 1024-byte chunks, 16 bytes per step, four passes.
 const NH_CHUNK: usize = 1024;
@@ -53,10 +53,18 @@ pub struct Adiantum {
     keys: Keys,
     aes: AesAny,
     rounds: XChaChaRounds,
+    level: CpuLevel,
 }
 
 impl Adiantum {
     pub fn new(key: &[u8], rounds: XChaChaRounds) -> Result<Self, CipherError> {
+        Self::with_level(key, rounds, crate::arch::active_level()?)
+    }
+
+    /// With the NH kernel of `level` (an error if the CPU lacks it). XChaCha comes from the
+    /// `chacha20` crate, which picks its own SSE2/AVX2 back end.
+    pub fn with_level(key: &[u8], rounds: XChaChaRounds, level: CpuLevel) -> Result<Self, CipherError> {
+        level.available()?;
         let name = Self::name_of(rounds);
         let k: [u8; 32] = key.try_into().map_err(|_| CipherError::KeyLength { cipher: name, expected: "32", got: key.len() })?;
         let mut derived = [0u8; 32 + 16 + 16 + 4 * NH_KEY_WORDS];
@@ -71,7 +79,7 @@ impl Adiantum {
             *w = u32::from_le_bytes(b.try_into().expect("4 bytes"));
         }
         derived.zeroize();
-        Ok(Self { keys: Keys { k, header, message, nh }, aes, rounds })
+        Ok(Self { keys: Keys { k, header, message, nh }, aes, rounds, level })
     }
 
     fn name_of(rounds: XChaChaRounds) -> &'static str {
@@ -89,7 +97,7 @@ impl Adiantum {
         p.update_blocks(&header);
         p.update(tweak);
         let h_t = p.finish();
-        h_t.wrapping_add(nh_poly1305(&self.keys.message, &self.keys.nh, bulk))
+        h_t.wrapping_add(nh_poly1305(&self.keys.message, &self.keys.nh, bulk, self.level))
     }
 
     fn crypt(&self, tweak: &[u8], data: &mut [u8], decrypt: bool) -> Result<(), CipherError> {
@@ -165,10 +173,11 @@ impl SectorCipher for Adiantum {
 
 /// NH over one chunk (at most 1024 bytes, zero-padded to a multiple of 16): four 64-bit sums.
 #[inline]
-pub(crate) fn nh(key: &[u32; NH_KEY_WORDS], chunk: &[u8]) -> [u8; 32] {
+pub(crate) fn nh(key: &[u32; NH_KEY_WORDS], chunk: &[u8], level: CpuLevel) -> [u8; 32] {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512F was detected just above.
+    if level >= CpuLevel::Vaes512 {
+        // SAFETY: the cipher's constructor checked that the CPU has `level`, which includes
+        // AVX-512F.
         return unsafe { nh_avx512(key, chunk) };
     }
     nh_portable(key, chunk)
@@ -256,10 +265,10 @@ fn nh_portable(key: &[u32; NH_KEY_WORDS], chunk: &[u8]) -> [u8; 32] {
 }
 
 /// NHPoly1305 without the final addition of s: Poly1305 over NH of each 1024-byte chunk.
-pub(crate) fn nh_poly1305(pkey: &Poly1305Key, nhkey: &[u32; NH_KEY_WORDS], msg: &[u8]) -> u128 {
+pub(crate) fn nh_poly1305(pkey: &Poly1305Key, nhkey: &[u32; NH_KEY_WORDS], msg: &[u8], level: CpuLevel) -> u128 {
     let mut p = Poly1305::new(pkey);
     for chunk in msg.chunks(NH_CHUNK) {
-        p.update_blocks(&nh(nhkey, chunk));
+        p.update_blocks(&nh(nhkey, chunk, level));
     }
     p.finish()
 }
@@ -432,7 +441,9 @@ mod tests {
                 *w = u32::from_le_bytes(b.try_into().unwrap());
             }
             let msg = h(&c["input"]["message_hex"]);
-            assert_eq!(hex::encode(nh(&k, &msg)), c["hash_hex"].as_str().unwrap(), "{}", c["description"]);
+            for level in CpuLevel::supported() {
+                assert_eq!(hex::encode(nh(&k, &msg, level)), c["hash_hex"].as_str().unwrap(), "{} (level {level})", c["description"]);
+            }
             assert_eq!(hex::encode(nh_portable(&k, &msg)), c["hash_hex"].as_str().unwrap(), "{} (portable)", c["description"]);
         }
     }
@@ -445,7 +456,9 @@ mod tests {
         }
         for len in 0..=NH_CHUNK {
             let msg: Vec<u8> = (0..len).map(|i| (i * 131 + len) as u8).collect();
-            assert_eq!(nh(&k, &msg), nh_portable(&k, &msg), "len {len}");
+            for level in CpuLevel::supported() {
+                assert_eq!(nh(&k, &msg, level), nh_portable(&k, &msg), "len {len}, level {level}");
+            }
         }
     }
 
@@ -459,7 +472,7 @@ mod tests {
                 *w = u32::from_le_bytes(b.try_into().unwrap());
             }
             let msg = h(&c["input"]["message_hex"]);
-            assert_eq!(hex::encode(nh_poly1305(&pk, &k, &msg).to_le_bytes()), c["hash_hex"].as_str().unwrap(), "{}", c["description"]);
+            assert_eq!(hex::encode(nh_poly1305(&pk, &k, &msg, CpuLevel::detected()).to_le_bytes()), c["hash_hex"].as_str().unwrap(), "{}", c["description"]);
         }
     }
 

@@ -15,7 +15,7 @@
 
 use zeroize::{Zeroize, ZeroizeOnDrop};
 
-use crate::{CipherError, SectorCipher};
+use crate::{CipherError, CpuLevel, SectorCipher};
 
 const NAME: &str = "aez";
 
@@ -73,11 +73,12 @@ enum Round {
 }
 
 impl Round {
-    fn detect() -> Self {
+    fn at(level: CpuLevel) -> Self {
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("aes") && std::is_x86_feature_detected!("sse2") {
+        if level >= CpuLevel::Aesni {
             return Round::AesNi;
         }
+        let _ = level;
         Round::Soft
     }
 }
@@ -88,7 +89,8 @@ impl Round {
 fn rounds(r: Round, blocks: &mut [B], keys: &[B]) {
     match r {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Round::AesNi` is only chosen when AES-NI and SSE2 were detected.
+        // SAFETY: `Round::AesNi` is only chosen at level `aesni` or above, which the constructor
+        // checked this CPU has.
         Round::AesNi => unsafe { aesni::rounds(blocks, keys) },
         Round::Soft => {
             for b in blocks.iter_mut() {
@@ -392,7 +394,15 @@ pub struct Aez {
 
 impl Aez {
     /// Any key length; 48 bytes are used directly, others through Extract (BLAKE2b-384).
-    pub fn new(key: &[u8]) -> Self {
+    pub fn new(key: &[u8]) -> Result<Self, CipherError> {
+        Self::with_level(key, crate::arch::active_level()?)
+    }
+
+    /// With the kernels of `level` (an error if the CPU lacks it): `portable` uses the `aes`
+    /// crate's round function, `aesni` AES-NI one block at a time, `vaes512` AEZ-core's passes
+    /// sixteen pairs at a time.
+    pub fn with_level(key: &[u8], level: CpuLevel) -> Result<Self, CipherError> {
+        level.available()?;
         let mut kk = extract(key);
         let (i, j, l): (B, B, B) = (kk[..16].try_into().unwrap(), kk[16..32].try_into().unwrap(), kk[32..].try_into().unwrap());
         kk.zeroize();
@@ -416,31 +426,11 @@ impl Aez {
             aes4: [j, i, l, [0; 16]],
             aes10: [i, j, l, i, j, l, i, j, l, i],
         };
-        let round = Round::detect();
-        #[cfg(target_arch = "x86_64")]
-        let vaes = round == Round::AesNi
-            && std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("vaes");
-        #[cfg(not(target_arch = "x86_64"))]
-        let vaes = false;
+        let round = Round::at(level);
+        let vaes = cfg!(target_arch = "x86_64") && level >= CpuLevel::Vaes512;
         let mut a = Self { k, round, vaes, key_len: key.len() };
         a.k.delta0 = a.e(3, 1, [0; 16]);
-        a
-    }
-
-    /// The same with the portable AES round (for cross-checking the AES-NI path).
-    pub fn new_portable(key: &[u8]) -> Self {
-        let mut a = Self::new(key);
-        a.round = Round::Soft;
-        a.vaes = false;
-        a
-    }
-
-    /// AES-NI rounds but no VAES kernels (for cross-checking the VAES path).
-    pub fn new_aesni_only(key: &[u8]) -> Self {
-        let mut a = Self::new(key);
-        a.vaes = false;
-        a
+        Ok(a)
     }
 
     /// 2^ceil(i/8) * I.
@@ -556,7 +546,8 @@ impl Aez {
         let vaes_pairs = if self.vaes { m / 4 * 4 } else { 0 };
         #[cfg(target_arch = "x86_64")]
         if vaes_pairs > 0 {
-            // SAFETY: `vaes` is only set when AVX-512F, VAES and AES-NI were detected.
+            // SAFETY: `vaes` is only set at level `vaes512`, which the constructor checked this
+            // CPU has.
             sum_x = unsafe { vaes_core::pass1(self, &mut pairs[..32 * vaes_pairs]) };
         }
         for (c, chunk) in pairs[32 * vaes_pairs..].chunks_mut(256).enumerate() {
@@ -949,7 +940,7 @@ mod tests {
         let cases = vectors("hash.json");
         assert_eq!(cases.len(), 27);
         for c in cases {
-            let a = Aez::new(&h(&c["k"]));
+            let a = Aez::new(&h(&c["k"])).unwrap();
             let tau = be128(c["tau"].as_u64().unwrap());
             let data: Vec<Vec<u8>> = c["data"].as_array().unwrap().iter().map(h).collect();
             let mut t: Vec<&[u8]> = vec![&tau];
@@ -963,7 +954,7 @@ mod tests {
         let cases = vectors("prf.json");
         assert_eq!(cases.len(), 16);
         for c in cases {
-            let a = Aez::new(&h(&c["k"]));
+            let a = Aez::new(&h(&c["k"])).unwrap();
             let delta: B = h(&c["delta"]).try_into().unwrap();
             assert_eq!(hex::encode(a.prf(&delta, c["tau"].as_u64().unwrap() as usize)), c["r"].as_str().unwrap());
         }

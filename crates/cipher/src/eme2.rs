@@ -22,6 +22,7 @@
 use zeroize::{Zeroize, ZeroizeOnDrop};
 
 use crate::aes_any::AesAny;
+use crate::CpuLevel;
 use crate::gf128::{fill_xts_tweaks, xts_mul_alpha};
 use crate::tes_common::ecb;
 #[cfg(target_arch = "x86_64")]
@@ -56,6 +57,13 @@ pub struct Eme2 {
 
 impl Eme2 {
     pub fn new(key: &[u8]) -> Result<Self, CipherError> {
+        Self::with_level(key, crate::arch::active_level()?)
+    }
+
+    /// With the kernels of `level` (an error if the CPU lacks it); `CpuLevel::Portable` is the
+    /// reference the SIMD paths are cross-checked against.
+    pub fn with_level(key: &[u8], level: CpuLevel) -> Result<Self, CipherError> {
+        level.available()?;
         let bad = || CipherError::KeyLength { cipher: NAME, expected: "48 or 64 (K_AD || K_ECB || AES-128/256 key)", got: key.len() };
         if key.len() != 48 && key.len() != 64 {
             return Err(bad());
@@ -75,20 +83,9 @@ impl Eme2 {
             secrets: Secrets { k_ad, k_ecb, l_period },
             aes,
             #[cfg(target_arch = "x86_64")]
-            vaes: Vaes::new(&key[32..]),
+            vaes: Vaes::new(&key[32..], level),
             key_len: key.len(),
         })
-    }
-
-    /// The portable implementation only (the `aes` crate for every AES call): the reference the
-    /// VAES path is cross-checked against.
-    pub fn new_generic(key: &[u8]) -> Result<Self, CipherError> {
-        let mut e = Self::new(key)?;
-        #[cfg(target_arch = "x86_64")]
-        {
-            e.vaes = None;
-        }
-        Ok(e)
     }
 
     /// `vaes-avx512` or `aes-crate`.

@@ -19,4 +19,6 @@ pub enum CipherError {
     EqualKeyHalves,
     #[error("a run of {got} bytes is not a whole number of {unit_len}-byte data units")]
     UnitLength { unit_len: usize, got: usize },
+    #[error(transparent)]
+    CpuLevel(#[from] crate::arch::LevelError),
 }

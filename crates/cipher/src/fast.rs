@@ -16,6 +16,7 @@
 use zeroize::{Zeroize, ZeroizeOnDrop};
 
 use crate::aes_any::AesAny;
+use crate::CpuLevel;
 use crate::gf128::{Acc, Field, PolyHash};
 use crate::tes_common::{block_at, ctr_xor, tweak_block};
 #[cfg(target_arch = "x86_64")]
@@ -57,12 +58,19 @@ pub struct Fast {
 
 impl Fast {
     pub fn new(key: &[u8], variant: FastHash) -> Result<Self, CipherError> {
+        Self::with_level(key, variant, crate::arch::active_level()?)
+    }
+
+    /// With the kernels of `level` (an error if the CPU lacks it); `CpuLevel::Portable` is the
+    /// reference the SIMD paths are cross-checked against.
+    pub fn with_level(key: &[u8], variant: FastHash, level: CpuLevel) -> Result<Self, CipherError> {
+        level.available()?;
         let name = Self::name_of(variant);
         let aes = AesAny::new(key).ok_or(CipherError::KeyLength { cipher: name, expected: "16, 24 or 32", got: key.len() })?;
         let mut t = aes::Block::default();
         aes.encrypt_block(&mut t);
         let mut tau_bytes: [u8; 16] = t.into();
-        let hash = PolyHash::new(Field::Le, &tau_bytes);
+        let hash = PolyHash::new(Field::Le, &tau_bytes, level);
         let tau = u128::from_le_bytes(tau_bytes);
         tau_bytes.zeroize();
         let mut brw = BrwPowers([0; 17]);
@@ -71,7 +79,7 @@ impl Fast {
             brw.0[i] = hash.mul(brw.0[i - 1], brw.0[i - 1]);
         }
         #[cfg(target_arch = "x86_64")]
-        let vaes = Vaes::new(key);
+        let vaes = Vaes::new(key, level);
         #[cfg(target_arch = "x86_64")]
         let fused = vaes.is_some() && hash.uses_wide() && variant == FastHash::Brw;
         Ok(Self {
@@ -86,19 +94,6 @@ impl Fast {
             variant,
             key_len: key.len(),
         })
-    }
-
-    /// The portable implementation only (`aes` crate, 128-bit carry-less multiplies): the
-    /// reference the SIMD paths are cross-checked against.
-    pub fn new_generic(key: &[u8], variant: FastHash) -> Result<Self, CipherError> {
-        let mut f = Self::new(key, variant)?;
-        #[cfg(target_arch = "x86_64")]
-        {
-            f.vaes = None;
-            f.fused = false;
-        }
-        f.hash = core::mem::replace(&mut f.hash, PolyHash::new(Field::Le, &[0; 16])).narrow();
-        Ok(f)
     }
 
     fn name_of(variant: FastHash) -> &'static str {
@@ -235,7 +230,7 @@ impl Fast {
     /// - tail (output hash `post`): encrypt C1 = f2 ^ tau b2, C2 = b2 ^ tau^2 post; decrypt
     ///   P1 = a1 ^ tau post, P2 = f1 ^ tau a1.
     #[cfg(target_arch = "x86_64")]
-    fn units_brw4096(&self, rk: &crate::aesni::RoundKeys, first: u64, step: u64, data: &mut [u8], decrypt: bool) {
+    fn units_brw4096(&self, rk: &crate::arch::x86::aes::RoundKeys, first: u64, step: u64, data: &mut [u8], decrypt: bool) {
         const L: usize = 4096;
         let n = data.len() / L;
         if n == 0 {

@@ -91,6 +91,8 @@ mod tests {
 
 use zeroize::{Zeroize, ZeroizeOnDrop};
 
+use crate::CpuLevel;
+
 /// The block-to-field convention of a [`PolyHash`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Field {
@@ -188,14 +190,6 @@ fn polyval_mul_x(v: u128) -> u128 {
     (v << 1) ^ (carry & 0xc200_0000_0000_0000_0000_0000_0000_0001)
 }
 
-/// Whether this CPU can run the PCLMULQDQ path.
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn have_clmul() -> bool {
-    std::is_x86_feature_detected!("pclmulqdq")
-        && std::is_x86_feature_detected!("sse2")
-        && std::is_x86_feature_detected!("ssse3")
-}
-
 /// Horner evaluation `acc <- (acc ^ X) * H` over 16-byte blocks, with powers of H precomputed so
 /// that eight blocks (32 with AVX-512 VPCLMULQDQ) cost one reduction. For `Field::Ghash` this is exactly GCM's GHASH chain; for
 /// `Field::Polyval` it is POLYVAL; for `Field::Le` it is FAST's field with a plain product.
@@ -223,13 +217,9 @@ const WIDE_BLOCKS: usize = 32;
 pub(crate) struct Acc(pub(crate) u128);
 
 impl PolyHash {
-    /// Keys the hash with the 16-byte block `h` (in the convention's own byte order).
-    pub(crate) fn new(field: Field, h: &[u8; 16]) -> Self {
-        Self::with_clmul(field, h, Self::detect())
-    }
-
-    /// Same, choosing the implementation: `clmul = false` forces the portable path (for tests).
-    pub(crate) fn with_clmul(field: Field, h: &[u8; 16], clmul: bool) -> Self {
+    /// Keys the hash with the 16-byte block `h` (in the convention's own byte order), with the
+    /// kernels of `level` (PCLMULQDQ from `aesni`, VPCLMULQDQ on 512-bit registers at `vaes512`).
+    pub(crate) fn new(field: Field, h: &[u8; 16], level: CpuLevel) -> Self {
         let h = match field {
             Field::Le | Field::Polyval => u128::from_le_bytes(*h),
             Field::Ghash => polyval_mul_x(u128::from_be_bytes(*h)),
@@ -243,39 +233,8 @@ impl PolyHash {
         for (k, v) in rev[..WIDE_BLOCKS].iter_mut().enumerate() {
             *v = pow[WIDE_BLOCKS - 1 - k];
         }
-        let clmul = clmul && Self::detect();
-        Self { pow, rev, field, clmul, wide: clmul && Self::detect_wide() }
-    }
-
-    fn detect_wide() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            have_clmul()
-                && std::is_x86_feature_detected!("avx512f")
-                && std::is_x86_feature_detected!("avx512bw")
-                && std::is_x86_feature_detected!("vpclmulqdq")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    }
-
-    /// Switches the AVX-512 path off (the 128-bit PCLMULQDQ path remains; for tests).
-    pub(crate) fn narrow(mut self) -> Self {
-        self.wide = false;
-        self
-    }
-
-    fn detect() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            have_clmul()
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
+        let x86 = cfg!(target_arch = "x86_64");
+        Self { pow, rev, field, clmul: x86 && level >= CpuLevel::Aesni, wide: x86 && level >= CpuLevel::Vaes512 }
     }
 
     /// Converts a block to the internal representation.
@@ -302,11 +261,12 @@ impl PolyHash {
         #[cfg(target_arch = "x86_64")]
         if self.clmul {
             if self.wide {
-                // SAFETY: `wide` is only true when AVX-512F/BW, VPCLMULQDQ, PCLMULQDQ, SSE2 and
-                // SSSE3 were detected.
+                // SAFETY: `wide` is only set at level `vaes512`, which the constructor's caller
+                // checked this CPU has (`CpuLevel::available`).
                 unsafe { x86::horner_wide(self, acc, data) };
             } else {
-                // SAFETY: `clmul` is only true when PCLMULQDQ, SSE2 and SSSE3 were detected.
+                // SAFETY: `clmul` is only set at level `aesni` or above, which the constructor's caller
+                // checked this CPU has (`CpuLevel::available`).
                 unsafe { x86::horner(self, acc, data) };
             }
             return;
@@ -359,7 +319,8 @@ impl PolyHash {
     pub(crate) fn mul(&self, a: u128, b: u128) -> u128 {
         #[cfg(target_arch = "x86_64")]
         if self.clmul {
-            // SAFETY: `clmul` is only true when PCLMULQDQ and SSE2 were detected.
+            // SAFETY: `clmul` is only set at level `aesni` or above, which the constructor's caller
+            // checked this CPU has (`CpuLevel::available`).
             return unsafe { x86::mul(self.field, a, b) };
         }
         field_mul(self.field, a, b)
@@ -370,7 +331,8 @@ impl PolyHash {
         debug_assert_eq!(a.len(), b.len());
         #[cfg(target_arch = "x86_64")]
         if self.wide {
-            // SAFETY: `wide` is only true when AVX-512F/BW, VPCLMULQDQ and PCLMULQDQ were detected.
+            // SAFETY: `wide` is only set at level `vaes512`, which the constructor's caller
+            // checked this CPU has (`CpuLevel::available`).
             unsafe { x86::mul_batch(self.field, a, b) };
             return;
         }
@@ -388,13 +350,14 @@ impl PolyHash {
         }
         #[cfg(target_arch = "x86_64")]
         if self.wide && (k + 1) >= 16 {
-            // SAFETY: `wide` is only true when AVX-512F/BW, VPCLMULQDQ and PCLMULQDQ were
-            // detected; k + 1 is a power of two from 16 to 256, the sizes the kernel takes.
+            // SAFETY: `wide` is only set at level `vaes512`, which the constructor's caller
+            // checked this CPU has (`CpuLevel::available`).
             return Some(unsafe { x86::brw_le_wide(p, body, last, k) });
         }
         #[cfg(target_arch = "x86_64")]
         if self.clmul {
-            // SAFETY: `clmul` is only true when PCLMULQDQ, SSE2 and SSSE3 were detected.
+            // SAFETY: `clmul` is only set at level `aesni` or above, which the constructor's caller
+            // checked this CPU has (`CpuLevel::available`).
             return Some(unsafe { x86::brw_le(p, body, last, k) });
         }
         None
@@ -1061,18 +1024,18 @@ mod tes_tests {
     #[test]
     fn ghash_equals_gcm_chain() {
         let mut s = 3u128;
-        for clmul in [false, true] {
+        for level in CpuLevel::supported() {
             for n in [0usize, 1, 7, 8, 9, 16, 17, 33, 255, 258] {
                 let h = rng(&mut s).to_be_bytes();
                 let data: Vec<u8> = (0..n * 16).map(|_| rng(&mut s) as u8).collect();
-                let ph = PolyHash::with_clmul(Field::Ghash, &h, clmul);
+                let ph = PolyHash::new(Field::Ghash, &h, level);
                 let mut acc = Acc::default();
                 ph.update(&mut acc, &data);
                 let mut y = 0u128;
                 for b in data.chunks_exact(16) {
                     y = slow_gcm(y ^ u128::from_be_bytes(b.try_into().unwrap()), u128::from_be_bytes(h));
                 }
-                assert_eq!(ph.finish(acc), y.to_be_bytes(), "n = {n}, clmul = {clmul}");
+                assert_eq!(ph.finish(acc), y.to_be_bytes(), "n = {n}, level {level}");
             }
         }
     }
@@ -1086,16 +1049,15 @@ mod tes_tests {
             for n in [0usize, 1, 3, 8, 15, 16, 17, 31, 32, 47, 255, 256, 257] {
                 let h = rng(&mut s).to_le_bytes();
                 let data: Vec<u8> = (0..n * 16).map(|_| rng(&mut s) as u8).collect();
-                let (a, b) = (PolyHash::with_clmul(field, &h, false), PolyHash::with_clmul(field, &h, true));
-                let c = PolyHash::with_clmul(field, &h, true).narrow();
-                let (mut x, mut y) = (Acc(rng(&mut s)), Acc::default());
-                y.0 = x.0;
-                let mut z = Acc(x.0);
+                let a = PolyHash::new(field, &h, CpuLevel::Portable);
+                let start = rng(&mut s);
+                let mut x = Acc(start);
                 a.update(&mut x, &data);
-                b.update(&mut y, &data);
-                c.update(&mut z, &data);
-                assert_eq!(x.0, y.0, "{field:?} n = {n}");
-                assert_eq!(x.0, z.0, "{field:?} n = {n} (128-bit path)");
+                for level in CpuLevel::supported() {
+                    let mut y = Acc(start);
+                    PolyHash::new(field, &h, level).update(&mut y, &data);
+                    assert_eq!(x.0, y.0, "{field:?} n = {n}, level {level}");
+                }
                 if field == Field::Le {
                     let hv = u128::from_le_bytes(h);
                     let mut r = 0u128;
@@ -1113,15 +1075,15 @@ mod tes_tests {
     #[test]
     fn batch_products_equal_single_ones() {
         let mut s = 21u128;
-        for field in [Field::Le, Field::Polyval, Field::Ghash] {
-            let ph = PolyHash::new(field, &rng(&mut s).to_le_bytes());
+        for (field, level) in [Field::Le, Field::Polyval, Field::Ghash].into_iter().flat_map(|f| CpuLevel::supported().map(move |l| (f, l))) {
+            let ph = PolyHash::new(field, &rng(&mut s).to_le_bytes(), level);
             for n in [0usize, 1, 3, 4, 5, 64, 127] {
                 let a: Vec<u128> = (0..n).map(|_| rng(&mut s)).collect();
                 let b: Vec<u128> = (0..n).map(|_| rng(&mut s)).collect();
                 let mut c = a.clone();
                 ph.mul_batch(&mut c, &b);
                 for i in 0..n {
-                    assert_eq!(c[i], field_mul(field, a[i], b[i]), "{field:?} n {n} i {i}");
+                    assert_eq!(c[i], field_mul(field, a[i], b[i]), "{field:?} n {n} i {i}, level {level}");
                 }
             }
         }
@@ -1133,7 +1095,7 @@ mod tes_tests {
         let h: [u8; 16] = hex16("25629347589242761d31f826ba4b757b");
         let x1 = hex16("4f4f95668c83dfb6401762bb2d01a262");
         let x2 = hex16("d1a24ddd2721d006bbe45f20d3c9f362");
-        let ph = PolyHash::new(Field::Polyval, &h);
+        let ph = PolyHash::new(Field::Polyval, &h, CpuLevel::detected());
         let mut acc = Acc::default();
         ph.update_block(&mut acc, &x1);
         ph.update_block(&mut acc, &x2);

@@ -19,6 +19,7 @@
 use zeroize::{Zeroize, ZeroizeOnDrop};
 
 use crate::aes_any::AesAny;
+use crate::CpuLevel;
 use crate::gf128::{Acc, Field, PolyHash};
 use crate::tes_common::{block_at, ctr_xor, xor16};
 #[cfg(target_arch = "x86_64")]
@@ -46,6 +47,13 @@ pub struct Hctr2 {
 
 impl Hctr2 {
     pub fn new(key: &[u8]) -> Result<Self, CipherError> {
+        Self::with_level(key, crate::arch::active_level()?)
+    }
+
+    /// With the kernels of `level` (an error if the CPU lacks it); `CpuLevel::Portable` is the
+    /// reference the SIMD paths are cross-checked against.
+    pub fn with_level(key: &[u8], level: CpuLevel) -> Result<Self, CipherError> {
+        level.available()?;
         let aes = AesAny::new(key).ok_or(CipherError::KeyLength { cipher: NAME, expected: "16, 24 or 32", got: key.len() })?;
         let mut h = aes::Block::default();
         aes.encrypt_block(&mut h);
@@ -53,27 +61,16 @@ impl Hctr2 {
         l[0] = 1;
         aes.encrypt_block(&mut l);
         let mut hb: [u8; 16] = h.into();
-        let hash = PolyHash::new(Field::Polyval, &hb);
+        let hash = PolyHash::new(Field::Polyval, &hb, level);
         hb.zeroize();
         Ok(Self {
             aes,
             #[cfg(target_arch = "x86_64")]
-            vaes: Vaes::new(key),
+            vaes: Vaes::new(key, level),
             hash,
             secret: Secret { l: l.into() },
             key_len: key.len(),
         })
-    }
-
-    /// The portable implementation only: the reference the SIMD paths are cross-checked against.
-    pub fn new_generic(key: &[u8]) -> Result<Self, CipherError> {
-        let mut h = Self::new(key)?;
-        #[cfg(target_arch = "x86_64")]
-        {
-            h.vaes = None;
-        }
-        h.hash = core::mem::replace(&mut h.hash, PolyHash::new(Field::Polyval, &[0; 16])).narrow();
-        Ok(h)
     }
 
     /// POLYVAL over the length block and the tweak: the part of H(T, .) that both hashes share.

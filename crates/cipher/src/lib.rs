@@ -5,8 +5,7 @@
 
 pub mod adiantum;
 mod aes_any;
-#[cfg(target_arch = "x86_64")]
-mod aesni;
+pub mod arch;
 pub mod aez;
 pub mod ecb;
 pub mod eme2;
@@ -15,7 +14,6 @@ pub mod fast;
 mod gf128;
 pub mod hctr2;
 pub mod registry;
-mod registers;
 pub mod tes_common;
 pub mod xcb;
 pub mod xts;
@@ -24,7 +22,14 @@ pub mod xts;
 mod test_vectors;
 
 pub use error::CipherError;
-pub use registers::clear_vector_registers;
+pub use arch::CpuLevel;
+
+/// Zeroes the vector registers the kernels use (see `arch::x86::registers`); nothing to do on
+/// other architectures, whose kernels are the `aes` crate's.
+pub fn clear_vector_registers() {
+    #[cfg(target_arch = "x86_64")]
+    arch::x86::registers::clear_vector_registers();
+}
 pub use registry::{new_cipher, CipherSpec};
 
 /// A tweakable, length-preserving cipher over one data unit (usually a disk sector).

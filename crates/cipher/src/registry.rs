@@ -105,7 +105,7 @@ pub fn new_cipher(name: &str, key: &[u8], policy: KeyPolicy) -> Result<Box<dyn S
         "xcb(aes)" => Ok(Box::new(Xcb::new(key)?)),
         "fast-horner(aes)" => Ok(Box::new(Fast::new(key, FastHash::Horner)?)),
         "fast-brw(aes)" => Ok(Box::new(Fast::new(key, FastHash::Brw)?)),
-        "aez" => Ok(Box::new(Aez::new(key))),
+        "aez" => Ok(Box::new(Aez::new(key)?)),
         "hctr2(aes)" => Ok(Box::new(Hctr2::new(key)?)),
         "adiantum(xchacha12,aes)" => Ok(Box::new(Adiantum::new(key, XChaChaRounds::R12)?)),
         "adiantum(xchacha20,aes)" => Ok(Box::new(Adiantum::new(key, XChaChaRounds::R20)?)),

@@ -22,6 +22,7 @@
 //! Encryption and decryption each need both the AES cipher and its inverse (Ke and Kd).
 
 use crate::aes_any::AesAny;
+use crate::CpuLevel;
 use crate::gf128::{Acc, Field, PolyHash};
 use crate::tes_common::{ctr_xor, xor16};
 #[cfg(target_arch = "x86_64")]
@@ -43,6 +44,13 @@ pub struct Xcb {
 
 impl Xcb {
     pub fn new(key: &[u8]) -> Result<Self, CipherError> {
+        Self::with_level(key, crate::arch::active_level()?)
+    }
+
+    /// With the kernels of `level` (an error if the CPU lacks it); `CpuLevel::Portable` is the
+    /// reference the SIMD paths are cross-checked against.
+    pub fn with_level(key: &[u8], level: CpuLevel) -> Result<Self, CipherError> {
+        level.available()?;
         let bad = || CipherError::KeyLength { cipher: NAME, expected: "16 or 32", got: key.len() };
         if key.len() != 16 && key.len() != 32 {
             return Err(bad());
@@ -61,11 +69,11 @@ impl Xcb {
         let sub = |i: usize| AesAny::new(&s[32 * i..32 * i + n]).expect("16 or 32 bytes");
         let (ke, kd, kc) = (sub(0), sub(1), sub(2));
         #[cfg(target_arch = "x86_64")]
-        let vaes = match (Vaes::new(&s[..n]), Vaes::new(&s[32..32 + n]), Vaes::new(&s[64..64 + n])) {
+        let vaes = match (Vaes::new(&s[..n], level), Vaes::new(&s[32..32 + n], level), Vaes::new(&s[64..64 + n], level)) {
             (Some(e), Some(d), Some(c)) => Some([e, d, c]),
             _ => None,
         };
-        let hash = PolyHash::new(Field::Ghash, &blocks[0].into());
+        let hash = PolyHash::new(Field::Ghash, &blocks[0].into(), level);
         zeroize::Zeroize::zeroize(&mut s);
         for b in blocks.iter_mut() {
             *b = aes::Block::default();
@@ -79,17 +87,6 @@ impl Xcb {
             hash,
             key_len: n,
         })
-    }
-
-    /// The portable implementation only: the reference the SIMD paths are cross-checked against.
-    pub fn new_generic(key: &[u8]) -> Result<Self, CipherError> {
-        let mut x = Self::new(key)?;
-        #[cfg(target_arch = "x86_64")]
-        {
-            x.vaes = None;
-        }
-        x.hash = core::mem::replace(&mut x.hash, PolyHash::new(Field::Ghash, &[0; 16])).narrow();
-        Ok(x)
     }
 
     /// GHASH over pad(Z): the start of both h1 and h2.

@@ -5,7 +5,7 @@
 mod common;
 
 use cryptbridge_cipher::aez::Aez;
-use cryptbridge_cipher::new_cipher;
+use cryptbridge_cipher::{new_cipher, CpuLevel};
 use cryptbridge_cipher::registry::KeyPolicy;
 use serde_json::Value;
 
@@ -30,7 +30,7 @@ fn encrypt_vectors() {
             let ad: Vec<&[u8]> = ad.iter().map(|a| a.as_slice()).collect();
             let tau = c["tau"].as_u64().unwrap() as usize;
             let (m, ct) = (h(&c["m"]), h(&c["c"]));
-            for a in [Aez::new(&key), Aez::new_aesni_only(&key), Aez::new_portable(&key)] {
+            for a in CpuLevel::supported().map(|l| Aez::with_level(&key, l).unwrap()) {
                 let got = a.encrypt_aead(&nonce, &ad, tau, &m);
                 assert_eq!(hex::encode(&got), hex::encode(&ct), "{file} #{i} ({}), |m| = {}, tau = {tau}", a.implementation(), m.len());
                 assert_eq!(a.decrypt_aead(&nonce, &ad, tau, &ct).as_deref(), Some(m.as_slice()), "{file} #{i} decrypt");
@@ -55,7 +55,7 @@ fn encrypt_vectors() {
 #[test]
 fn vaes_core_matches_on_long_inputs() {
     let key: Vec<u8> = (0..48).map(|i| (i * 37 + 5) as u8).collect();
-    let (a, b) = (Aez::new(&key), Aez::new_aesni_only(&key));
+    let (a, b) = (Aez::new(&key).unwrap(), Aez::with_level(&key, CpuLevel::Portable).unwrap());
     for len in [32usize, 511, 512, 543, 544, 1024, 1040, 4096, 4100, 4127, 8192, 70000] {
         let m: Vec<u8> = (0..len).map(|i| (i * 13 + 1) as u8).collect();
         let delta = [0x5au8; 16];

@@ -84,7 +84,7 @@ fn multi_unit_calls_equal_portable_unit_calls() {
     for variant in [FastHash::Brw, FastHash::Horner] {
         for klen in [16usize, 24, 32] {
             let key: Vec<u8> = (0..klen).map(|_| next() as u8).collect();
-            let (fast, slow) = (Fast::new(&key, variant).unwrap(), Fast::new_generic(&key, variant).unwrap());
+            let (fast, slow) = (Fast::new(&key, variant).unwrap(), Fast::with_level(&key, variant, cryptbridge_cipher::CpuLevel::Portable).unwrap());
             for unit_len in [512usize, 4096] {
                 // FAST-BRW's 4096-byte AES-256 kernel runs for the units that have a unit on
                 // each side and two after (units 1..n-3); 8 and 17 units run it in a row.

@@ -2,7 +2,7 @@
 
 use core::arch::x86_64::*;
 
-use crate::aesni::RoundKeys;
+use crate::arch::x86::aes::RoundKeys;
 use crate::gf128::x86::{from_u128, mul as gmul, to_u128, BrwQuarters, GroupState};
 
 use crate::gf128::Field;

@@ -12,7 +12,8 @@ use core::arch::x86_64::*;
 
 use zeroize::Zeroize;
 
-use crate::aesni::{expand, vaes_avx512_available, RoundKeys};
+use crate::arch::x86::aes::{expand, RoundKeys};
+use crate::CpuLevel;
 use crate::gf128::xts_mul_alpha;
 
 /// The AES-NI round keys (encryption and equivalent inverse cipher) for the VAES kernels, held
@@ -22,13 +23,13 @@ pub(crate) struct Vaes {
 }
 
 impl Vaes {
-    /// `None` unless the CPU has AVX-512F/BW, VAES, VPCLMULQDQ and AES-NI and the key is 16 or 32
-    /// bytes.
-    pub(crate) fn new(key: &[u8]) -> Option<Self> {
-        if !(key.len() == 16 || key.len() == 32) || !vaes_avx512_available() {
+    /// `None` below level `vaes512` or for a key that is not 16 or 32 bytes. `level` must be one
+    /// the CPU has (`CpuLevel::available`).
+    pub(crate) fn new(key: &[u8], level: CpuLevel) -> Option<Self> {
+        if !(key.len() == 16 || key.len() == 32) || level < CpuLevel::Vaes512 {
             return None;
         }
-        // SAFETY: AES-NI and SSE2 were detected by `vaes_avx512_available`.
+        // SAFETY: the caller checked that the CPU has `level`, which includes `aesni`.
         Some(Vaes { keys: unsafe { expand(key) } })
     }
 
@@ -341,14 +342,14 @@ mod tests {
 
     #[test]
     fn counters_match_the_aes_crate() {
-        if !vaes_avx512_available() {
-            eprintln!("no VAES/AVX-512 here: nothing to compare");
+        if CpuLevel::detected() < CpuLevel::Vaes512 {
+            eprintln!("SKIPPED counters_match_the_aes_crate: this CPU lacks the vaes512 level");
             return;
         }
         let mut s = 1u64;
         for klen in [16usize, 32] {
             let key: Vec<u8> = (0..klen).map(|_| rng(&mut s)).collect();
-            let v = Vaes::new(&key).unwrap();
+            let v = Vaes::new(&key, CpuLevel::Vaes512).unwrap();
             let a = AesAny::new(&key).unwrap();
             for len in [0usize, 1, 15, 16, 17, 63, 64, 65, 255, 256, 257, 500, 4080, 4096, 4100] {
                 let data: Vec<u8> = (0..len).map(|_| rng(&mut s)).collect();
@@ -374,14 +375,14 @@ mod tests {
 
     #[test]
     fn eme2_layers_match_a_scalar_model() {
-        if !vaes_avx512_available() {
-            eprintln!("no VAES/AVX-512 here: nothing to compare");
+        if CpuLevel::detected() < CpuLevel::Vaes512 {
+            eprintln!("SKIPPED eme2_layers_match_a_scalar_model: this CPU lacks the vaes512 level");
             return;
         }
         let mut s = 9u64;
         for klen in [16usize, 32] {
             let key: Vec<u8> = (0..klen).map(|_| rng(&mut s)).collect();
-            let v = Vaes::new(&key).unwrap();
+            let v = Vaes::new(&key, CpuLevel::Vaes512).unwrap();
             let a = AesAny::new(&key).unwrap();
             for blocks in [1usize, 3, 4, 5, 15, 16, 17, 31, 127, 128, 255, 256] {
                 for decrypt in [false, true] {

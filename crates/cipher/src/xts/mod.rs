@@ -9,7 +9,7 @@ mod vaes;
 
 use crate::aes_any::{as_blocks, AesAny};
 use crate::gf128::fill_xts_tweaks;
-use crate::{CipherError, SectorCipher};
+use crate::{CipherError, CpuLevel, SectorCipher};
 
 const NAME: &str = "xts(aes)";
 const BLOCK: usize = 16;
@@ -37,6 +37,13 @@ impl Xts {
     /// Builds XTS from Key1 ‖ Key2. Equal halves are accepted here, as IEEE vector 1 needs them;
     /// volumes should use [`Xts::new_strict`].
     pub fn new(key: &[u8]) -> Result<Self, CipherError> {
+        Self::with_level(key, crate::arch::active_level()?)
+    }
+
+    /// With the kernels of `level` (an error if the CPU lacks it); `CpuLevel::Portable` is the
+    /// reference the SIMD paths are cross-checked against.
+    pub fn with_level(key: &[u8], level: CpuLevel) -> Result<Self, CipherError> {
+        level.available()?;
         let bad_len = || CipherError::KeyLength { cipher: NAME, expected: "32, 48 or 64", got: key.len() };
         if !key.len().is_multiple_of(2) {
             return Err(bad_len());
@@ -47,19 +54,8 @@ impl Xts {
             tweak_key: AesAny::new(k2).ok_or_else(bad_len)?,
             key_len: key.len(),
             #[cfg(target_arch = "x86_64")]
-            vaes: vaes::VaesXts::new(k1, k2),
+            vaes: vaes::VaesXts::new(k1, k2, level),
         })
-    }
-
-    /// Same as [`Xts::new`] but never uses the VAES path: the reference the fast path is
-    /// cross-checked against.
-    pub fn new_generic(key: &[u8]) -> Result<Self, CipherError> {
-        let mut xts = Self::new(key)?;
-        #[cfg(target_arch = "x86_64")]
-        {
-            xts.vaes = None;
-        }
-        Ok(xts)
     }
 
     /// Which implementation runs: `vaes-avx512` or `aes-crate`.

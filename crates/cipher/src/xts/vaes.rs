@@ -9,7 +9,8 @@
 use core::arch::x86_64::*;
 
 use super::Direction;
-use crate::aesni::{expand, vaes_avx512_available, RoundKeys};
+use crate::arch::x86::aes::{expand, RoundKeys};
+use crate::CpuLevel;
 
 pub(super) struct VaesXts {
     data: RoundKeys,
@@ -19,8 +20,8 @@ pub(super) struct VaesXts {
 impl VaesXts {
     /// `None` unless the CPU has AVX-512 (F, BW), VAES, VPCLMULQDQ and AES-NI, and the key halves
     /// are 16 or 32 bytes.
-    pub(super) fn new(k1: &[u8], k2: &[u8]) -> Option<Self> {
-        if !vaes_avx512_available() || !(k1.len() == 16 || k1.len() == 32) {
+    pub(super) fn new(k1: &[u8], k2: &[u8], level: CpuLevel) -> Option<Self> {
+        if level < CpuLevel::Vaes512 || !(k1.len() == 16 || k1.len() == 32) {
             return None;
         }
         // SAFETY: AES-NI and SSE2 were detected just above.

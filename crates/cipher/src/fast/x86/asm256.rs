@@ -23,7 +23,7 @@ use core::arch::x86_64::*;
 use zeroize::{Zeroize, ZeroizeOnDrop};
 
 use super::{Head, Link, Linked, Q};
-use crate::aesni::RoundKeys;
+use crate::arch::x86::aes::RoundKeys;
 use crate::gf128::x86::{from_u128, quarters_finish2_mul, to_u128};
 
 /// bin(i) for the counter blocks i = 1..256, four per 64 bytes (lane l of entry j is

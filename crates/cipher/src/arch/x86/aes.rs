@@ -1,6 +1,6 @@
-//! The AES-NI key schedule shared by the VAES fast paths (XTS and the wide-block schemes): the
+//! The AES-NI key schedule shared by every x86 kernel level (XTS and the wide-block schemes): the
 //! encryption round keys and those of the equivalent inverse cipher, kept as bytes so that they
-//! are zeroized on drop, and the CPU check those paths need.
+//! are zeroized on drop.
 
 use core::arch::x86_64::*;
 
@@ -14,24 +14,18 @@ pub(crate) struct RoundKeys {
     pub(crate) rounds: usize,
 }
 
-/// True when the CPU has what the VAES paths are compiled for: AVX-512F/BW, VAES, VPCLMULQDQ,
-/// AES-NI and SSE2.
-pub(crate) fn vaes_avx512_available() -> bool {
-    std::is_x86_feature_detected!("avx512f")
-        && std::is_x86_feature_detected!("avx512bw")
-        && std::is_x86_feature_detected!("vaes")
-        && std::is_x86_feature_detected!("vpclmulqdq")
-        && std::is_x86_feature_detected!("aes")
-        && std::is_x86_feature_detected!("sse2")
-}
-
 /// AES key expansion with AESKEYGENASSIST (FIPS 197 section 5.2), plus the inverse-cipher keys.
 /// `key` is 16 or 32 bytes.
 ///
 /// # Safety
-/// The CPU must have AES-NI and SSE2.
-#[target_feature(enable = "aes,sse2")]
+/// The CPU must support the `aesni` level.
 pub(crate) unsafe fn expand(key: &[u8]) -> RoundKeys {
+    // SAFETY: the caller guarantees the `aesni` level, which `expand_aesni` is compiled for.
+    unsafe { expand_aesni(key) }
+}
+
+super::kernel_aesni! {
+unsafe fn expand_aesni(key: &[u8]) -> RoundKeys {
     let mut enc = [_mm_setzero_si128(); 15];
     let rounds = if key.len() == 32 { 14 } else { 10 };
     #[inline(always)]
@@ -85,4 +79,5 @@ pub(crate) unsafe fn expand(key: &[u8]) -> RoundKeys {
     enc = [_mm_setzero_si128(); 15];
     core::hint::black_box(&enc);
     keys
+}
 }

@@ -71,7 +71,7 @@ impl Adiantum {
         let mut nonce = [0u8; 24];
         nonce[0] = 1;
         stream(rounds, &k, &nonce, &mut derived);
-        let aes = AesAny::new(&derived[..32]).expect("32-byte AES key");
+        let aes = AesAny::new(&derived[..32], level).expect("32-byte AES key");
         let header = Poly1305Key::new(derived[32..48].try_into().expect("16 bytes"));
         let message = Poly1305Key::new(derived[48..64].try_into().expect("16 bytes"));
         let mut nh = [0u32; NH_KEY_WORDS];

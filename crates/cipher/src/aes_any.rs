@@ -4,6 +4,8 @@
 use aes::cipher::{Array, BlockCipherDecrypt, BlockCipherEncrypt, KeyInit};
 use aes::{Aes128, Aes192, Aes256, Block};
 
+use crate::CpuLevel;
+
 /// One AES key schedule of any standard size. Round keys are zeroized on drop by the `aes` crate.
 pub(crate) enum AesAny {
     Aes128(Aes128),
@@ -12,8 +14,10 @@ pub(crate) enum AesAny {
 }
 
 impl AesAny {
-    /// Builds the schedule from a 16-, 24- or 32-byte key; `None` for any other length.
-    pub(crate) fn new(key: &[u8]) -> Option<Self> {
+    /// Builds the schedule from a 16-, 24- or 32-byte key; `None` for any other length. `level`
+    /// must be one the CPU has.
+    pub(crate) fn new(key: &[u8], level: CpuLevel) -> Option<Self> {
+        let _ = level;
         Some(match key.len() {
             16 => Self::Aes128(Aes128::new(&Array::try_from(key).ok()?)),
             24 => Self::Aes192(Aes192::new(&Array::try_from(key).ok()?)),

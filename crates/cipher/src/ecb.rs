@@ -3,7 +3,7 @@
 //! for it explicitly; the registry refuses it for volumes.
 
 use crate::aes_any::{as_blocks, AesAny};
-use crate::{CipherError, SectorCipher};
+use crate::{CipherError, CpuLevel, SectorCipher};
 
 const NAME: &str = "ecb(aes)";
 
@@ -14,7 +14,14 @@ pub struct Ecb {
 
 impl Ecb {
     pub fn new(key: &[u8]) -> Result<Self, CipherError> {
-        let aes = AesAny::new(key)
+        Self::with_level(key, crate::arch::active_level()?)
+    }
+
+    /// With the AES kernels of `level` (an error if the CPU lacks it): the raw-AES baseline that
+    /// each level's XTS is measured against.
+    pub fn with_level(key: &[u8], level: CpuLevel) -> Result<Self, CipherError> {
+        level.available()?;
+        let aes = AesAny::new(key, level)
             .ok_or(CipherError::KeyLength { cipher: NAME, expected: "16, 24 or 32", got: key.len() })?;
         Ok(Self { aes, key_len: key.len() })
     }

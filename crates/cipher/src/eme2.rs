@@ -68,7 +68,7 @@ impl Eme2 {
         if key.len() != 48 && key.len() != 64 {
             return Err(bad());
         }
-        let aes = AesAny::new(&key[32..]).ok_or_else(bad)?;
+        let aes = AesAny::new(&key[32..], level).ok_or_else(bad)?;
         let k_ad = u128::from_le_bytes(key[..16].try_into().expect("16 bytes"));
         let k_ecb = u128::from_le_bytes(key[16..32].try_into().expect("16 bytes"));
         let mut l_period = [0u128; 64];

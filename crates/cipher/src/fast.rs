@@ -66,7 +66,7 @@ impl Fast {
     pub fn with_level(key: &[u8], variant: FastHash, level: CpuLevel) -> Result<Self, CipherError> {
         level.available()?;
         let name = Self::name_of(variant);
-        let aes = AesAny::new(key).ok_or(CipherError::KeyLength { cipher: name, expected: "16, 24 or 32", got: key.len() })?;
+        let aes = AesAny::new(key, level).ok_or(CipherError::KeyLength { cipher: name, expected: "16, 24 or 32", got: key.len() })?;
         let mut t = aes::Block::default();
         aes.encrypt_block(&mut t);
         let mut tau_bytes: [u8; 16] = t.into();

@@ -54,7 +54,7 @@ impl Hctr2 {
     /// reference the SIMD paths are cross-checked against.
     pub fn with_level(key: &[u8], level: CpuLevel) -> Result<Self, CipherError> {
         level.available()?;
-        let aes = AesAny::new(key).ok_or(CipherError::KeyLength { cipher: NAME, expected: "16, 24 or 32", got: key.len() })?;
+        let aes = AesAny::new(key, level).ok_or(CipherError::KeyLength { cipher: NAME, expected: "16, 24 or 32", got: key.len() })?;
         let mut h = aes::Block::default();
         aes.encrypt_block(&mut h);
         let mut l = aes::Block::default();

@@ -55,7 +55,7 @@ impl Xcb {
         if key.len() != 16 && key.len() != 32 {
             return Err(bad());
         }
-        let aes = AesAny::new(key).ok_or_else(bad)?;
+        let aes = AesAny::new(key, level).ok_or_else(bad)?;
         let mut blocks = [aes::Block::default(); 7];
         for (i, b) in blocks.iter_mut().enumerate() {
             b[15] = i as u8; // 0 gives H, 1..6 the subkey blocks
@@ -66,7 +66,7 @@ impl Xcb {
             s[16 * i..16 * i + 16].copy_from_slice(b);
         }
         let n = key.len();
-        let sub = |i: usize| AesAny::new(&s[32 * i..32 * i + n]).expect("16 or 32 bytes");
+        let sub = |i: usize| AesAny::new(&s[32 * i..32 * i + n], level).expect("16 or 32 bytes");
         let (ke, kd, kc) = (sub(0), sub(1), sub(2));
         #[cfg(target_arch = "x86_64")]
         let vaes = match (Vaes::new(&s[..n], level), Vaes::new(&s[32..32 + n], level), Vaes::new(&s[64..64 + n], level)) {

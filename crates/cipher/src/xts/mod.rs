@@ -50,8 +50,8 @@ impl Xts {
         }
         let (k1, k2) = key.split_at(key.len() / 2);
         Ok(Self {
-            data_key: AesAny::new(k1).ok_or_else(bad_len)?,
-            tweak_key: AesAny::new(k2).ok_or_else(bad_len)?,
+            data_key: AesAny::new(k1, level).ok_or_else(bad_len)?,
+            tweak_key: AesAny::new(k2, level).ok_or_else(bad_len)?,
             key_len: key.len(),
             #[cfg(target_arch = "x86_64")]
             vaes: vaes::VaesXts::new(k1, k2, level),

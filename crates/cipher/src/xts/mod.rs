@@ -1,11 +1,13 @@
 //! XTS-AES (IEEE 1619-2007), with ciphertext stealing for data units that are not a multiple of
 //! 16 bytes.
 //!
-//! Speed comes from handing the `aes` crate many blocks per call (its VAES back end encrypts
-//! several blocks per instruction) and computing the tweaks of a whole batch ahead of time.
+//! On x86-64 the kernels of `x86.rs` run at every level from `aesni` up (AES-128 and AES-256).
+//! The portable path here hands the `aes` crate many blocks per call and computes the tweaks of
+//! a whole batch ahead of time; it serves the `portable` level, AES-192, aarch64 (where the `aes`
+//! crate uses the ARMv8 AES instructions) and the tweak chain of ciphertext stealing.
 
 #[cfg(target_arch = "x86_64")]
-mod vaes;
+mod x86;
 
 use crate::aes_any::{as_blocks, AesAny};
 use crate::gf128::fill_xts_tweaks;
@@ -13,8 +15,8 @@ use crate::{CipherError, CpuLevel, SectorCipher};
 
 const NAME: &str = "xts(aes)";
 const BLOCK: usize = 16;
-/// Blocks per AES call: a multiple of the VAES-512 back end's 64-block parallel width (anything
-/// shorter falls to its one-block-at-a-time path), small enough to stay in L1.
+/// Blocks per AES call in the portable path: a multiple of the `aes` crate's parallel widths,
+/// small enough to stay in L1.
 const BATCH: usize = 128;
 
 /// XTS-AES-128, -192 or -256, chosen by key length (Key1 ‖ Key2: 32, 48 or 64 bytes).
@@ -22,9 +24,9 @@ pub struct Xts {
     data_key: AesAny,
     tweak_key: AesAny,
     key_len: usize,
-    /// The AVX-512 VAES path, when the CPU and key size allow it.
+    /// The x86 kernels of the chosen level, when the level and key size allow them.
     #[cfg(target_arch = "x86_64")]
-    vaes: Option<vaes::VaesXts>,
+    simd: Option<x86::XtsX86>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -54,17 +56,18 @@ impl Xts {
             tweak_key: AesAny::new(k2, level).ok_or_else(bad_len)?,
             key_len: key.len(),
             #[cfg(target_arch = "x86_64")]
-            vaes: vaes::VaesXts::new(k1, k2, level),
+            simd: x86::XtsX86::new(k1, k2, level),
         })
     }
 
-    /// Which implementation runs: `vaes-avx512` or `aes-crate`.
-    pub fn implementation(&self) -> &'static str {
+    /// The level whose kernels run: the level asked for, or `portable` where it has no kernel
+    /// for this key size (AES-192) or this architecture.
+    pub fn level(&self) -> CpuLevel {
         #[cfg(target_arch = "x86_64")]
-        if self.vaes.is_some() {
-            return "vaes-avx512";
+        if let Some(s) = &self.simd {
+            return s.level();
         }
-        "aes-crate"
+        CpuLevel::Portable
     }
 
     /// Like [`Xts::new`], but refuses equal key halves, which make XTS degenerate.
@@ -83,8 +86,8 @@ impl Xts {
         let mut block = aes::Block::default();
         block[..tweak.len()].copy_from_slice(tweak);
         #[cfg(target_arch = "x86_64")]
-        if let Some(v) = &self.vaes {
-            return Ok(v.tweak_block(block.into()));
+        if let Some(s) = &self.simd {
+            return Ok(s.tweak_block(block.into()));
         }
         self.tweak_key.encrypt_block(&mut block);
         Ok(u128::from_le_bytes(block.into()))
@@ -109,8 +112,8 @@ impl Xts {
     /// Processes whole blocks: XOR tweaks, AES many blocks at once, XOR tweaks again.
     fn crypt_whole_blocks(&self, dir: Direction, t: &mut u128, data: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
-        if let Some(v) = &self.vaes {
-            return v.crypt_blocks(dir, t, data);
+        if let Some(s) = &self.simd {
+            return s.crypt_blocks(dir, t, data);
         }
         let mut tweaks = [0u128; BATCH];
         for chunk in data.chunks_mut(BATCH * BLOCK) {
@@ -180,9 +183,9 @@ impl SectorCipher for Xts {
 impl Xts {
     fn crypt_units(&self, dir: Direction, first: u64, step: u64, unit_len: usize, data: &mut [u8]) -> Result<(), CipherError> {
         #[cfg(target_arch = "x86_64")]
-        if let Some(v) = &self.vaes {
-            if unit_len != 0 && unit_len.is_multiple_of(vaes::UNIT_MULTIPLE) && data.len().is_multiple_of(unit_len) {
-                v.crypt_units(dir, first, step, unit_len, data);
+        if let Some(s) = &self.simd {
+            if unit_len != 0 && unit_len.is_multiple_of(s.unit_multiple()) && data.len().is_multiple_of(unit_len) {
+                s.crypt_units(dir, first, step, unit_len, data);
                 return Ok(());
             }
         }

@@ -1,4 +1,8 @@
-//! Locating the shared public vectors (../shared/vectors from the project root).
+//! Locating the shared public vectors (../shared/vectors from the project root), and loaders
+//! shared by several test files (each file uses a part).
+#![allow(dead_code)]
+
+pub mod xts;
 
 use std::path::PathBuf;
 

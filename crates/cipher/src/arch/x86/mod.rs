@@ -9,6 +9,7 @@
 
 pub(crate) mod aes;
 pub(crate) mod registers;
+pub(crate) mod simd;
 
 use super::CpuLevel;
 

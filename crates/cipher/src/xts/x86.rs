@@ -1,0 +1,295 @@
+//! XTS-AES-128/256 on x86-64, one kernel compiled for each level: `aesni` (8 blocks in flight in
+//! xmm registers), `vaes256` (16 in ymm) and `vaes512` (32 in zmm). Tweaks live in vector
+//! registers, are XORed in the same pass as the AES rounds and advance by one carry-less multiply
+//! per register and loop iteration, so the data is read and written once; this is what lets XTS
+//! run near raw AES-ECB speed.
+//!
+//! AES-192 and ciphertext stealing are `mod.rs`'s (the stealing calls back here for its blocks).
+
+use core::arch::x86_64::*;
+
+use super::Direction;
+use crate::arch::x86::aes::{expand, RoundKeys};
+use crate::arch::x86::simd::{first_tweaks, rounds, splat_keys, wipe, AesVec, Xmm, Ymm, Zmm};
+use crate::arch::x86::{kernel_aesni, kernel_vaes256, kernel_vaes512};
+use crate::CpuLevel;
+
+/// The expanded keys and the level whose kernels run.
+pub(super) struct XtsX86 {
+    data: RoundKeys,
+    tweak: RoundKeys,
+    level: CpuLevel,
+}
+
+/// Units numbered `first`, `first + step`, ... of `unit_len` bytes each.
+#[derive(Clone, Copy)]
+struct UnitRun {
+    first: u64,
+    step: u64,
+    unit_len: usize,
+}
+
+impl XtsX86 {
+    /// `None` below `aesni` or for AES-192 halves. `level` must be one the CPU has.
+    pub(super) fn new(k1: &[u8], k2: &[u8], level: CpuLevel) -> Option<Self> {
+        if level < CpuLevel::Aesni || !(k1.len() == 16 || k1.len() == 32) {
+            return None;
+        }
+        // SAFETY: the caller checked that the CPU has `level`, which includes `aesni`.
+        unsafe { Some(Self { data: expand(k1), tweak: expand(k2), level }) }
+    }
+
+    pub(super) fn level(&self) -> CpuLevel {
+        self.level
+    }
+
+    /// Encrypts the initial tweak block with Key2.
+    pub(super) fn tweak_block(&self, block: [u8; 16]) -> u128 {
+        // SAFETY: construction checked `aesni`, which `encrypt_block` is compiled for.
+        unsafe { encrypt_block(&self.tweak, block) }
+    }
+
+    /// Processes whole blocks starting with tweak `*t`, leaving `*t` at the tweak after them.
+    pub(super) fn crypt_blocks(&self, dir: Direction, t: &mut u128, data: &mut [u8]) {
+        debug_assert_eq!(data.len() % 16, 0);
+        let keys = self.keys(dir);
+        // SAFETY: construction checked that the CPU has `self.level`, the level each kernel
+        // below is compiled for.
+        unsafe {
+            macro_rules! go {
+                ($f:ident) => {
+                    match (self.data.rounds, dir) {
+                        (14, Direction::Encrypt) => $f::<14, false>(keys, t, data),
+                        (14, Direction::Decrypt) => $f::<14, true>(keys, t, data),
+                        (_, Direction::Encrypt) => $f::<10, false>(keys, t, data),
+                        (_, Direction::Decrypt) => $f::<10, true>(keys, t, data),
+                    }
+                };
+            }
+            match self.level {
+                CpuLevel::Vaes512 => go!(blocks_vaes512),
+                CpuLevel::Vaes256 => go!(blocks_vaes256),
+                _ => go!(blocks_aesni),
+            }
+        }
+    }
+
+    /// Processes consecutive data units numbered `first`, `first + step`, ...: the initial
+    /// tweaks of `4 LANES` units are encrypted together, so a 512-byte sector costs little more
+    /// than its 32 AES blocks. `unit_len` must be a multiple of [`XtsX86::unit_multiple`] and
+    /// divide `data.len()`.
+    pub(super) fn crypt_units(&self, dir: Direction, first: u64, step: u64, unit_len: usize, data: &mut [u8]) {
+        debug_assert!(unit_len > 0 && unit_len.is_multiple_of(self.unit_multiple()) && data.len().is_multiple_of(unit_len));
+        let run = UnitRun { first, step, unit_len };
+        let (keys, tk) = (self.keys(dir), &self.tweak.enc);
+        // SAFETY: as in `crypt_blocks`.
+        unsafe {
+            macro_rules! go {
+                ($f:ident) => {
+                    match (self.data.rounds, dir) {
+                        (14, Direction::Encrypt) => $f::<14, false>(keys, tk, run, data),
+                        (14, Direction::Decrypt) => $f::<14, true>(keys, tk, run, data),
+                        (_, Direction::Encrypt) => $f::<10, false>(keys, tk, run, data),
+                        (_, Direction::Decrypt) => $f::<10, true>(keys, tk, run, data),
+                    }
+                };
+            }
+            match self.level {
+                CpuLevel::Vaes512 => go!(units_vaes512),
+                CpuLevel::Vaes256 => go!(units_vaes256),
+                _ => go!(units_aesni),
+            }
+        }
+    }
+
+    /// Data-unit lengths that [`XtsX86::crypt_units`] takes: whole loop iterations (eight
+    /// registers of blocks).
+    pub(super) fn unit_multiple(&self) -> usize {
+        16 * 8 * match self.level {
+            CpuLevel::Vaes512 => Zmm::LANES,
+            CpuLevel::Vaes256 => Ymm::LANES,
+            _ => Xmm::LANES,
+        }
+    }
+
+    fn keys(&self, dir: Direction) -> &[[u8; 16]; 15] {
+        match dir {
+            Direction::Encrypt => &self.data.enc,
+            Direction::Decrypt => &self.data.dec,
+        }
+    }
+}
+
+kernel_aesni! {
+    unsafe fn encrypt_block(keys: &RoundKeys, block: [u8; 16]) -> u128 {
+        // SAFETY: compiled for `aesni`; loads and stores stay inside the 16-byte arrays.
+        unsafe {
+            let mut b = _mm_loadu_si128(block.as_ptr().cast());
+            b = _mm_xor_si128(b, _mm_loadu_si128(keys.enc[0].as_ptr().cast()));
+            for k in &keys.enc[1..keys.rounds] {
+                b = _mm_aesenc_si128(b, _mm_loadu_si128(k.as_ptr().cast()));
+            }
+            b = _mm_aesenclast_si128(b, _mm_loadu_si128(keys.enc[keys.rounds].as_ptr().cast()));
+            let mut out = [0u8; 16];
+            _mm_storeu_si128(out.as_mut_ptr().cast(), b);
+            u128::from_le_bytes(out)
+        }
+    }
+
+    unsafe fn blocks_aesni<const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15], t: &mut u128, data: &mut [u8]) {
+        // SAFETY: compiled for Xmm's level.
+        unsafe { blocks::<Xmm, NR, DEC>(keys, t, data) }
+    }
+
+    unsafe fn units_aesni<const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15], tk: &[[u8; 16]; 15], run: UnitRun, data: &mut [u8]) {
+        // SAFETY: compiled for Xmm's level.
+        unsafe { units::<Xmm, NR, DEC>(keys, tk, run, data) }
+    }
+}
+
+kernel_vaes256! {
+    unsafe fn blocks_vaes256<const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15], t: &mut u128, data: &mut [u8]) {
+        // SAFETY: compiled for Ymm's level.
+        unsafe { blocks::<Ymm, NR, DEC>(keys, t, data) }
+    }
+
+    unsafe fn units_vaes256<const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15], tk: &[[u8; 16]; 15], run: UnitRun, data: &mut [u8]) {
+        // SAFETY: compiled for Ymm's level.
+        unsafe { units::<Ymm, NR, DEC>(keys, tk, run, data) }
+    }
+}
+
+kernel_vaes512! {
+    unsafe fn blocks_vaes512<const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15], t: &mut u128, data: &mut [u8]) {
+        // SAFETY: compiled for Zmm's level.
+        unsafe { blocks::<Zmm, NR, DEC>(keys, t, data) }
+    }
+
+    unsafe fn units_vaes512<const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15], tk: &[[u8; 16]; 15], run: UnitRun, data: &mut [u8]) {
+        // SAFETY: compiled for Zmm's level.
+        unsafe { units::<Zmm, NR, DEC>(keys, tk, run, data) }
+    }
+}
+
+/// `iters` loop iterations of `8 LANES` blocks at `p`; `tw` holds the tweaks of the first
+/// iteration and is left at those of the one after.
+///
+/// Each iteration runs as two halves of four registers through all rounds: four independent AES
+/// chains cover the instruction latency, the round keys stay in registers (on AVX-512, which has
+/// 32), and each half's next tweaks are computed while the other half runs.
+#[inline(always)]
+unsafe fn bulk<V: AesVec, const NR: usize, const DEC: bool>(rk: &[V; 15], tw: &mut [V; 8], p: *mut u8, iters: usize) {
+    let reg = 16 * V::LANES;
+    for it in 0..iters {
+        for half in 0..2 {
+            // SAFETY: the caller passes `iters` whole iterations of `8 reg` bytes at `p`;
+            // inlined into a function of V's level.
+            unsafe {
+                let q = p.add(8 * reg * it + 4 * reg * half);
+                let tw = &mut tw[4 * half..4 * half + 4];
+                let mut x = [V::zero(); 4];
+                for j in 0..4 {
+                    x[j] = V::xor3(V::load(q.add(reg * j)), tw[j], rk[0]);
+                }
+                rounds::<V, NR, DEC, 4>(rk, &mut x);
+                for j in 0..4 {
+                    x[j].xor(tw[j]).store(q.add(reg * j));
+                    tw[j] = tw[j].mul_x_step();
+                }
+            }
+        }
+    }
+}
+
+/// Whole blocks of one tweak chain starting at `*t`, which is left at the tweak after them.
+#[inline(always)]
+unsafe fn blocks<V: AesVec, const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15], t: &mut u128, data: &mut [u8]) {
+    let blocks = data.len() / 16;
+    let per_iter = 8 * V::LANES;
+    let ptr = data.as_mut_ptr();
+    // SAFETY: every access below is to whole blocks inside `data`; inlined into a function of
+    // V's level.
+    unsafe {
+        let mut rk = splat_keys::<V, NR>(keys);
+        let mut tw = first_tweaks::<V>(*t);
+        bulk::<V, NR, DEC>(&rk, &mut tw, ptr, blocks / per_iter);
+        let mut done = blocks / per_iter * per_iter;
+        // Tail: whole registers with the tweaks already computed, then single blocks.
+        let mut r = 0;
+        while blocks - done >= V::LANES {
+            let q = ptr.add(16 * done);
+            let mut x = [V::xor3(V::load(q), tw[r], rk[0])];
+            rounds::<V, NR, DEC, 1>(&rk, &mut x);
+            x[0].xor(tw[r]).store(q);
+            done += V::LANES;
+            r += 1;
+        }
+        let mut lane = [0u8; 16];
+        _mm_storeu_si128(lane.as_mut_ptr().cast(), tw[r].lane0());
+        let mut next = u128::from_le_bytes(lane);
+        let k = splat_keys::<Xmm, NR>(keys);
+        while done < blocks {
+            let q = ptr.add(16 * done);
+            let tv = Xmm::load(next.to_le_bytes().as_ptr());
+            let mut x = [Xmm::xor3(Xmm::load(q), tv, k[0])];
+            rounds::<Xmm, NR, DEC, 1>(&k, &mut x);
+            x[0].xor(tv).store(q);
+            next = crate::gf128::xts_mul_alpha(next);
+            done += 1;
+        }
+        *t = next;
+        wipe(&mut tw);
+        wipe(&mut rk);
+        lane = [0; 16];
+        core::hint::black_box(&lane);
+    }
+}
+
+/// Initial tweaks encrypted per pass of [`units`]: four registers' lanes, enough independent AES
+/// chains to hide the latency.
+const TWEAK_REGS: usize = 4;
+
+#[inline(always)]
+unsafe fn units<V: AesVec, const NR: usize, const DEC: bool>(
+    keys: &[[u8; 16]; 15],
+    tweak_keys: &[[u8; 16]; 15],
+    run: UnitRun,
+    data: &mut [u8],
+) {
+    let group_units = TWEAK_REGS * V::LANES;
+    let iters = run.unit_len / (128 * V::LANES);
+    // SAFETY: every access is inside `data` (whole units) or the local arrays; inlined into a
+    // function of V's level.
+    unsafe {
+        let mut rk = splat_keys::<V, NR>(keys);
+        let mut tk = splat_keys::<V, NR>(tweak_keys);
+        let mut numbers = [0u128; 16];
+        let mut initial = [V::zero(); TWEAK_REGS];
+        let mut n = run.first;
+        for group in data.chunks_mut(run.unit_len * group_units) {
+            // E_K2(unit number) for up to `group_units` units; lane l of register r is unit
+            // LANES r + l.
+            for (i, slot) in numbers.iter_mut().take(group_units).enumerate() {
+                *slot = u128::from(n.wrapping_add(run.step.wrapping_mul(i as u64)));
+            }
+            for (r, v) in initial.iter_mut().enumerate() {
+                *v = V::load(numbers.as_ptr().add(r * V::LANES).cast()).xor(tk[0]);
+            }
+            rounds::<V, NR, false, TWEAK_REGS>(&tk, &mut initial);
+            for (r, v) in initial.iter().enumerate() {
+                v.store(numbers.as_mut_ptr().add(r * V::LANES).cast());
+            }
+            let count = group.len() / run.unit_len;
+            for (i, unit) in group.chunks_exact_mut(run.unit_len).enumerate() {
+                let mut tw = first_tweaks::<V>(numbers[i]);
+                bulk::<V, NR, DEC>(&rk, &mut tw, unit.as_mut_ptr(), iters);
+                wipe(&mut tw);
+            }
+            n = n.wrapping_add(run.step.wrapping_mul(count as u64));
+        }
+        zeroize::Zeroize::zeroize(&mut numbers);
+        wipe(&mut initial);
+        wipe(&mut rk);
+        wipe(&mut tk);
+    }
+}

@@ -6,6 +6,9 @@ use core::arch::x86_64::*;
 
 use zeroize::{Zeroize, ZeroizeOnDrop};
 
+use super::simd::{rounds, splat_keys, wipe, AesVec, Xmm, Ymm, Zmm};
+use crate::CpuLevel;
+
 /// Round keys, encryption and decryption (the "equivalent inverse cipher" form).
 #[derive(Zeroize, ZeroizeOnDrop)]
 pub(crate) struct RoundKeys {
@@ -80,4 +83,108 @@ unsafe fn expand_aesni(key: &[u8]) -> RoundKeys {
     core::hint::black_box(&enc);
     keys
 }
+}
+
+/// AES-ECB over whole blocks at one level (AES-128 and AES-256): eight registers in flight, so
+/// that the AES units are busy every cycle. This is the raw-AES speed each level's modes are
+/// measured against, and the block function of the wide-block schemes' generic paths.
+pub(crate) struct EcbX86 {
+    keys: RoundKeys,
+    level: CpuLevel,
+}
+
+impl EcbX86 {
+    /// `None` below `aesni` or for a key that is not 16 or 32 bytes. `level` must be one the CPU
+    /// has.
+    pub(crate) fn new(key: &[u8], level: CpuLevel) -> Option<Self> {
+        if level < CpuLevel::Aesni || !(key.len() == 16 || key.len() == 32) {
+            return None;
+        }
+        // SAFETY: the caller checked that the CPU has `level`, which includes `aesni`.
+        Some(Self { keys: unsafe { expand(key) }, level })
+    }
+
+    /// Encrypts (or with `decrypt`, decrypts) whole 16-byte blocks in place.
+    pub(crate) fn crypt(&self, data: &mut [u8], decrypt: bool) {
+        debug_assert_eq!(data.len() % 16, 0);
+        let keys = if decrypt { &self.keys.dec } else { &self.keys.enc };
+        // SAFETY: construction checked that the CPU has `self.level`, the level each kernel below
+        // is compiled for.
+        unsafe {
+            macro_rules! go {
+                ($f:ident) => {
+                    match (self.keys.rounds, decrypt) {
+                        (14, false) => $f::<14, false>(keys, data),
+                        (14, true) => $f::<14, true>(keys, data),
+                        (_, false) => $f::<10, false>(keys, data),
+                        (_, true) => $f::<10, true>(keys, data),
+                    }
+                };
+            }
+            match self.level {
+                CpuLevel::Vaes512 => go!(ecb_vaes512),
+                CpuLevel::Vaes256 => go!(ecb_vaes256),
+                _ => go!(ecb_aesni),
+            }
+        }
+    }
+}
+
+super::kernel_aesni! {
+    unsafe fn ecb_aesni<const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15], data: &mut [u8]) {
+        // SAFETY: compiled for Xmm's level.
+        unsafe { ecb::<Xmm, NR, DEC>(keys, data) }
+    }
+}
+
+super::kernel_vaes256! {
+    unsafe fn ecb_vaes256<const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15], data: &mut [u8]) {
+        // SAFETY: compiled for Ymm's level.
+        unsafe { ecb::<Ymm, NR, DEC>(keys, data) }
+    }
+}
+
+super::kernel_vaes512! {
+    unsafe fn ecb_vaes512<const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15], data: &mut [u8]) {
+        // SAFETY: compiled for Zmm's level.
+        unsafe { ecb::<Zmm, NR, DEC>(keys, data) }
+    }
+}
+
+#[inline(always)]
+unsafe fn ecb<V: AesVec, const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15], data: &mut [u8]) {
+    let reg = 16 * V::LANES;
+    let len = data.len();
+    let p = data.as_mut_ptr();
+    let mut off = 0;
+    // SAFETY: every load and store covers whole blocks inside `data`; inlined into a function of
+    // V's level.
+    unsafe {
+        let mut rk = splat_keys::<V, NR>(keys);
+        while len - off >= 8 * reg {
+            let mut x = [V::zero(); 8];
+            for (j, v) in x.iter_mut().enumerate() {
+                *v = V::load(p.add(off + reg * j)).xor(rk[0]);
+            }
+            rounds::<V, NR, DEC, 8>(&rk, &mut x);
+            for (j, v) in x.iter().enumerate() {
+                v.store(p.add(off + reg * j));
+            }
+            off += 8 * reg;
+        }
+        while len - off >= reg {
+            let mut x = [V::load(p.add(off)).xor(rk[0])];
+            rounds::<V, NR, DEC, 1>(&rk, &mut x);
+            x[0].store(p.add(off));
+            off += reg;
+        }
+        let k = splat_keys::<Xmm, NR>(keys);
+        while off < len {
+            let mut x = [Xmm::load(p.add(off)).xor(k[0])];
+            rounds::<Xmm, NR, DEC, 1>(&k, &mut x);
+            x[0].store(p.add(off));
+            off += 16;
+        }
+        wipe(&mut rk);
+    }
 }

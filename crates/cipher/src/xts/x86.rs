@@ -174,28 +174,25 @@ kernel_vaes512! {
 /// `iters` loop iterations of `8 LANES` blocks at `p`; `tw` holds the tweaks of the first
 /// iteration and is left at those of the one after.
 ///
-/// Each iteration runs as two halves of four registers through all rounds: four independent AES
-/// chains cover the instruction latency, the round keys stay in registers (on AVX-512, which has
-/// 32), and each half's next tweaks are computed while the other half runs.
+/// All eight registers go through the rounds together: eight independent AES chains keep CPUs
+/// with two full-width AES units busy, and the next iteration's tweaks are computed between the
+/// stores.
 #[inline(always)]
 unsafe fn bulk<V: AesVec, const NR: usize, const DEC: bool>(rk: &[V; 15], tw: &mut [V; 8], p: *mut u8, iters: usize) {
     let reg = 16 * V::LANES;
     for it in 0..iters {
-        for half in 0..2 {
-            // SAFETY: the caller passes `iters` whole iterations of `8 reg` bytes at `p`;
-            // inlined into a function of V's level.
-            unsafe {
-                let q = p.add(8 * reg * it + 4 * reg * half);
-                let tw = &mut tw[4 * half..4 * half + 4];
-                let mut x = [V::zero(); 4];
-                for j in 0..4 {
-                    x[j] = V::xor3(V::load(q.add(reg * j)), tw[j], rk[0]);
-                }
-                rounds::<V, NR, DEC, 4>(rk, &mut x);
-                for j in 0..4 {
-                    x[j].xor(tw[j]).store(q.add(reg * j));
-                    tw[j] = tw[j].mul_x_step();
-                }
+        // SAFETY: the caller passes `iters` whole iterations of `8 reg` bytes at `p`; inlined
+        // into a function of V's level.
+        unsafe {
+            let q = p.add(8 * reg * it);
+            let mut x = [V::zero(); 8];
+            for j in 0..8 {
+                x[j] = V::xor3(V::load(q.add(reg * j)), tw[j], rk[0]);
+            }
+            rounds::<V, NR, DEC, 8>(rk, &mut x);
+            for j in 0..8 {
+                x[j].xor(tw[j]).store(q.add(reg * j));
+                tw[j] = tw[j].mul_x_step();
             }
         }
     }
@@ -211,7 +208,7 @@ unsafe fn blocks<V: AesVec, const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 
     // V's level.
     unsafe {
         let mut rk = splat_keys::<V, NR>(keys);
-        let mut tw = first_tweaks::<V>(*t);
+        let mut tw = first_tweaks::<V>(_mm_loadu_si128(t.to_le_bytes().as_ptr().cast()));
         bulk::<V, NR, DEC>(&rk, &mut tw, ptr, blocks / per_iter);
         let mut done = blocks / per_iter * per_iter;
         // Tail: whole registers with the tweaks already computed, then single blocks.
@@ -281,7 +278,7 @@ unsafe fn units<V: AesVec, const NR: usize, const DEC: bool>(
             }
             let count = group.len() / run.unit_len;
             for (i, unit) in group.chunks_exact_mut(run.unit_len).enumerate() {
-                let mut tw = first_tweaks::<V>(numbers[i]);
+                let mut tw = first_tweaks::<V>(_mm_loadu_si128(numbers.as_ptr().add(i).cast()));
                 bulk::<V, NR, DEC>(&rk, &mut tw, unit.as_mut_ptr(), iters);
                 wipe(&mut tw);
             }

@@ -42,6 +42,10 @@ pub(crate) trait AesVec: Copy {
     /// Per qword: shift left / right by `n` bits (the same count everywhere).
     unsafe fn qword_shl(self, n: u32) -> Self;
     unsafe fn qword_shr(self, n: u32) -> Self;
+    /// Per qword: shift left by `base + l` bits in lane l, and right by `64 - base - l` (for
+    /// [`mul_x_lanes`]).
+    unsafe fn qword_shl_lanes(self, base: u32) -> Self;
+    unsafe fn qword_shr_lanes(self, base: u32) -> Self;
     /// Per lane: multiply by x^(8 LANES) in the XTS field (the step from one loop iteration's
     /// tweaks to the next, with eight registers per iteration), with byte shifts and one
     /// carry-less multiply so that it issues beside the AES rounds.
@@ -67,23 +71,28 @@ pub(crate) unsafe fn mul_x<V: AesVec>(v: V, k: u32) -> V {
     }
 }
 
-/// The tweaks of the first `8 LANES` blocks from initial tweak `t`: register j, lane l holds
-/// t * x^(LANES j + l). The registers are independent products, not a chain.
+/// Multiplies lane l by x^(base + l), base + LANES - 1 <= 56 (as [`mul_x`], with a count per
+/// lane).
 #[inline(always)]
-pub(crate) unsafe fn first_tweaks<V: AesVec>(t: u128) -> [V; 8] {
-    let mut lanes = [0u128; 4];
-    let mut s = t;
-    for l in lanes.iter_mut() {
-        *l = s;
-        s = crate::gf128::xts_mul_alpha(s);
-    }
-    // SAFETY: `lanes` holds 4 >= LANES blocks; inlined into a function of V's level.
+pub(crate) unsafe fn mul_x_lanes<V: AesVec>(v: V, base: u32) -> V {
+    // SAFETY: inlined into a function of V's level (module contract).
     unsafe {
-        let base = V::load(lanes.as_ptr().cast());
-        zeroize::Zeroize::zeroize(&mut lanes);
+        let shifted = v.qword_shl_lanes(base);
+        let carries = v.qword_shr_lanes(base);
+        V::xor3(shifted, carries.lane_shl8(), carries.clmul_hi_lo(poly::<V>()))
+    }
+}
+
+/// The tweaks of the first `8 LANES` blocks from initial tweak `t` (a 16-byte block): register
+/// j, lane l holds t * x^(LANES j + l). The registers are independent products, not a chain.
+#[inline(always)]
+pub(crate) unsafe fn first_tweaks<V: AesVec>(t: __m128i) -> [V; 8] {
+    // SAFETY: inlined into a function of V's level.
+    unsafe {
+        let base = V::splat(t);
         let mut tw = [base; 8];
-        for (j, r) in tw.iter_mut().enumerate().skip(1) {
-            *r = mul_x(base, (V::LANES * j) as u32);
+        for (j, r) in tw.iter_mut().enumerate() {
+            *r = mul_x_lanes(base, (V::LANES * j) as u32);
         }
         tw
     }
@@ -211,6 +220,14 @@ impl AesVec for Xmm {
         Xmm(_mm_srl_epi64(self.0, _mm_cvtsi32_si128(n as i32)))
     }
     #[inline(always)]
+    unsafe fn qword_shl_lanes(self, base: u32) -> Self {
+        self.qword_shl(base)
+    }
+    #[inline(always)]
+    unsafe fn qword_shr_lanes(self, base: u32) -> Self {
+        self.qword_shr(64 - base)
+    }
+    #[inline(always)]
     unsafe fn mul_x_step(self) -> Self {
         // x^8: one byte leaves the lane.
         let shifted = _mm_bslli_si128::<1>(self.0);
@@ -286,6 +303,16 @@ impl AesVec for Ymm {
     #[inline(always)]
     unsafe fn qword_shr(self, n: u32) -> Self {
         Ymm(unsafe { _mm256_srl_epi64(self.0, _mm_cvtsi32_si128(n as i32)) })
+    }
+    #[inline(always)]
+    unsafe fn qword_shl_lanes(self, base: u32) -> Self {
+        let b = i64::from(base);
+        Ymm(unsafe { _mm256_sllv_epi64(self.0, _mm256_set_epi64x(b + 1, b + 1, b, b)) })
+    }
+    #[inline(always)]
+    unsafe fn qword_shr_lanes(self, base: u32) -> Self {
+        let b = 64 - i64::from(base);
+        Ymm(unsafe { _mm256_srlv_epi64(self.0, _mm256_set_epi64x(b - 1, b - 1, b, b)) })
     }
     #[inline(always)]
     unsafe fn mul_x_step(self) -> Self {
@@ -366,6 +393,16 @@ impl AesVec for Zmm {
     #[inline(always)]
     unsafe fn qword_shr(self, n: u32) -> Self {
         Zmm(unsafe { _mm512_srl_epi64(self.0, _mm_cvtsi32_si128(n as i32)) })
+    }
+    #[inline(always)]
+    unsafe fn qword_shl_lanes(self, base: u32) -> Self {
+        let b = i64::from(base);
+        Zmm(unsafe { _mm512_sllv_epi64(self.0, _mm512_set_epi64(b + 3, b + 3, b + 2, b + 2, b + 1, b + 1, b, b)) })
+    }
+    #[inline(always)]
+    unsafe fn qword_shr_lanes(self, base: u32) -> Self {
+        let b = 64 - i64::from(base);
+        Zmm(unsafe { _mm512_srlv_epi64(self.0, _mm512_set_epi64(b - 3, b - 3, b - 2, b - 2, b - 1, b - 1, b, b)) })
     }
     #[inline(always)]
     unsafe fn mul_x_step(self) -> Self {

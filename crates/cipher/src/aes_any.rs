@@ -54,6 +54,15 @@ impl AesAny {
         }
     }
 
+    /// The level whose kernels run: `portable` means the `aes` crate.
+    pub(crate) fn level(&self) -> CpuLevel {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::X86(e) => e.level(),
+            _ => CpuLevel::Portable,
+        }
+    }
+
     pub(crate) fn encrypt_block(&self, block: &mut Block) {
         self.encrypt_blocks(core::slice::from_mut(block));
     }

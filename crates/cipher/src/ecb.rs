@@ -43,6 +43,10 @@ impl SectorCipher for Ecb {
         self.key_len
     }
 
+    fn level(&self) -> Option<CpuLevel> {
+        Some(self.aes.level())
+    }
+
     fn encrypt(&self, _tweak: &[u8], data: &mut [u8]) -> Result<(), CipherError> {
         Self::check(data)?;
         self.aes.encrypt_blocks(as_blocks(data));

@@ -40,6 +40,12 @@ pub trait SectorCipher: Send + Sync {
     /// Key length in bytes, as given to the constructor.
     fn key_len(&self) -> usize;
 
+    /// The CPU level whose kernels this instance runs, where the scheme reports it (it can be
+    /// below the level asked for when no kernel exists for the key size).
+    fn level(&self) -> Option<CpuLevel> {
+        None
+    }
+
     /// Encrypts `data` in place under `tweak`; a tweak shorter than the scheme's is zero-padded
     /// on the right.
     fn encrypt(&self, tweak: &[u8], data: &mut [u8]) -> Result<(), CipherError>;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use cryptbridge_cipher::registry::KeyPolicy;
-use cryptbridge_cipher::{new_cipher, SectorCipher};
+use cryptbridge_cipher::{new_cipher, CpuLevel, SectorCipher};
 use cryptbridge_engine::bench::measure;
 use cryptbridge_engine::{CpuBackend, Direction, Engine, SectorLayout};
 use rand::TryRngCore;
@@ -53,6 +53,12 @@ struct Report {
     /// Raw AES-ECB (XTS: its data key; other schemes: AES-256) over the same buffers and threads.
     ecb_gbps: f64,
     backend: &'static str,
+    /// The CPU level whose kernels ran (`CRYPTBRIDGE_CPU` caps it; a cipher without a kernel
+    /// at that level for this key size reports the level it fell back to).
+    cpu_level: &'static str,
+    /// The highest level this CPU supports, and every level it can run.
+    cpu_detected: &'static str,
+    cpu_levels: Vec<&'static str>,
 }
 
 pub fn run(cmd: Command) -> Result<ExitCode> {
@@ -80,7 +86,7 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
     let duration = Duration::from_secs_f64(args.seconds);
     let engine = |c: Arc<dyn SectorCipher>| -> Result<Engine> { Ok(Engine::new(Arc::new(CpuBackend::new(c, threads)?), layout)) };
 
-    let xts = engine(cipher)?;
+    let xts = engine(cipher.clone())?;
     let enc = measure(&xts, Direction::Encrypt, threads, duration)?;
     let dec = measure(&xts, Direction::Decrypt, threads, duration)?;
     let raw = measure(&engine(ecb)?, Direction::Encrypt, threads, duration)?;
@@ -95,11 +101,17 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
         decrypt_gbps: dec.gbps(),
         ecb_gbps: raw.gbps(),
         backend: xts.backend_name(),
+        cpu_level: cipher.level().unwrap_or(CpuLevel::active()?).name(),
+        cpu_detected: CpuLevel::detected().name(),
+        cpu_levels: CpuLevel::supported().map(CpuLevel::name).collect(),
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!("{} key {} bits, {}-byte sectors, {} thread(s), {} back end", report.cipher, report.key_size, report.sector_size, threads, report.backend);
+        println!(
+            "{} key {} bits, {}-byte sectors, {} thread(s), {} back end, CPU level {}",
+            report.cipher, report.key_size, report.sector_size, threads, report.backend, report.cpu_level
+        );
         println!("  encrypt  {:>7.2} GB/s", report.encrypt_gbps);
         println!("  decrypt  {:>7.2} GB/s", report.decrypt_gbps);
         println!("  raw ECB  {:>7.2} GB/s  (encrypt / ECB = {:.2})", report.ecb_gbps, report.encrypt_gbps / report.ecb_gbps);

@@ -10,11 +10,25 @@ mod names;
 mod size;
 
 use std::process::ExitCode;
+use std::sync::LazyLock;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use cryptbridge_cipher::arch::{CpuLevel, CPU_ENV};
+
+/// `--version`: the crate version and the CPU level this machine supports, which is what decides
+/// which kernels run.
+static VERSION: LazyLock<String> = LazyLock::new(|| {
+    let levels: Vec<&str> = CpuLevel::supported().map(CpuLevel::name).collect();
+    format!(
+        "{} (CPU level {} detected; available: {}; {CPU_ENV} selects a lower one)",
+        env!("CARGO_PKG_VERSION"),
+        CpuLevel::detected(),
+        levels.join(", ")
+    )
+});
 
 #[derive(Parser)]
-#[command(name = "cryptbridge", version, about = "Inline storage encryption bridge over NBD (AES-XTS, dm-crypt compatible)")]
+#[command(name = "cryptbridge", about = "Inline storage encryption bridge over NBD (AES-XTS, dm-crypt compatible)")]
 struct Cli {
     /// More log output on stderr (repeat for more); RUST_LOG overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
@@ -40,8 +54,17 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().version(VERSION.as_str()).get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     init_logging(cli.verbose);
+    // A CRYPTBRIDGE_CPU this machine cannot honour is refused before any work starts.
+    if let Err(err) = CpuLevel::active() {
+        eprintln!("cryptbridge: error: {err}");
+        return ExitCode::from(2);
+    }
     let result = match cli.command {
         Command::Serve(args) => cmd_serve::run(args),
         Command::Keygen(args) => cmd_keygen::run(args),

@@ -163,6 +163,10 @@ impl SectorCipher for Xts {
         self.key_len
     }
 
+    fn level(&self) -> Option<CpuLevel> {
+        Some(Xts::level(self))
+    }
+
     fn encrypt(&self, tweak: &[u8], data: &mut [u8]) -> Result<(), CipherError> {
         self.crypt(Direction::Encrypt, tweak, data)
     }

@@ -104,6 +104,10 @@ impl EcbX86 {
         Some(Self { keys: unsafe { expand(key) }, level })
     }
 
+    pub(crate) fn level(&self) -> CpuLevel {
+        self.level
+    }
+
     /// Encrypts (or with `decrypt`, decrypts) whole 16-byte blocks in place.
     pub(crate) fn crypt(&self, data: &mut [u8], decrypt: bool) {
         debug_assert_eq!(data.len() % 16, 0);

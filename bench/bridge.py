@@ -33,9 +33,9 @@ Ratios (targets, overhead columns) are the median over repeats of the ratio of t
 jobs in the same repeat: the machine's speed drifts by tens of per cent over a run, and the jobs of
 a pair run close together. The ratio of the two medians is printed and recorded beside it.
 
-Outputs: bench/out/bridge.json, bench/out/bridge.md (paste into README), chart PNG
-(docs/bench-bridge.png; bench/out/bench-bridge.png for --quick), per-job fio JSON under
-bench/out/fio/, server logs under bench/out/logs/.
+Outputs: bench/out/bridge.json, bench/out/bridge.md (paste into a dated page under docs/bench/),
+chart PNG (docs/bench/bench-bridge.png; bench/out/bench-bridge.png for --quick), per-job fio
+JSON under bench/out/fio/, server logs under bench/out/logs/.
 """
 
 from __future__ import annotations
@@ -817,7 +817,7 @@ def markdown(summary, targets, state, args) -> str:
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
     if not args.quick and args.chart is None:
-        lines.append("![NBD bridge benchmark](docs/bench-bridge.png)")
+        lines.append("![NBD bridge benchmark](bench-bridge.png)")  # relative to docs/bench/
         lines.append("")
     if targets:
         lines.append("**Targets**")
@@ -953,7 +953,7 @@ def main() -> int:
     ap.add_argument("--out-json", type=Path, default=OUT / "bridge.json")
     ap.add_argument("--out-md", type=Path, default=OUT / "bridge.md")
     ap.add_argument("--chart", type=Path, default=None,
-                    help="PNG path (default docs/bench-bridge.png; bench/out/bench-bridge.png with --quick)")
+                    help="PNG path (default docs/bench/bench-bridge.png; bench/out/bench-bridge.png with --quick)")
     args = ap.parse_args()
 
     q = args.quick
@@ -971,7 +971,7 @@ def main() -> int:
     args.device_ramp = args.device_ramp if args.device_ramp is not None else 0.5
     dev_size = parse_size(args.device_size or ("512M" if q else "2G"))
     cpu_size = parse_size(args.cpu_size or ("256M" if q else "1G"))
-    chart_path = args.chart or (OUT / "bench-bridge.png" if q else REPO / "docs" / "bench-bridge.png")
+    chart_path = args.chart or (OUT / "bench-bridge.png" if q else REPO / "docs" / "bench" / "bench-bridge.png")
     regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
     wanted = [s.strip() for s in args.servers.split(",") if s.strip()]
     for r in regimes:

@@ -31,8 +31,8 @@ file was deleted fault memory back in and run several times slower, whichever to
 order of the tools rotates across repeats, so use the default 3 repeats (or more) for real numbers.
 Targets: ours file >= 1.0x openssl enc at every size >= 1 MiB in every mode and direction;
          ctr and gcm >= 1.5x at 1 GiB.
-Output: tables on stdout; bench/out/file.json, bench/out/file.md; plots docs/bench-file.png,
-docs/bench-file-speedup.png, docs/bench-file-sweep.png (bench/out/ with --quick).
+Output: tables on stdout; bench/out/file.json, bench/out/file.md; plots docs/bench/bench-file.png,
+docs/bench/bench-file-speedup.png, docs/bench/bench-file-sweep.png (bench/out/ with --quick).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def main() -> int:
     ap.add_argument("--sweep-millis", type=int, default=150)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--out", type=Path, default=OUT / "file.json")
-    ap.add_argument("--plots", type=Path, default=None, help="plot directory (default docs/, bench/out/ with --quick)")
+    ap.add_argument("--plots", type=Path, default=None, help="plot directory (default docs/bench/, bench/out/ with --quick)")
     args = ap.parse_args()
 
     sizes = ALL_SIZES
@@ -178,7 +178,7 @@ def main() -> int:
         sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     modes = [m for m in args.modes.split(",") if m]
     dirs = [d for d in args.dirs.split(",") if d]
-    plots = args.plots or (OUT if args.quick else REPO / "docs")
+    plots = args.plots or (OUT if args.quick else REPO / "docs" / "bench")
     install_signal_handlers()
 
     if not args.binary.exists():

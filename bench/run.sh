@@ -8,7 +8,7 @@
 #
 # Environment: PYTHON=/path/to/python (default: .venv/bin/python if present, else python3),
 #              BENCH_SKIP_INSTALL=1 (never touch apt/pip), BENCH_SKIP_BUILD=1 (no cargo build).
-# Results: bench/out/engine.json, bench/out/bridge.{json,md}, docs/bench-bridge.png
+# Results: bench/out/engine.json, bench/out/bridge.{json,md}, docs/bench/bench-bridge.png
 #          (bench/out/bench-bridge.png for --quick), server logs in bench/out/logs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -100,7 +100,7 @@ echo
 echo "=== (d) file encryption: bench/file.py ${QUICK[*]}"
 "$PY" bench/file.py --binary "$BIN" "${QUICK[@]}" || status=$?
 
-chart=docs/bench-bridge.png
+chart=docs/bench/bench-bridge.png
 if [ "${#QUICK[@]}" -gt 0 ]; then chart=bench/out/bench-bridge.png; fi
 prev=
 for a in "${BRIDGE_ARGS[@]}"; do
@@ -111,7 +111,7 @@ done
 echo
 echo "=== results"
 echo "  engine:  bench/out/engine.json"
-echo "  bridge:  bench/out/bridge.json, bench/out/bridge.md (README table), $chart"
-echo "  file:    bench/out/file.json, bench/out/file.md, docs/bench-file{,-speedup,-sweep}.png (bench/out/ with --quick)"
+echo "  bridge:  bench/out/bridge.json, bench/out/bridge.md (tables for a docs/bench/ page), $chart"
+echo "  file:    bench/out/file.json, bench/out/file.md, docs/bench/bench-file{,-speedup,-sweep}.png (bench/out/ with --quick)"
 echo "  logs:    bench/out/logs/ (servers), bench/out/fio/ (per-job fio JSON)"
 exit "$status"

@@ -20,7 +20,7 @@ AES (or ChaCha) calls, GF(2^128) multiplications, whether decryption needs the A
 
   bench/tes.py                 # full run (~3 min)
   bench/tes.py --quick         # shorter measurements
-  bench/tes.py --markdown      # also print the table as Markdown (docs/tes.md)
+  bench/tes.py --markdown      # also print the table as Markdown (for a docs/bench/ page)
 
 BENCH_SKIP_BUILD=1 (as for bench/run.sh) or --no-build: do not run cargo for the example.
 

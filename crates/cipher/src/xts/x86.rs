@@ -10,7 +10,7 @@ use core::arch::x86_64::*;
 
 use super::Direction;
 use crate::arch::x86::aes::{expand, RoundKeys};
-use crate::arch::x86::simd::{first_tweaks, rounds, splat_keys, wipe, AesVec, Xmm, Ymm, Zmm};
+use crate::arch::x86::simd::{first_tweaks, rounds, splat_keys, AesVec, Xmm, Ymm, Zmm};
 use crate::arch::x86::{kernel_aesni, kernel_vaes256, kernel_vaes512};
 use crate::CpuLevel;
 
@@ -186,13 +186,25 @@ unsafe fn bulk<V: AesVec, const NR: usize, const DEC: bool>(rk: &[V; 15], tw: &m
         unsafe {
             let q = p.add(8 * reg * it);
             let mut x = [V::zero(); 8];
+            let mut last = [V::zero(); 8];
             for j in 0..8 {
                 x[j] = V::xor3(V::load(q.add(reg * j)), tw[j], rk[0]);
             }
-            rounds::<V, NR, DEC, 8>(rk, &mut x);
+            for r in 1..NR {
+                for v in x.iter_mut() {
+                    *v = if DEC { v.aesdec(rk[r]) } else { v.aesenc(rk[r]) };
+                }
+                // One register's last-round key and next tweak per round, so that these
+                // operations reach the schedulers among the AES rounds instead of in one burst.
+                if r <= 8 {
+                    last[r - 1] = tw[r - 1].xor(rk[NR]);
+                    tw[r - 1] = tw[r - 1].mul_x_step();
+                }
+            }
             for j in 0..8 {
-                x[j].xor(tw[j]).store(q.add(reg * j));
-                tw[j] = tw[j].mul_x_step();
+                // aesenclast(x, k) ^ t = aesenclast(x, k ^ t): the tweak rides in the round key.
+                let out = if DEC { x[j].aesdeclast(last[j]) } else { x[j].aesenclast(last[j]) };
+                out.store(q.add(reg * j));
             }
         }
     }
@@ -235,8 +247,6 @@ unsafe fn blocks<V: AesVec, const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 
             done += 1;
         }
         *t = next;
-        wipe(&mut tw);
-        wipe(&mut rk);
         lane = [0; 16];
         core::hint::black_box(&lane);
     }
@@ -280,13 +290,9 @@ unsafe fn units<V: AesVec, const NR: usize, const DEC: bool>(
             for (i, unit) in group.chunks_exact_mut(run.unit_len).enumerate() {
                 let mut tw = first_tweaks::<V>(_mm_loadu_si128(numbers.as_ptr().add(i).cast()));
                 bulk::<V, NR, DEC>(&rk, &mut tw, unit.as_mut_ptr(), iters);
-                wipe(&mut tw);
             }
             n = n.wrapping_add(run.step.wrapping_mul(count as u64));
         }
         zeroize::Zeroize::zeroize(&mut numbers);
-        wipe(&mut initial);
-        wipe(&mut rk);
-        wipe(&mut tk);
     }
 }

@@ -6,7 +6,7 @@ use core::arch::x86_64::*;
 
 use zeroize::{Zeroize, ZeroizeOnDrop};
 
-use super::simd::{rounds, splat_keys, wipe, AesVec, Xmm, Ymm, Zmm};
+use super::simd::{rounds, splat_keys, AesVec, Xmm, Ymm, Zmm};
 use crate::CpuLevel;
 
 /// Round keys, encryption and decryption (the "equivalent inverse cipher" form).
@@ -189,6 +189,5 @@ unsafe fn ecb<V: AesVec, const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15]
             x[0].store(p.add(off));
             off += 16;
         }
-        wipe(&mut rk);
     }
 }

@@ -3,6 +3,11 @@
 //! (four, `vaes512`). This is what the Linux kernel's `aes-xts-avx-x86_64.S` does with one macro
 //! for its xmm, ymm and zmm variants.
 //!
+//! Kernels keep round keys and tweaks in registers and do not wipe them on return: a wipe of a
+//! stack array needs its address to escape, which forces the array out of registers for the
+//! whole kernel. The registers are cleared by the batch's owner instead
+//! (`clear_vector_registers`, once per engine batch).
+//!
 //! Every method is `#[inline(always)]` and must only be reached from a function compiled for the
 //! type's level (`kernel_aesni!`, `kernel_vaes256!`, `kernel_vaes512!`), into which it is inlined;
 //! that is why the methods are `unsafe`. Lanes are 128-bit blocks; "per lane" operations act on
@@ -50,6 +55,45 @@ pub(crate) trait AesVec: Copy {
     /// tweaks to the next, with eight registers per iteration), with byte shifts and one
     /// carry-less multiply so that it issues beside the AES rounds.
     unsafe fn mul_x_step(self) -> Self;
+
+    // For the wide-block schemes (tes_common, gf128, aez, adiantum).
+
+    /// The first `n` blocks at `p` (n <= LANES) in lanes 0..n, zero in the others; reads only
+    /// those blocks.
+    unsafe fn load_blocks(p: *const u8, n: usize) -> Self;
+    /// Stores lanes 0..n (n <= LANES) to `p`; writes only those blocks.
+    unsafe fn store_blocks(self, p: *mut u8, n: usize);
+    /// Lanes 0..n kept (n <= LANES), the others zeroed.
+    unsafe fn keep_lanes(self, n: usize) -> Self;
+    /// The XOR of all lanes.
+    unsafe fn xor_lanes(self) -> __m128i;
+    unsafe fn or(self, o: Self) -> Self;
+    /// Per 32-bit word: wrapping addition.
+    unsafe fn add32(self, o: Self) -> Self;
+    /// Per qword: wrapping addition.
+    unsafe fn add64(self, o: Self) -> Self;
+    /// Per qword: the low 32 bits of both operands multiplied, unsigned, to 64 bits (PMULUDQ).
+    unsafe fn mul_u32(self, o: Self) -> Self;
+    /// Per lane: bytes picked by the indices in `ctl` (PSHUFB).
+    unsafe fn shuffle_bytes(self, ctl: Self) -> Self;
+    /// Per lane: the two qwords swapped.
+    unsafe fn swap_qwords(self) -> Self;
+    /// Per lane: shift right by 8 bytes (the high qword moves to the low one).
+    unsafe fn lane_shr8(self) -> Self;
+    /// Per lane: the low qword of `self` times the high qword of `k`, carry-less (PCLMULQDQ
+    /// 0x10).
+    unsafe fn clmul_lo_hi(self, k: Self) -> Self;
+    /// Per lane: the high qwords of both, carry-less (PCLMULQDQ 0x11).
+    unsafe fn clmul_hi_hi(self, k: Self) -> Self;
+    /// From two registers holding pairs (A_i, B_i) block by block, A_1 B_1 A_2 B_2 ... through
+    /// `lo` then `hi` (LANES pairs), the A halves and the B halves, each in pair order (AEZ's
+    /// layout).
+    unsafe fn deinterleave(lo: Self, hi: Self) -> (Self, Self);
+    /// Inverse of [`AesVec::deinterleave`].
+    unsafe fn interleave(a: Self, b: Self) -> (Self, Self);
+    /// Four registers from four blocks at each of `p[0..LANES]`: lane j of register i is block i
+    /// at `p[j]` (a LANES x 4 transposition; `p[LANES..]` is not read).
+    unsafe fn load_transposed(p: [*const u8; 4]) -> [Self; 4];
 }
 
 /// The XTS reduction constant 0x87 in the low qword of every lane.
@@ -126,16 +170,6 @@ pub(crate) unsafe fn rounds<V: AesVec, const NR: usize, const DEC: bool, const N
             *v = if DEC { v.aesdeclast(rk[NR]) } else { v.aesenclast(rk[NR]) };
         }
     }
-}
-
-/// Overwrites key or tweak material left in a stack array before the frame is released.
-#[inline(always)]
-pub(crate) unsafe fn wipe<V: AesVec, const N: usize>(regs: &mut [V; N]) {
-    // SAFETY: inlined into a function of V's level.
-    unsafe {
-        *regs = [V::zero(); N];
-    }
-    core::hint::black_box(regs);
 }
 
 /// One 128-bit register: `aesni`.
@@ -234,6 +268,73 @@ impl AesVec for Xmm {
         let top = _mm_bsrli_si128::<15>(self.0);
         Xmm(_mm_xor_si128(shifted, unsafe { _mm_clmulepi64_si128::<0x00>(top, _mm_set_epi64x(0, 0x87)) }))
     }
+
+    #[inline(always)]
+    unsafe fn load_blocks(p: *const u8, n: usize) -> Self {
+        if n == 0 { Xmm(_mm_setzero_si128()) } else { unsafe { Self::load(p) } }
+    }
+    #[inline(always)]
+    unsafe fn store_blocks(self, p: *mut u8, n: usize) {
+        if n > 0 {
+            unsafe { self.store(p) }
+        }
+    }
+    #[inline(always)]
+    unsafe fn keep_lanes(self, n: usize) -> Self {
+        if n == 0 { Xmm(_mm_setzero_si128()) } else { self }
+    }
+    #[inline(always)]
+    unsafe fn xor_lanes(self) -> __m128i {
+        self.0
+    }
+    #[inline(always)]
+    unsafe fn or(self, o: Self) -> Self {
+        Xmm(_mm_or_si128(self.0, o.0))
+    }
+    #[inline(always)]
+    unsafe fn add32(self, o: Self) -> Self {
+        Xmm(_mm_add_epi32(self.0, o.0))
+    }
+    #[inline(always)]
+    unsafe fn add64(self, o: Self) -> Self {
+        Xmm(_mm_add_epi64(self.0, o.0))
+    }
+    #[inline(always)]
+    unsafe fn mul_u32(self, o: Self) -> Self {
+        Xmm(_mm_mul_epu32(self.0, o.0))
+    }
+    #[inline(always)]
+    unsafe fn shuffle_bytes(self, ctl: Self) -> Self {
+        Xmm(unsafe { _mm_shuffle_epi8(self.0, ctl.0) })
+    }
+    #[inline(always)]
+    unsafe fn swap_qwords(self) -> Self {
+        Xmm(_mm_shuffle_epi32::<0x4e>(self.0))
+    }
+    #[inline(always)]
+    unsafe fn lane_shr8(self) -> Self {
+        Xmm(_mm_bsrli_si128::<8>(self.0))
+    }
+    #[inline(always)]
+    unsafe fn clmul_lo_hi(self, k: Self) -> Self {
+        Xmm(unsafe { _mm_clmulepi64_si128::<0x10>(self.0, k.0) })
+    }
+    #[inline(always)]
+    unsafe fn clmul_hi_hi(self, k: Self) -> Self {
+        Xmm(unsafe { _mm_clmulepi64_si128::<0x11>(self.0, k.0) })
+    }
+    #[inline(always)]
+    unsafe fn deinterleave(lo: Self, hi: Self) -> (Self, Self) {
+        (lo, hi)
+    }
+    #[inline(always)]
+    unsafe fn interleave(a: Self, b: Self) -> (Self, Self) {
+        (a, b)
+    }
+    #[inline(always)]
+    unsafe fn load_transposed(p: [*const u8; 4]) -> [Self; 4] {
+        unsafe { [Self::load(p[0]), Self::load(p[0].add(16)), Self::load(p[0].add(32)), Self::load(p[0].add(48))] }
+    }
 }
 
 impl AesVec for Ymm {
@@ -324,6 +425,93 @@ impl AesVec for Ymm {
             Ymm(_mm256_xor_si256(shifted, _mm256_clmulepi64_epi128::<0x00>(top, p)))
         }
     }
+
+    #[inline(always)]
+    unsafe fn load_blocks(p: *const u8, n: usize) -> Self {
+        unsafe {
+            match n {
+                0 => Self::zero(),
+                1 => Ymm(_mm256_zextsi128_si256(_mm_loadu_si128(p.cast()))),
+                _ => Self::load(p),
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn store_blocks(self, p: *mut u8, n: usize) {
+        unsafe {
+            match n {
+                0 => {}
+                1 => _mm_storeu_si128(p.cast(), _mm256_castsi256_si128(self.0)),
+                _ => self.store(p),
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn keep_lanes(self, n: usize) -> Self {
+        unsafe {
+            match n {
+                0 => Self::zero(),
+                1 => Ymm(_mm256_zextsi128_si256(_mm256_castsi256_si128(self.0))),
+                _ => self,
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn xor_lanes(self) -> __m128i {
+        unsafe { _mm_xor_si128(_mm256_castsi256_si128(self.0), _mm256_extracti128_si256::<1>(self.0)) }
+    }
+    #[inline(always)]
+    unsafe fn or(self, o: Self) -> Self {
+        Ymm(unsafe { _mm256_or_si256(self.0, o.0) })
+    }
+    #[inline(always)]
+    unsafe fn add32(self, o: Self) -> Self {
+        Ymm(unsafe { _mm256_add_epi32(self.0, o.0) })
+    }
+    #[inline(always)]
+    unsafe fn add64(self, o: Self) -> Self {
+        Ymm(unsafe { _mm256_add_epi64(self.0, o.0) })
+    }
+    #[inline(always)]
+    unsafe fn mul_u32(self, o: Self) -> Self {
+        Ymm(unsafe { _mm256_mul_epu32(self.0, o.0) })
+    }
+    #[inline(always)]
+    unsafe fn shuffle_bytes(self, ctl: Self) -> Self {
+        Ymm(unsafe { _mm256_shuffle_epi8(self.0, ctl.0) })
+    }
+    #[inline(always)]
+    unsafe fn swap_qwords(self) -> Self {
+        Ymm(unsafe { _mm256_shuffle_epi32::<0x4e>(self.0) })
+    }
+    #[inline(always)]
+    unsafe fn lane_shr8(self) -> Self {
+        Ymm(unsafe { _mm256_bsrli_epi128::<8>(self.0) })
+    }
+    #[inline(always)]
+    unsafe fn clmul_lo_hi(self, k: Self) -> Self {
+        Ymm(unsafe { _mm256_clmulepi64_epi128::<0x10>(self.0, k.0) })
+    }
+    #[inline(always)]
+    unsafe fn clmul_hi_hi(self, k: Self) -> Self {
+        Ymm(unsafe { _mm256_clmulepi64_epi128::<0x11>(self.0, k.0) })
+    }
+    #[inline(always)]
+    unsafe fn deinterleave(lo: Self, hi: Self) -> (Self, Self) {
+        // lo = [A1 B1], hi = [A2 B2].
+        unsafe { (Ymm(_mm256_permute2x128_si256::<0x20>(lo.0, hi.0)), Ymm(_mm256_permute2x128_si256::<0x31>(lo.0, hi.0))) }
+    }
+    #[inline(always)]
+    unsafe fn interleave(a: Self, b: Self) -> (Self, Self) {
+        // a = [A1 A2], b = [B1 B2].
+        unsafe { (Ymm(_mm256_permute2x128_si256::<0x20>(a.0, b.0)), Ymm(_mm256_permute2x128_si256::<0x31>(a.0, b.0))) }
+    }
+    #[inline(always)]
+    unsafe fn load_transposed(p: [*const u8; 4]) -> [Self; 4] {
+        // One 128-bit load and one insert per register.
+        let (a, b) = (p[0], p[1]);
+        unsafe { core::array::from_fn(|i| Ymm(_mm256_loadu2_m128i(b.add(16 * i).cast(), a.add(16 * i).cast()))) }
+    }
 }
 
 impl AesVec for Zmm {
@@ -412,6 +600,98 @@ impl AesVec for Zmm {
             let top = _mm512_bsrli_epi128::<12>(self.0);
             let p = _mm512_broadcast_i32x4(_mm_set_epi64x(0, 0x87));
             Zmm(_mm512_xor_si512(shifted, _mm512_clmulepi64_epi128::<0x00>(top, p)))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn load_blocks(p: *const u8, n: usize) -> Self {
+        let mask = (((1u32 << (2 * n)) - 1) & 0xff) as __mmask8;
+        Zmm(unsafe { _mm512_maskz_loadu_epi64(if n >= 4 { 0xff } else { mask }, p.cast()) })
+    }
+    #[inline(always)]
+    unsafe fn store_blocks(self, p: *mut u8, n: usize) {
+        let mask = (((1u32 << (2 * n)) - 1) & 0xff) as __mmask8;
+        unsafe { _mm512_mask_storeu_epi64(p.cast(), if n >= 4 { 0xff } else { mask }, self.0) }
+    }
+    #[inline(always)]
+    unsafe fn keep_lanes(self, n: usize) -> Self {
+        let mask = (((1u32 << (2 * n)) - 1) & 0xff) as __mmask8;
+        Zmm(unsafe { _mm512_maskz_mov_epi64(if n >= 4 { 0xff } else { mask }, self.0) })
+    }
+    #[inline(always)]
+    unsafe fn xor_lanes(self) -> __m128i {
+        unsafe {
+            let a = _mm256_xor_si256(_mm512_castsi512_si256(self.0), _mm512_extracti64x4_epi64::<1>(self.0));
+            _mm_xor_si128(_mm256_castsi256_si128(a), _mm256_extracti128_si256::<1>(a))
+        }
+    }
+    #[inline(always)]
+    unsafe fn or(self, o: Self) -> Self {
+        Zmm(unsafe { _mm512_or_si512(self.0, o.0) })
+    }
+    #[inline(always)]
+    unsafe fn add32(self, o: Self) -> Self {
+        Zmm(unsafe { _mm512_add_epi32(self.0, o.0) })
+    }
+    #[inline(always)]
+    unsafe fn add64(self, o: Self) -> Self {
+        Zmm(unsafe { _mm512_add_epi64(self.0, o.0) })
+    }
+    #[inline(always)]
+    unsafe fn mul_u32(self, o: Self) -> Self {
+        Zmm(unsafe { _mm512_mul_epu32(self.0, o.0) })
+    }
+    #[inline(always)]
+    unsafe fn shuffle_bytes(self, ctl: Self) -> Self {
+        Zmm(unsafe { _mm512_shuffle_epi8(self.0, ctl.0) })
+    }
+    #[inline(always)]
+    unsafe fn swap_qwords(self) -> Self {
+        Zmm(unsafe { _mm512_shuffle_epi32::<0x4e>(self.0) })
+    }
+    #[inline(always)]
+    unsafe fn lane_shr8(self) -> Self {
+        Zmm(unsafe { _mm512_bsrli_epi128::<8>(self.0) })
+    }
+    #[inline(always)]
+    unsafe fn clmul_lo_hi(self, k: Self) -> Self {
+        Zmm(unsafe { _mm512_clmulepi64_epi128::<0x10>(self.0, k.0) })
+    }
+    #[inline(always)]
+    unsafe fn clmul_hi_hi(self, k: Self) -> Self {
+        Zmm(unsafe { _mm512_clmulepi64_epi128::<0x11>(self.0, k.0) })
+    }
+    #[inline(always)]
+    unsafe fn deinterleave(lo: Self, hi: Self) -> (Self, Self) {
+        // lo = [A1 B1 A2 B2], hi = [A3 B3 A4 B4]: the even blocks and the odd ones.
+        unsafe {
+            let even = _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0);
+            let odd = _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2);
+            (Zmm(_mm512_permutex2var_epi64(lo.0, even, hi.0)), Zmm(_mm512_permutex2var_epi64(lo.0, odd, hi.0)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn interleave(a: Self, b: Self) -> (Self, Self) {
+        unsafe {
+            let lo = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+            let hi = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+            (Zmm(_mm512_permutex2var_epi64(a.0, lo, b.0)), Zmm(_mm512_permutex2var_epi64(a.0, hi, b.0)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_transposed(p: [*const u8; 4]) -> [Self; 4] {
+        unsafe {
+            let [a, b, c, d] = p.map(|q| _mm512_loadu_si512(q.cast()));
+            let u0 = _mm512_shuffle_i64x2::<0x44>(a, b);
+            let u1 = _mm512_shuffle_i64x2::<0xee>(a, b);
+            let u2 = _mm512_shuffle_i64x2::<0x44>(c, d);
+            let u3 = _mm512_shuffle_i64x2::<0xee>(c, d);
+            [
+                Zmm(_mm512_shuffle_i64x2::<0x88>(u0, u2)),
+                Zmm(_mm512_shuffle_i64x2::<0xdd>(u0, u2)),
+                Zmm(_mm512_shuffle_i64x2::<0x88>(u1, u3)),
+                Zmm(_mm512_shuffle_i64x2::<0xdd>(u1, u3)),
+            ]
         }
     }
 }

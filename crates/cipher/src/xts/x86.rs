@@ -10,7 +10,7 @@ use core::arch::x86_64::*;
 
 use super::Direction;
 use crate::arch::x86::aes::{expand, RoundKeys};
-use crate::arch::x86::simd::{first_tweaks, rounds, splat_keys, AesVec, Xmm, Ymm, Zmm};
+use crate::arch::x86::simd::{first_tweaks, mul_x_lanes, rounds, splat_keys, AesVec, Xmm, Ymm, Zmm};
 use crate::arch::x86::{kernel_aesni, kernel_vaes256, kernel_vaes512};
 use crate::CpuLevel;
 
@@ -171,41 +171,75 @@ kernel_vaes512! {
     }
 }
 
+/// What an iteration leaves in the tweak registers for the next one.
+const NEXT_ADVANCE: u8 = 0; // the following blocks of the same chain: tweaks times x^(8 LANES)
+const NEXT_FRESH: u8 = 1; // the first blocks of another data unit: `first_tweaks(t_next)`
+const NEXT_NONE: u8 = 2; // nothing follows
+
 /// `iters` loop iterations of `8 LANES` blocks at `p`; `tw` holds the tweaks of the first
-/// iteration and is left at those of the one after.
-///
-/// All eight registers go through the rounds together: eight independent AES chains keep CPUs
-/// with two full-width AES units busy, and the next iteration's tweaks are computed between the
-/// stores.
+/// iteration. The last iteration leaves in `tw` what `LAST` says (`t_next` is the next data
+/// unit's initial tweak for `NEXT_FRESH`).
 #[inline(always)]
-unsafe fn bulk<V: AesVec, const NR: usize, const DEC: bool>(rk: &[V; 15], tw: &mut [V; 8], p: *mut u8, iters: usize) {
+unsafe fn bulk<V: AesVec, const NR: usize, const DEC: bool, const LAST: u8>(
+    rk: &[V; 15],
+    tw: &mut [V; 8],
+    p: *mut u8,
+    iters: usize,
+    t_next: __m128i,
+) {
     let reg = 16 * V::LANES;
-    for it in 0..iters {
-        // SAFETY: the caller passes `iters` whole iterations of `8 reg` bytes at `p`; inlined
-        // into a function of V's level.
-        unsafe {
-            let q = p.add(8 * reg * it);
-            let mut x = [V::zero(); 8];
-            let mut last = [V::zero(); 8];
-            for j in 0..8 {
-                x[j] = V::xor3(V::load(q.add(reg * j)), tw[j], rk[0]);
+    // SAFETY: the caller passes `iters` whole iterations of `8 reg` bytes at `p`; inlined into a
+    // function of V's level.
+    unsafe {
+        for it in 0..iters.saturating_sub(1) {
+            iteration::<V, NR, DEC, NEXT_ADVANCE>(rk, tw, p.add(8 * reg * it), t_next);
+        }
+        if iters > 0 {
+            iteration::<V, NR, DEC, LAST>(rk, tw, p.add(8 * reg * (iters - 1)), t_next);
+        }
+    }
+}
+
+/// One loop iteration: eight registers through the rounds together (eight independent AES
+/// chains keep CPUs with two full-width AES units busy). Each round also prepares one
+/// register's last-round key and its tweak for the next iteration, so that this work reaches
+/// the schedulers among the AES rounds rather than in a burst, and so that the next data unit's
+/// first tweaks are ready when its rounds start.
+#[inline(always)]
+unsafe fn iteration<V: AesVec, const NR: usize, const DEC: bool, const NEXT: u8>(
+    rk: &[V; 15],
+    tw: &mut [V; 8],
+    q: *mut u8,
+    t_next: __m128i,
+) {
+    let reg = 16 * V::LANES;
+    // SAFETY: `q` points at `8 reg` bytes of the caller's data; inlined into a function of V's
+    // level.
+    unsafe {
+        let fresh = V::splat(t_next);
+        let mut x = [V::zero(); 8];
+        let mut last = [V::zero(); 8];
+        for j in 0..8 {
+            x[j] = V::xor3(V::load(q.add(reg * j)), tw[j], rk[0]);
+        }
+        for r in 1..NR {
+            for v in x.iter_mut() {
+                *v = if DEC { v.aesdec(rk[r]) } else { v.aesenc(rk[r]) };
             }
-            for r in 1..NR {
-                for v in x.iter_mut() {
-                    *v = if DEC { v.aesdec(rk[r]) } else { v.aesenc(rk[r]) };
+            if r <= 8 {
+                let j = r - 1;
+                last[j] = tw[j].xor(rk[NR]);
+                match NEXT {
+                    NEXT_ADVANCE => tw[j] = tw[j].mul_x_step(),
+                    NEXT_FRESH => tw[j] = mul_x_lanes(fresh, (V::LANES * j) as u32),
+                    _ => {}
                 }
-                // One register's last-round key and next tweak per round, so that these
-                // operations reach the schedulers among the AES rounds instead of in one burst.
-                if r <= 8 {
-                    last[r - 1] = tw[r - 1].xor(rk[NR]);
-                    tw[r - 1] = tw[r - 1].mul_x_step();
-                }
             }
-            for j in 0..8 {
-                // aesenclast(x, k) ^ t = aesenclast(x, k ^ t): the tweak rides in the round key.
-                let out = if DEC { x[j].aesdeclast(last[j]) } else { x[j].aesenclast(last[j]) };
-                out.store(q.add(reg * j));
-            }
+        }
+        for j in 0..8 {
+            // aesenclast(x, k) ^ t = aesenclast(x, k ^ t): the tweak rides in the round key.
+            let out = if DEC { x[j].aesdeclast(last[j]) } else { x[j].aesenclast(last[j]) };
+            out.store(q.add(reg * j));
         }
     }
 }
@@ -219,9 +253,9 @@ unsafe fn blocks<V: AesVec, const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 
     // SAFETY: every access below is to whole blocks inside `data`; inlined into a function of
     // V's level.
     unsafe {
-        let mut rk = splat_keys::<V, NR>(keys);
+        let rk = splat_keys::<V, NR>(keys);
         let mut tw = first_tweaks::<V>(_mm_loadu_si128(t.to_le_bytes().as_ptr().cast()));
-        bulk::<V, NR, DEC>(&rk, &mut tw, ptr, blocks / per_iter);
+        bulk::<V, NR, DEC, NEXT_ADVANCE>(&rk, &mut tw, ptr, blocks / per_iter, _mm_setzero_si128());
         let mut done = blocks / per_iter * per_iter;
         // Tail: whole registers with the tweaks already computed, then single blocks.
         let mut r = 0;
@@ -268,8 +302,8 @@ unsafe fn units<V: AesVec, const NR: usize, const DEC: bool>(
     // SAFETY: every access is inside `data` (whole units) or the local arrays; inlined into a
     // function of V's level.
     unsafe {
-        let mut rk = splat_keys::<V, NR>(keys);
-        let mut tk = splat_keys::<V, NR>(tweak_keys);
+        let rk = splat_keys::<V, NR>(keys);
+        let tk = splat_keys::<V, NR>(tweak_keys);
         let mut numbers = [0u128; 16];
         let mut initial = [V::zero(); TWEAK_REGS];
         let mut n = run.first;
@@ -287,9 +321,14 @@ unsafe fn units<V: AesVec, const NR: usize, const DEC: bool>(
                 v.store(numbers.as_mut_ptr().add(r * V::LANES).cast());
             }
             let count = group.len() / run.unit_len;
+            let tweak = |i: usize| _mm_loadu_si128(numbers.as_ptr().add(i).cast());
+            let mut tw = first_tweaks::<V>(tweak(0));
             for (i, unit) in group.chunks_exact_mut(run.unit_len).enumerate() {
-                let mut tw = first_tweaks::<V>(_mm_loadu_si128(numbers.as_ptr().add(i).cast()));
-                bulk::<V, NR, DEC>(&rk, &mut tw, unit.as_mut_ptr(), iters);
+                if i + 1 < count {
+                    bulk::<V, NR, DEC, NEXT_FRESH>(&rk, &mut tw, unit.as_mut_ptr(), iters, tweak(i + 1));
+                } else {
+                    bulk::<V, NR, DEC, NEXT_NONE>(&rk, &mut tw, unit.as_mut_ptr(), iters, tweak(i));
+                }
             }
             n = n.wrapping_add(run.step.wrapping_mul(count as u64));
         }

@@ -164,7 +164,7 @@ unsafe fn ecb<V: AesVec, const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15]
     // SAFETY: every load and store covers whole blocks inside `data`; inlined into a function of
     // V's level.
     unsafe {
-        let mut rk = splat_keys::<V, NR>(keys);
+        let rk = splat_keys::<V, NR>(keys);
         while len - off >= 8 * reg {
             let mut x = [V::zero(); 8];
             for (j, v) in x.iter_mut().enumerate() {

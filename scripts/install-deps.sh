@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Install what the integration tests need (Debian 12). Idempotent: when every command and Python
-# module is already present it touches neither apt nor pip and returns in well under a second.
+# Install what the integration tests need (Debian 12), and the aarch64 cross tool chain that
+# `make test-aarch64` uses (x86-64 hosts: gcc-aarch64-linux-gnu, libc6-dev-arm64-cross, qemu-user and
+# rustup's aarch64-unknown-linux-gnu target). Idempotent: when every command and Python module is
+# already present it touches neither apt, pip nor rustup and returns in well under a second.
 #
 #   scripts/install-deps.sh            # install what is missing
 #   scripts/install-deps.sh --check    # only report what is missing (exit 1 if anything is)
@@ -57,6 +59,17 @@ if have_cmd nbdkit; then
     [[ -n "$filtdir" && -e "$filtdir/nbdkit-luks-filter.so" ]] || add_pkg nbdkit
 fi
 
+# aarch64 cross tool chain for `make test-aarch64` (cross build + tests under qemu-aarch64), x86-64
+# hosts only. libc6-dev-arm64-cross is only a Recommends of the compiler, and apt runs here with
+# --no-install-recommends, so it is checked by a file of its own.
+AARCH64_TARGET=aarch64-unknown-linux-gnu
+host_arch="$(uname -m)"
+if [[ "$host_arch" == x86_64 ]]; then
+    have_cmd aarch64-linux-gnu-gcc || add_pkg gcc-aarch64-linux-gnu
+    [[ -e /usr/aarch64-linux-gnu/lib/crt1.o ]] || add_pkg libc6-dev-arm64-cross
+    have_cmd qemu-aarch64 || add_pkg qemu-user
+fi
+
 opt_missing=()
 for cmd in "${!OPT_CMD_PKG[@]}"; do
     have_cmd "$cmd" || opt_missing+=("${OPT_CMD_PKG[$cmd]}")
@@ -92,6 +105,29 @@ if ((${#missing_pkgs[@]} + ${#opt_missing[@]})); then
     fi
 fi
 
+# The Rust standard library for aarch64 (rustup only; without rustup `make test-aarch64` reports
+# itself SKIPPED, and so does this script).
+rust_target_missing=0
+have_rust_target() {
+    local libdir
+    libdir="$(rustc --print target-libdir --target "$1" 2>/dev/null)" || return 1
+    compgen -G "$libdir/libstd-*.rlib" >/dev/null
+}
+if [[ "$host_arch" == x86_64 ]] && ! have_rust_target "$AARCH64_TARGET"; then
+    if ! command -v rustup >/dev/null 2>&1; then
+        echo "install-deps: aarch64 Rust target: SKIPPED (rustup not found; install $AARCH64_TARGET's" \
+            "standard library some other way, or make test-aarch64 is skipped)" >&2
+    elif ! rustup target list --installed 2>/dev/null | grep -qx "$AARCH64_TARGET"; then
+        if ((check_only)); then
+            rust_target_missing=1
+            echo "missing rustup target: $AARCH64_TARGET"
+        else
+            echo "install-deps: rustup target add $AARCH64_TARGET" >&2
+            rustup target add "$AARCH64_TARGET"
+        fi
+    fi
+fi
+
 # fio must have the NBD engine (Debian's fio links libnbd)
 if have_cmd fio && ! fio --enghelp 2>/dev/null | grep -qw nbd; then
     echo "install-deps: warning: this fio has no nbd ioengine; fio tests will be skipped" >&2
@@ -115,6 +151,6 @@ if ((py_missing)); then
 fi
 
 if ((check_only)); then
-    ((${#missing_pkgs[@]} == 0 && py_missing == 0)) || exit 1
+    ((${#missing_pkgs[@]} == 0 && py_missing == 0 && rust_target_missing == 0)) || exit 1
 fi
 exit 0

@@ -8,6 +8,28 @@ IMAGE_SIZE ?= 1G
 LISTEN     ?= 127.0.0.1:10809
 
 URI := nbd://$(LISTEN)
+
+# Other CPUs (make test-portable, make test-aarch64).
+HOST_ARCH := $(shell uname -m)
+# aarch64: Debian's cross gcc links, qemu-aarch64 (user emulation) runs the tests. Cargo's per-target
+# variables, so they touch nothing but aarch64 builds; .cargo/config.toml stays free of them.
+AARCH64 := aarch64-unknown-linux-gnu
+AARCH64_SYSROOT ?= /usr/aarch64-linux-gnu
+# The aarch64 build must be free of warnings (`make test-aarch64 AARCH64_WARNFLAGS=` lets them through).
+AARCH64_WARNFLAGS ?= -D warnings
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER ?= aarch64-linux-gnu-gcc
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER ?= qemu-aarch64 -L $(AARCH64_SYSROOT)
+export CC_aarch64_unknown_linux_gnu ?= aarch64-linux-gnu-gcc
+# The cross tests are built with release optimisation but without the shipped binary's thin LTO
+# and debug info, which cost most of the cross build's time. Set AARCH64_PROFILE= to build as shipped.
+AARCH64_PROFILE ?= CARGO_PROFILE_RELEASE_LTO=off CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16
+# What test-aarch64 lacks on this x86-64 machine (empty when it can run); set AARCH64_REQUIRED=1 to make a
+# skip an error.
+AARCH64_MISSING = $(strip \
+	$(if $(shell command -v aarch64-linux-gnu-gcc),,aarch64-linux-gnu-gcc;) \
+	$(if $(wildcard $(AARCH64_SYSROOT)/lib/crt1.o),,$(AARCH64_SYSROOT)/lib/crt1.o (libc6-dev-arm64-cross);) \
+	$(if $(shell command -v qemu-aarch64),,qemu-aarch64;) \
+	$(if $(wildcard $(shell rustc --print target-libdir --target $(AARCH64) 2>/dev/null)/libstd-*.rlib),,the Rust target $(AARCH64) (rustup target add $(AARCH64));))
 define RUN_BANNER
 
 cryptbridge: serving $(DATA_DIR)/volume.img ($(IMAGE_SIZE), sparse; only ciphertext is stored)
@@ -28,7 +50,7 @@ Stop with Ctrl-C (answered writes are synced first).
 endef
 export RUN_BANNER
 
-.PHONY: all build run test test-rust test-integration test-rtl deps bench rtl-report clean
+.PHONY: all build run test test-rust test-portable test-aarch64 test-integration test-rtl deps bench rtl-report clean
 
 all: build
 
@@ -51,10 +73,39 @@ run: build
 	exec $(BIN) serve --backing $(DATA_DIR)/volume.img --size $(IMAGE_SIZE) --key-file $(DATA_DIR)/volume.key \
 		--cipher aes-xts-plain64 --sector-size 4096 --listen $(LISTEN)
 
-test: deps build test-rust test-integration test-rtl
+test: deps build test-rust test-portable test-aarch64 test-integration test-rtl
 
 test-rust:
 	$(CARGO) test --release --locked --workspace
+
+# The workspace, its tests and examples for the x86-64 baseline CPU (no SSE4/AVX/AES-NI assumed at
+# compile time: every SIMD path must carry its own #[target_feature] and be chosen at run time). Own
+# target dir, so the normal release build is not thrown away. RUSTFLAGS overrides the config file's
+# rustflags, so the config file itself is checked for CPU flags too.
+test-portable:
+	@if grep -Ev '^[[:space:]]*(#|$$)' .cargo/config.toml | grep -Eq 'target-cpu|target-feature'; then \
+		echo "test-portable: .cargo/config.toml sets target-cpu/target-feature; the default build must stay portable" >&2; \
+		exit 1; \
+	fi
+	@if [ "$(HOST_ARCH)" != x86_64 ]; then echo "test-portable: SKIPPED (host is $(HOST_ARCH), not x86_64)"; exit 0; fi; \
+	set -e; t0=$$(date +%s); set -x; \
+	CARGO_TARGET_DIR=target/x86-64-baseline RUSTFLAGS="-C target-cpu=x86-64" \
+		$(CARGO) check --locked --workspace --all-targets; \
+	{ set +x; } 2>/dev/null; echo "test-portable: ok ($$(( $$(date +%s) - t0 ))s)"
+
+# Cross-build the whole workspace for aarch64 (the binaries as shipped, then every test and example)
+# and run all its tests under qemu-aarch64, whose default CPU model (`max`) has AES and PMULL, so
+# the `aes` crate's ARMv8 back end (aese/aesd) is what the XTS tests run.
+test-aarch64:
+	@if [ "$(HOST_ARCH)" != x86_64 ]; then echo "test-aarch64: SKIPPED (host is $(HOST_ARCH), not x86_64; test-rust tests this CPU)"; exit 0; fi; \
+	if [ -n "$(AARCH64_MISSING)" ]; then \
+		echo "test-aarch64: SKIPPED (missing: $(AARCH64_MISSING) scripts/install-deps.sh installs them)"; \
+		exit $(if $(filter 1,$(AARCH64_REQUIRED)),1,0); \
+	fi; \
+	set -e; t0=$$(date +%s); set -x; \
+	RUSTFLAGS="$(AARCH64_WARNFLAGS)" $(AARCH64_PROFILE) $(CARGO) build --release --locked --workspace --target $(AARCH64); \
+	RUSTFLAGS="$(AARCH64_WARNFLAGS)" $(AARCH64_PROFILE) $(CARGO) test --release --locked --workspace --target $(AARCH64); \
+	{ set +x; } 2>/dev/null; echo "test-aarch64: ok ($$(( $$(date +%s) - t0 ))s)"
 
 test-integration: build
 	$(PYTHON) -m pytest -q tests/integration

@@ -1,7 +1,7 @@
 //! Properties of XTS that hold for any key, tweak and data.
 
 use cryptbridge_cipher::registry::KeyPolicy;
-use cryptbridge_cipher::{new_cipher, unit_tweak, SectorCipher as _};
+use cryptbridge_cipher::{new_cipher, unit_tweak};
 use proptest::prelude::*;
 
 fn key_strategy() -> impl Strategy<Value = Vec<u8>> {

@@ -6,7 +6,7 @@ mod common;
 
 use cryptbridge_cipher::registry::KeyPolicy;
 use common::xts::{botan_vectors, wycheproof_vectors, Vector};
-use cryptbridge_cipher::{new_cipher, SectorCipher as _};
+use cryptbridge_cipher::new_cipher;
 
 fn check_all(vectors: &[Vector]) {
     for v in vectors {

@@ -27,6 +27,10 @@ pub struct Xts {
     /// The x86 kernels of the chosen level, when the level and key size allow them.
     #[cfg(target_arch = "x86_64")]
     simd: Option<x86::XtsX86>,
+    /// Elsewhere the level asked for: on aarch64, `armv8` means the `aes` crate's ARMv8 AES
+    /// back end, which the portable path runs on.
+    #[cfg(not(target_arch = "x86_64"))]
+    level: CpuLevel,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -57,17 +61,22 @@ impl Xts {
             key_len: key.len(),
             #[cfg(target_arch = "x86_64")]
             simd: x86::XtsX86::new(k1, k2, level),
+            #[cfg(not(target_arch = "x86_64"))]
+            level,
         })
     }
 
-    /// The level whose kernels run: the level asked for, or `portable` where it has no kernel
-    /// for this key size (AES-192) or this architecture.
+    /// The level whose kernels run: the level asked for, or on x86-64 `portable` for AES-192,
+    /// which has no kernel of its own.
     pub fn level(&self) -> CpuLevel {
         #[cfg(target_arch = "x86_64")]
-        if let Some(s) = &self.simd {
-            return s.level();
+        {
+            self.simd.as_ref().map_or(CpuLevel::Portable, |s| s.level())
         }
-        CpuLevel::Portable
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self.level
+        }
     }
 
     /// Like [`Xts::new`], but refuses equal key halves, which make XTS degenerate.

@@ -29,10 +29,11 @@ fn vectors(level: CpuLevel) -> Result<(), Failed> {
         c.decrypt(&v.tweak, &mut buf)?;
         ensure(buf == v.plaintext, || format!("decrypt {}", v.source))?;
     }
-    // AES-128 and AES-256 run this level's kernels; AES-192 has none below the portable path.
+    // AES-128 and AES-256 run this level's kernels; on x86-64 AES-192 has none of its own and
+    // runs the portable path (on aarch64 every size runs on the `aes` crate's ARMv8 back end).
     for (klen, want) in [(32, level), (64, level), (48, CpuLevel::Portable)] {
         let got = Xts::with_level(&vec![7u8; klen], level)?.level();
-        let want = if cfg!(target_arch = "x86_64") { want } else { CpuLevel::Portable };
+        let want = if cfg!(target_arch = "x86_64") { want } else { level };
         ensure(got == want, || format!("{klen}-byte key runs at {got}, expected {want}"))?;
     }
     Ok(())

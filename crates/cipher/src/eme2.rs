@@ -26,15 +26,15 @@ use crate::CpuLevel;
 use crate::gf128::{fill_xts_tweaks, xts_mul_alpha};
 use crate::tes_common::ecb;
 #[cfg(target_arch = "x86_64")]
-use crate::tes_common::vaes::Vaes;
+use crate::tes_common::x86::TesAes;
 use crate::{CipherError, SectorCipher};
 
 const NAME: &str = "eme2(aes)";
 const MIX_PERIOD: usize = 128;
-/// The VAES path keeps the masks of up to 64 re-masking periods on the stack (128 KiB); longer
+/// The x86 kernel path keeps the masks of up to 64 re-masking periods on the stack; longer
 /// data units take the generic path.
 #[cfg(target_arch = "x86_64")]
-const VAES_MAX_BLOCKS: usize = 64 * MIX_PERIOD;
+const SIMD_MAX_BLOCKS: usize = 64 * MIX_PERIOD;
 /// Mask batch: whole blocks handled per fill of the doubling chain.
 const CHUNK: usize = 128;
 
@@ -49,9 +49,10 @@ struct Secrets {
 pub struct Eme2 {
     secrets: Secrets,
     aes: AesAny,
-    /// Both layers fused with their masks, four blocks per register (AVX-512 VAES).
+    /// Both layers fused with their masks in this crate's AES kernels (AES-128/256, from level
+    /// `aesni`).
     #[cfg(target_arch = "x86_64")]
-    vaes: Option<Vaes>,
+    simd: Option<TesAes>,
     key_len: usize,
 }
 
@@ -83,23 +84,23 @@ impl Eme2 {
             secrets: Secrets { k_ad, k_ecb, l_period },
             aes,
             #[cfg(target_arch = "x86_64")]
-            vaes: Vaes::new(&key[32..], level),
+            simd: TesAes::new(&key[32..], level),
             key_len: key.len(),
         })
     }
 
-    /// `vaes-avx512` or `aes-crate`.
+    /// The level of the AES kernels that run (`aesni`, `vaes256`, `vaes512`), or `aes-crate`.
     pub fn implementation(&self) -> &'static str {
         #[cfg(target_arch = "x86_64")]
-        if self.vaes.is_some() {
-            return "vaes-avx512";
+        if let Some(v) = &self.simd {
+            return v.level().name();
         }
         "aes-crate"
     }
 
     fn e(&self, x: u128) -> u128 {
         #[cfg(target_arch = "x86_64")]
-        if let Some(v) = &self.vaes {
+        if let Some(v) = &self.simd {
             return v.block(x, false);
         }
         let mut b = aes::Block::from(x.to_le_bytes());
@@ -109,7 +110,7 @@ impl Eme2 {
 
     fn d(&self, x: u128) -> u128 {
         #[cfg(target_arch = "x86_64")]
-        if let Some(v) = &self.vaes {
+        if let Some(v) = &self.simd {
             return v.block(x, true);
         }
         let mut b = aes::Block::from(x.to_le_bytes());
@@ -161,9 +162,9 @@ impl Eme2 {
         let n = data.len() / 16;
         let (full, tail) = data.split_at_mut(n * 16);
         #[cfg(target_arch = "x86_64")]
-        if let Some(v) = &self.vaes {
-            if n <= VAES_MAX_BLOCKS {
-                self.crypt_vaes(v, tstar, full, tail, decrypt);
+        if let Some(v) = &self.simd {
+            if n <= SIMD_MAX_BLOCKS {
+                self.crypt_simd(v, tstar, full, tail, decrypt);
                 return Ok(());
             }
         }
@@ -219,10 +220,10 @@ impl Eme2 {
 }
 
 impl Eme2 {
-    /// The same computation with both layers in the VAES kernels: one pass per layer, the
+    /// The same computation with both layers in the x86 kernels: one pass per layer, the
     /// K_ECB and M masks built in registers.
     #[cfg(target_arch = "x86_64")]
-    fn crypt_vaes(&self, v: &Vaes, tstar: u128, full: &mut [u8], tail: &mut [u8], decrypt: bool) {
+    fn crypt_simd(&self, v: &TesAes, tstar: u128, full: &mut [u8], tail: &mut [u8], decrypt: bool) {
         let f = |x: u128| v.block(x, decrypt);
         let n = full.len() / 16;
         let l0 = self.secrets.k_ecb;

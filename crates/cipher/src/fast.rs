@@ -20,7 +20,7 @@ use crate::CpuLevel;
 use crate::gf128::{Acc, Field, PolyHash};
 use crate::tes_common::{block_at, ctr_xor, tweak_block};
 #[cfg(target_arch = "x86_64")]
-use crate::tes_common::vaes::Vaes;
+use crate::tes_common::x86::TesAes;
 use crate::{unit_tweak, CipherError, SectorCipher};
 
 /// Which hash FAST uses.
@@ -41,9 +41,10 @@ struct BrwPowers([u128; 17]);
 
 pub struct Fast {
     aes: AesAny,
-    /// Counter mode and the Feistel calls with VAES/AES-NI (AES-128/256 on AVX-512 CPUs).
+    /// Counter mode and the Feistel calls in this crate's AES kernels (AES-128/256, from level
+    /// `aesni`).
     #[cfg(target_arch = "x86_64")]
-    vaes: Option<Vaes>,
+    simd: Option<TesAes>,
     /// Horner evaluator keyed by tau (also gives single products by tau).
     hash: PolyHash,
     tau: u128,
@@ -79,15 +80,15 @@ impl Fast {
             brw.0[i] = hash.mul(brw.0[i - 1], brw.0[i - 1]);
         }
         #[cfg(target_arch = "x86_64")]
-        let vaes = Vaes::new(key, level);
+        let simd = TesAes::new(key, level);
         #[cfg(target_arch = "x86_64")]
-        let fused = vaes.is_some() && hash.uses_wide() && variant == FastHash::Brw;
+        let fused = simd.as_ref().is_some_and(|s| s.level() == CpuLevel::Vaes512) && hash.uses_wide() && variant == FastHash::Brw;
         Ok(Self {
             #[cfg(target_arch = "x86_64")]
             fused,
             aes,
             #[cfg(target_arch = "x86_64")]
-            vaes,
+            simd,
             hash,
             tau,
             brw,
@@ -106,8 +107,12 @@ impl Fast {
     /// Which AES and carry-less multiply implementations run.
     pub fn implementation(&self) -> &'static str {
         #[cfg(target_arch = "x86_64")]
-        if self.vaes.is_some() && self.hash.uses_wide() {
-            return "vaes+vpclmulqdq";
+        if let Some(s) = &self.simd {
+            return match s.level() {
+                CpuLevel::Vaes512 => "vaes512+vpclmulqdq",
+                CpuLevel::Vaes256 => "vaes256+vpclmulqdq",
+                _ => "aesni+pclmulqdq",
+            };
         }
         if self.hash.uses_clmul() { "aes-crate+pclmulqdq" } else { "aes-crate+portable-clmul" }
     }
@@ -291,7 +296,7 @@ impl Fast {
             let next = (u + 2 < n).then(|| (&after[L + 32..2 * L], tweak(u + 2)));
             let (first, second) = if u + 2 < n { pair(&after[L..]) } else { (0, 0) };
             let link = x86::Link { s: tail_s(prev_saved), first, second };
-            // SAFETY: `fused` is only set when `Vaes::new` succeeded (`rk` is its schedule)
+            // SAFETY: `fused` is only set when `TesAes::new` succeeded at level `vaes512` (`rk` is its schedule)
             // (AVX-512F/BW, VAES, VPCLMULQDQ, AES-NI, SSE2) and `hash.uses_wide()` holds
             // (PCLMULQDQ, SSSE3); SSE4.1 and AVX2 come with AVX-512F on every CPU that has it (the
             // other VAES kernels assume the same). The bodies are 254 blocks.
@@ -325,7 +330,7 @@ impl Fast {
             return Err(CipherError::UnitLength { unit_len, got: data.len() });
         }
         #[cfg(target_arch = "x86_64")]
-        if let (true, 4096, Some(v)) = (self.fused, unit_len, &self.vaes) {
+        if let (true, 4096, Some(v)) = (self.fused, unit_len, &self.simd) {
             self.units_brw4096(v.round_keys(), first, step, data, decrypt);
             return Ok(());
         }
@@ -404,7 +409,7 @@ impl Fast {
 
     fn e(&self, x: u128) -> u128 {
         #[cfg(target_arch = "x86_64")]
-        if let Some(v) = &self.vaes {
+        if let Some(v) = &self.simd {
             return v.block(x, false);
         }
         let mut b = aes::Block::from(x.to_le_bytes());
@@ -415,7 +420,7 @@ impl Fast {
     /// C_i ^= E_K(Z ^ bin(i - 2)) for i = 3..m: the counter is XORed in, little-endian, from 1.
     fn ctr(&self, z: u128, body: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
-        if let Some(v) = &self.vaes {
+        if let Some(v) = &self.simd {
             return v.ctr_xor_le(body, z);
         }
         ctr_xor(&self.aes, body, |i| (z ^ (i as u128 + 1)).to_le_bytes());

@@ -23,7 +23,7 @@ use crate::CpuLevel;
 use crate::gf128::{Acc, Field, PolyHash};
 use crate::tes_common::{block_at, ctr_xor, xor16};
 #[cfg(target_arch = "x86_64")]
-use crate::tes_common::vaes::Vaes;
+use crate::tes_common::x86::TesAes;
 use crate::{unit_tweak, CipherError, SectorCipher};
 
 const NAME: &str = "hctr2(aes)";
@@ -37,9 +37,9 @@ struct Secret {
 
 pub struct Hctr2 {
     aes: AesAny,
-    /// XCTR and the middle block with VAES/AES-NI (AES-128/256 on AVX-512 CPUs).
+    /// XCTR and the middle block in this crate's AES kernels (AES-128/256, from level `aesni`).
     #[cfg(target_arch = "x86_64")]
-    vaes: Option<Vaes>,
+    simd: Option<TesAes>,
     hash: PolyHash,
     secret: Secret,
     key_len: usize,
@@ -66,7 +66,7 @@ impl Hctr2 {
         Ok(Self {
             aes,
             #[cfg(target_arch = "x86_64")]
-            vaes: Vaes::new(key, level),
+            simd: TesAes::new(key, level),
             hash,
             secret: Secret { l: l.into() },
             key_len: key.len(),
@@ -110,7 +110,7 @@ impl Hctr2 {
     fn xctr(&self, s: &[u8; 16], data: &mut [u8]) {
         let s = u128::from_le_bytes(*s);
         #[cfg(target_arch = "x86_64")]
-        if let Some(v) = &self.vaes {
+        if let Some(v) = &self.simd {
             return v.ctr_xor_le(data, s);
         }
         ctr_xor(&self.aes, data, |i| (s ^ (i as u128 + 1)).to_le_bytes());
@@ -118,7 +118,7 @@ impl Hctr2 {
 
     fn one_block(&self, x: [u8; 16], decrypt: bool) -> [u8; 16] {
         #[cfg(target_arch = "x86_64")]
-        if let Some(v) = &self.vaes {
+        if let Some(v) = &self.simd {
             return v.block(u128::from_le_bytes(x), decrypt).to_le_bytes();
         }
         let mut b = aes::Block::from(x);

@@ -10,7 +10,7 @@ use aes::Block;
 use crate::aes_any::AesAny;
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) mod vaes;
+pub(crate) mod x86;
 
 /// Blocks per AES batch. The `aes` crate's VAES-512 back end runs 64 blocks at a time and does
 /// the remainder one block at a time, which is 2-3x slower per block.

@@ -26,7 +26,7 @@ use crate::CpuLevel;
 use crate::gf128::{Acc, Field, PolyHash};
 use crate::tes_common::{ctr_xor, xor16};
 #[cfg(target_arch = "x86_64")]
-use crate::tes_common::vaes::Vaes;
+use crate::tes_common::x86::TesAes;
 use crate::{CipherError, SectorCipher};
 
 const NAME: &str = "xcb(aes)";
@@ -35,9 +35,9 @@ pub struct Xcb {
     ke: AesAny,
     kd: AesAny,
     kc: AesAny,
-    /// Ke, Kd, Kc with VAES/AES-NI (AVX-512 CPUs).
+    /// Ke, Kd, Kc in this crate's AES kernels (AES-128/256, from level `aesni`).
     #[cfg(target_arch = "x86_64")]
-    vaes: Option<[Vaes; 3]>,
+    simd: Option<[TesAes; 3]>,
     hash: PolyHash,
     key_len: usize,
 }
@@ -69,7 +69,7 @@ impl Xcb {
         let sub = |i: usize| AesAny::new(&s[32 * i..32 * i + n], level).expect("16 or 32 bytes");
         let (ke, kd, kc) = (sub(0), sub(1), sub(2));
         #[cfg(target_arch = "x86_64")]
-        let vaes = match (Vaes::new(&s[..n], level), Vaes::new(&s[32..32 + n], level), Vaes::new(&s[64..64 + n], level)) {
+        let simd = match (TesAes::new(&s[..n], level), TesAes::new(&s[32..32 + n], level), TesAes::new(&s[64..64 + n], level)) {
             (Some(e), Some(d), Some(c)) => Some([e, d, c]),
             _ => None,
         };
@@ -83,7 +83,7 @@ impl Xcb {
             kd,
             kc,
             #[cfg(target_arch = "x86_64")]
-            vaes,
+            simd,
             hash,
             key_len: n,
         })
@@ -133,7 +133,7 @@ impl Xcb {
     /// x ^= E_Kc(D) || E_Kc(incr32(D)) || ...
     fn ctr(&self, d: &[u8; 16], x: &mut [u8]) {
         #[cfg(target_arch = "x86_64")]
-        if let Some([_, _, c]) = &self.vaes {
+        if let Some([_, _, c]) = &self.simd {
             return c.ctr_xor_inc32(x, *d);
         }
         let low = u32::from_be_bytes(d[12..].try_into().expect("4 bytes"));
@@ -147,7 +147,7 @@ impl Xcb {
     /// One block with Ke (`which` = 0) or Kd (1).
     fn one(&self, which: usize, x: [u8; 16], decrypt: bool) -> [u8; 16] {
         #[cfg(target_arch = "x86_64")]
-        if let Some(v) = &self.vaes {
+        if let Some(v) = &self.simd {
             return v[which].block(u128::from_le_bytes(x), decrypt).to_le_bytes();
         }
         let aes = if which == 0 { &self.ke } else { &self.kd };

@@ -605,18 +605,18 @@ impl AesVec for Zmm {
 
     #[inline(always)]
     unsafe fn load_blocks(p: *const u8, n: usize) -> Self {
-        let mask = (((1u32 << (2 * n)) - 1) & 0xff) as __mmask8;
-        Zmm(unsafe { _mm512_maskz_loadu_epi64(if n >= 4 { 0xff } else { mask }, p.cast()) })
+        let mask: __mmask8 = if n >= 4 { 0xff } else { ((1u32 << (2 * n)) - 1) as u8 };
+        Zmm(unsafe { _mm512_maskz_loadu_epi64(mask, p.cast()) })
     }
     #[inline(always)]
     unsafe fn store_blocks(self, p: *mut u8, n: usize) {
-        let mask = (((1u32 << (2 * n)) - 1) & 0xff) as __mmask8;
-        unsafe { _mm512_mask_storeu_epi64(p.cast(), if n >= 4 { 0xff } else { mask }, self.0) }
+        let mask: __mmask8 = if n >= 4 { 0xff } else { ((1u32 << (2 * n)) - 1) as u8 };
+        unsafe { _mm512_mask_storeu_epi64(p.cast(), mask, self.0) }
     }
     #[inline(always)]
     unsafe fn keep_lanes(self, n: usize) -> Self {
-        let mask = (((1u32 << (2 * n)) - 1) & 0xff) as __mmask8;
-        Zmm(unsafe { _mm512_maskz_mov_epi64(if n >= 4 { 0xff } else { mask }, self.0) })
+        let mask: __mmask8 = if n >= 4 { 0xff } else { ((1u32 << (2 * n)) - 1) as u8 };
+        Zmm(unsafe { _mm512_maskz_mov_epi64(mask, self.0) })
     }
     #[inline(always)]
     unsafe fn xor_lanes(self) -> __m128i {

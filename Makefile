@@ -93,9 +93,9 @@ test-portable:
 		$(CARGO) check --locked --workspace --all-targets; \
 	{ set +x; } 2>/dev/null; echo "test-portable: ok ($$(( $$(date +%s) - t0 ))s)"
 
-# Cross-build the whole workspace for aarch64 (the binaries as shipped, then every test and example)
-# and run all its tests under qemu-aarch64, whose default CPU model (`max`) has AES and PMULL, so
-# the `aes` crate's ARMv8 back end (aese/aesd) is what the XTS tests run.
+# Cross-build the whole workspace for aarch64 (libraries, binaries, tests and examples, in one build
+# that the test run reuses) and run all its tests under qemu-aarch64, whose default CPU model
+# (`max`) has AES and PMULL, so the `aes` crate's ARMv8 back end (aese/aesd) is what XTS runs.
 test-aarch64:
 	@if [ "$(HOST_ARCH)" != x86_64 ]; then echo "test-aarch64: SKIPPED (host is $(HOST_ARCH), not x86_64; test-rust tests this CPU)"; exit 0; fi; \
 	if [ -n "$(AARCH64_MISSING)" ]; then \
@@ -103,7 +103,7 @@ test-aarch64:
 		exit $(if $(filter 1,$(AARCH64_REQUIRED)),1,0); \
 	fi; \
 	set -e; t0=$$(date +%s); set -x; \
-	RUSTFLAGS="$(AARCH64_WARNFLAGS)" $(AARCH64_PROFILE) $(CARGO) build --release --locked --workspace --target $(AARCH64); \
+	RUSTFLAGS="$(AARCH64_WARNFLAGS)" $(AARCH64_PROFILE) $(CARGO) build --release --locked --workspace --all-targets --target $(AARCH64); \
 	RUSTFLAGS="$(AARCH64_WARNFLAGS)" $(AARCH64_PROFILE) $(CARGO) test --release --locked --workspace --target $(AARCH64); \
 	{ set +x; } 2>/dev/null; echo "test-aarch64: ok ($$(( $$(date +%s) - t0 ))s)"
 

@@ -1,0 +1,79 @@
+//! dm-crypt cipher specifications as LUKS headers spell them (`aes-xts-plain64`), mapped to the
+//! Linux crypto API names of `cryptbridge_cipher`'s registry.
+
+use cryptbridge_cipher::registry::KeyPolicy;
+use cryptbridge_cipher::{new_cipher, SectorCipher};
+
+use crate::error::{Result, VolumeError};
+
+/// (dm-crypt spec, Linux crypto API name). Only the `plain64` IV exists here: the tweak is the
+/// sector number as a little-endian block.
+const SPECS: &[(&str, &str)] = &[
+    ("aes-xts-plain64", "xts(aes)"),
+    ("aes-hctr2-plain64", "hctr2(aes)"),
+    ("xchacha12,aes-adiantum-plain64", "adiantum(xchacha12,aes)"),
+    ("xchacha20,aes-adiantum-plain64", "adiantum(xchacha20,aes)"),
+];
+
+/// The crypto API name for a dm-crypt spec, or a clear refusal.
+pub fn crypto_api_name(spec: &str) -> Result<&'static str> {
+    let lower = spec.to_ascii_lowercase();
+    if let Some(&(_, name)) = SPECS.iter().find(|(s, _)| *s == lower) {
+        return Ok(name);
+    }
+    if lower.starts_with("capi:") {
+        if let Some(&(_, name)) = SPECS.iter().find(|(_, n)| lower == format!("capi:{n}-plain64")) {
+            return Ok(name);
+        }
+    }
+    Err(VolumeError::Unsupported(format!(
+        "cipher `{spec}` is not supported (supported: {}); only the plain64 IV is implemented",
+        SPECS.iter().map(|(s, _)| *s).collect::<Vec<_>>().join(", ")
+    )))
+}
+
+/// LUKS1 stores the cipher as name and mode (`aes` + `xts-plain64`).
+pub fn luks1_spec(cipher_name: &str, cipher_mode: &str) -> String {
+    if cipher_name.starts_with("capi:") {
+        return cipher_name.to_string();
+    }
+    format!("{cipher_name}-{cipher_mode}")
+}
+
+/// A cipher for `spec` with `key` (volume keys refuse weak keys such as equal XTS halves).
+pub fn sector_cipher(spec: &str, key: &[u8], policy: KeyPolicy) -> Result<Box<dyn SectorCipher>> {
+    let name = crypto_api_name(spec)?;
+    new_cipher(name, key, policy).map_err(|e| VolumeError::Unsupported(format!("cipher `{spec}` with a {}-bit key: {e}", key.len() * 8)))
+}
+
+/// Decrypts a keyslot area in place: 512-byte sectors, IVs counted from 0 at the area's start.
+pub fn decrypt_area(spec: &str, key: &[u8], data: &mut [u8]) -> Result<()> {
+    let cipher = sector_cipher(spec, key, KeyPolicy::Permissive)?;
+    cipher
+        .decrypt_units(0, 1, 512, data)
+        .map_err(|e| VolumeError::Corrupt(format!("keyslot area ({spec}): {e}")))
+}
+
+/// Encrypts a keyslot area in place (the inverse of [`decrypt_area`]).
+pub fn encrypt_area(spec: &str, key: &[u8], data: &mut [u8]) -> Result<()> {
+    let cipher = sector_cipher(spec, key, KeyPolicy::Permissive)?;
+    cipher
+        .encrypt_units(0, 1, 512, data)
+        .map_err(|e| VolumeError::Invalid(format!("keyslot area ({spec}): {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spellings() {
+        assert_eq!(crypto_api_name("aes-xts-plain64").unwrap(), "xts(aes)");
+        assert_eq!(crypto_api_name("capi:xts(aes)-plain64").unwrap(), "xts(aes)");
+        assert_eq!(crypto_api_name("xchacha12,aes-adiantum-plain64").unwrap(), "adiantum(xchacha12,aes)");
+        let e = crypto_api_name("aes-cbc-essiv:sha256").unwrap_err().to_string();
+        assert!(e.contains("aes-cbc-essiv:sha256") && e.contains("aes-xts-plain64"), "{e}");
+        assert!(crypto_api_name("aes-xts-plain").is_err());
+        assert_eq!(luks1_spec("aes", "xts-plain64"), "aes-xts-plain64");
+    }
+}

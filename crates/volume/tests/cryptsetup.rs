@@ -1,0 +1,60 @@
+//! Headers written by the real cryptsetup, opened here: the volume key must equal the one
+//! `cryptsetup luksDump --dump-volume-key` prints. Skipped (with the reason on stderr) where
+//! cryptsetup is not installed; the Python interop suite (tests/integration/test_luks.py) covers
+//! the data path.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use cryptbridge_volume::{Header, VolumeError};
+
+fn cryptsetup() -> Option<PathBuf> {
+    ["/usr/sbin/cryptsetup", "/sbin/cryptsetup", "/usr/bin/cryptsetup"].iter().map(PathBuf::from).find(|p| p.exists())
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("cryptsetup runs");
+    assert!(out.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).expect("text")
+}
+
+/// The volume key as `luksDump --dump-volume-key` prints it (hex pairs after "MK dump:").
+fn dumped_key(cs: &Path, image: &Path, pass: &Path) -> Vec<u8> {
+    let out = run(Command::new(cs).args(["luksDump", "--dump-volume-key", "--batch-mode", "--key-file"]).arg(pass).arg(image));
+    let dump = out.split("MK dump:").nth(1).expect("an MK dump section");
+    let hex: String = dump.split_whitespace().filter(|w| w.len() == 2 && w.chars().all(|c| c.is_ascii_hexdigit())).collect();
+    hex::decode(hex).expect("hex")
+}
+
+#[test]
+fn cryptsetup_headers_open_with_the_same_key() {
+    let Some(cs) = cryptsetup() else {
+        eprintln!("SKIPPED: cryptsetup not installed (scripts/install-deps.sh installs cryptsetup-bin)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let pass = dir.path().join("pass");
+    std::fs::write(&pass, b"a passphrase\nwith a newline inside").unwrap();
+    let fast_argon = ["--pbkdf", "argon2id", "--pbkdf-memory", "32768", "--pbkdf-force-iterations", "4", "--pbkdf-parallel", "2"];
+    let fast_pbkdf2 = ["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000", "--hash", "sha512"];
+    let cases: Vec<(&str, Vec<&str>, usize, usize)> = vec![
+        ("luks2-argon2id-4096-512", [&["--type", "luks2", "--sector-size", "4096", "--key-size", "512"][..], &fast_argon].concat(), 4096, 64),
+        ("luks2-pbkdf2-512-256", [&["--type", "luks2", "--sector-size", "512", "--key-size", "256"][..], &fast_pbkdf2].concat(), 512, 32),
+        ("luks1-sha256", vec!["--type", "luks1", "--hash", "sha256", "--pbkdf-force-iterations", "1000", "--key-size", "512"], 512, 64),
+        ("luks1-sha1", vec!["--type", "luks1", "--hash", "sha1", "--pbkdf-force-iterations", "1000", "--key-size", "256"], 512, 32),
+    ];
+    for (name, opts, sector, key_bytes) in cases {
+        let image = dir.path().join(format!("{name}.img"));
+        std::fs::File::create(&image).unwrap().set_len(20 << 20).unwrap();
+        run(Command::new(&cs).args(["luksFormat", "--batch-mode", "--key-file"]).arg(&pass).args(&opts).arg(&image));
+        let want = dumped_key(&cs, &image, &pass);
+        let file = std::fs::File::open(&image).unwrap();
+        let header = Header::read(&file).unwrap();
+        assert!(header.warnings().is_empty(), "{name}: {:?}", header.warnings());
+        let seg = header.data_segment().unwrap();
+        assert_eq!((seg.sector_size, seg.key_bytes, seg.cipher.as_str()), (sector, key_bytes, "aes-xts-plain64"), "{name}");
+        let got = header.unlock(&file, &std::fs::read(&pass).unwrap(), None).unwrap();
+        assert_eq!(got.volume_key.as_slice(), want.as_slice(), "{name}");
+        assert!(matches!(header.unlock(&file, b"a passphrase", None), Err(VolumeError::WrongPassphrase(_))), "{name}");
+    }
+}

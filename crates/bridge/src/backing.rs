@@ -29,6 +29,8 @@ pub enum BackingError {
     UnalignedSize { size: u64, sector_size: usize },
     #[error("backing {path} is smaller than one {sector_size}-byte sector")]
     TooSmall { path: PathBuf, sector_size: usize },
+    #[error("data area of {len} bytes at offset {offset} does not fit the {size}-byte backing store in whole {sector_size}-byte sectors")]
+    BadWindow { offset: u64, len: u64, size: u64, sector_size: usize },
     #[error("backing {path} is neither a regular file nor a block device")]
     NotFileOrDevice { path: PathBuf },
     // The io::Error is part of the message, not a `source`, so that error chains print it once.
@@ -43,6 +45,9 @@ pub struct Backing {
     size: u64,
     is_block_device: bool,
     direct: bool,
+    /// Where the export starts in the file or device: a volume's data offset (a LUKS header
+    /// comes first), 0 for a plain volume. Every offset below is relative to it.
+    offset: u64,
 }
 
 impl Backing {
@@ -80,7 +85,7 @@ impl Backing {
         if size != actual {
             tracing::warn!("backing {} is {actual} bytes; exporting the first {size} (whole sectors)", path.display());
         }
-        let backing = Self { file, size, is_block_device, direct: opts.direct };
+        let backing = Self { file, offset: 0, size, is_block_device, direct: opts.direct };
         if opts.direct {
             backing.probe_direct(path, opts.sector_size)?;
         }
@@ -100,16 +105,30 @@ impl Backing {
         self.size
     }
 
+    /// Narrows the export to `len` bytes starting `offset` bytes into the file or device: the
+    /// data area of a volume whose header comes first (LUKS). Both must be multiples of the
+    /// sector size (so O_DIRECT stays aligned) and lie within what was opened.
+    pub fn with_window(mut self, offset: u64, len: u64, sector_size: usize) -> Result<Self, BackingError> {
+        let ss = sector_size as u64;
+        let fits = offset.checked_add(len).is_some_and(|end| end <= self.size);
+        if len == 0 || !offset.is_multiple_of(ss) || !len.is_multiple_of(ss) || !fits {
+            return Err(BackingError::BadWindow { offset, len, size: self.size, sector_size });
+        }
+        self.offset = offset;
+        self.size = len;
+        Ok(self)
+    }
+
     pub fn is_direct(&self) -> bool {
         self.direct
     }
 
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.file.read_exact_at(buf, offset)
+        self.file.read_exact_at(buf, self.offset + offset)
     }
 
     pub fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        self.file.write_all_at(buf, offset)
+        self.file.write_all_at(buf, self.offset + offset)
     }
 
     /// Makes every completed write durable (fdatasync).
@@ -119,6 +138,7 @@ impl Backing {
 
     /// Deallocates `[offset, offset + len)`: punches a hole in a file, discards on a device.
     pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        let offset = self.offset + offset;
         let fd = self.file.as_raw_fd();
         if self.is_block_device {
             let range: [u64; 2] = [offset, len];

@@ -15,6 +15,18 @@ use cryptbridge_engine::{Backend, CpuBackend, Engine, RtlSimBackend, SectorLayou
 
 use crate::{keyfile, names, size};
 
+mod luks;
+
+/// `--type`: how the backing store holds the volume.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum VolumeType {
+    /// dm-crypt plain: the key file is the key, the whole backing store is data.
+    Plain,
+    /// LUKS1 or LUKS2 (cryptsetup, qemu): the header gives cipher, key size, sector size and
+    /// data offset; a passphrase opens a keyslot.
+    Luks,
+}
+
 #[derive(clap::Args)]
 #[command(after_help = "On-disk bytes equal those of `cryptsetup open --type plain --cipher aes-xts-plain64 \
 --key-size 512 --key-file KEYFILE` for the same key and sector size.\n\
@@ -27,7 +39,7 @@ pub struct Args {
     #[arg(long, value_parser = size::parse_size)]
     size: Option<u64>,
     /// Raw key file (Key1 || Key2), as written by `cryptbridge keygen`.
-    #[arg(long, required_unless_present = "passthrough")]
+    #[arg(long, required_unless_present_any = ["passthrough", "volume_type"])]
     key_file: Option<PathBuf>,
     /// Key size in bits; by default taken from the key file's length.
     #[arg(long)]
@@ -77,6 +89,19 @@ pub struct Args {
     /// cost of CPU time. 0 disables polling.
     #[arg(long, default_value_t = 32_768)]
     poll_max_ns: u64,
+    /// `plain` (dm-crypt plain mode: --key-file is the raw key) or `luks` (a LUKS1/LUKS2 volume
+    /// made by cryptsetup or qemu-img: its header gives the cipher, key size, sector size and data
+    /// offset, and the export is its data segment; --key-file is then a passphrase file read whole
+    /// as cryptsetup does, `-` for standard input, or without it the passphrase is asked for on
+    /// the terminal). See docs/luks.md.
+    #[arg(long = "type", value_enum, default_value = "plain")]
+    volume_type: VolumeType,
+    /// With --type luks: the volume's detached LUKS header (as `cryptsetup --header`).
+    #[arg(long)]
+    header: Option<PathBuf>,
+    /// With --type luks: try only this keyslot (by default every keyslot, as cryptsetup).
+    #[arg(long)]
+    key_slot: Option<u32>,
     /// Crypto back end: `cpu`, or `rtl-sim` (the Verilated XTS-AES-256 hardware core from rtl/,
     /// run as a co-process; needs a 512-bit aes-xts-plain64 key and `make -C rtl sim`).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "rtl-sim"])]
@@ -95,7 +120,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.io_workers == 0 || args.threads == Some(0) {
         bail!("--io-workers and --threads must be at least 1");
     }
-    let layout = SectorLayout::new(args.sector_size, args.iv_large_sectors);
+    // --type luks: the header decides cipher, key, sector size and data area (cmd_serve/luks.rs).
+    let mut luks = luks::open(&args)?;
+    let sector_size = luks.as_ref().map_or(args.sector_size, luks::Volume::sector_size);
+    let layout = luks.as_ref().map_or_else(|| SectorLayout::new(args.sector_size, args.iv_large_sectors), luks::Volume::layout);
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let mut rtl: Option<Arc<RtlSimBackend>> = None;
     let engine = if args.passthrough {
@@ -104,12 +132,17 @@ pub fn run(args: Args) -> Result<ExitCode> {
         }
         Engine::passthrough(layout)
     } else {
-        let cipher_name = names::volume_cipher(&args.cipher)?;
-        let key_path = args.key_file.as_ref().expect("clap requires --key-file without --passthrough");
-        let key = keyfile::read_key(key_path, args.key_size)?;
+        let (cipher_name, key, key_source) = match luks.as_mut() {
+            Some(v) => (v.crypto_api(), v.take_key(), v.key_source()),
+            None => {
+                let cipher_name = names::volume_cipher(&args.cipher)?;
+                let key_path = args.key_file.as_ref().expect("luks::open requires --key-file for --type plain without --passthrough");
+                (cipher_name, keyfile::read_key(key_path, args.key_size)?, format!("key file {}", key_path.display()))
+            }
+        };
         let cipher: Arc<dyn SectorCipher> = Arc::from(
             new_cipher(cipher_name, &key, KeyPolicy::Volume)
-                .with_context(|| format!("key file {} cannot be used", key_path.display()))?,
+                .with_context(|| format!("{key_source} cannot be used"))?,
         );
         let backend: Arc<dyn Backend> = match args.engine.as_str() {
             "rtl-sim" => {
@@ -130,10 +163,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
     };
     let backing = Backing::open(
         &args.backing,
-        &BackingOptions { size: args.size, read_only: args.read_only, direct: args.direct, sector_size: args.sector_size },
+        &BackingOptions { size: args.size, read_only: args.read_only, direct: args.direct, sector_size },
     )?;
+    let backing = luks::window(luks.as_ref(), backing, &args.backing)?;
     let pipeline = Arc::new(Pipeline::new(backing, engine));
-    let mode = if args.passthrough { "passthrough (plaintext)".to_string() } else { format!("{} {}-bit", args.cipher, pipeline_key_bits(&args)) };
+    let mode = if args.passthrough { "passthrough (plaintext)".to_string() } else { format!("{} {}-bit", luks.as_ref().map_or_else(|| args.cipher.clone(), luks::Volume::label), pipeline_key_bits(&args)) };
     let server = Server::new(
         Arc::clone(&pipeline),
         ServerConfig {
@@ -154,7 +188,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         "serving {} ({} bytes, {}-byte sectors, {}{}{}) as {uri}",
         args.backing.display(),
         pipeline.size(),
-        args.sector_size,
+        sector_size,
         mode,
         if args.direct { ", O_DIRECT" } else { "" },
         if args.read_only { ", read-only" } else { "" },

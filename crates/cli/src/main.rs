@@ -7,6 +7,7 @@ mod cmd_keygen;
 mod cmd_serve;
 mod keyfile;
 mod names;
+mod passphrase;
 mod size;
 
 use std::process::ExitCode;

@@ -1,0 +1,427 @@
+"""LUKS interop: volumes made by cryptsetup (LUKS2 and LUKS1) and qemu-img (LUKS1), served with
+``cryptbridge serve --type luks``.
+
+For every volume: data written through NBD reads back, and the bytes on disk are checked with an
+independent AES-XTS (Python ``cryptography``) under the volume key that ``cryptsetup luksDump
+--dump-volume-key`` prints, at the data offset that ``luksDump`` prints, with dm-crypt's IV numbering
+(plain64 counting 512-byte units, also for 4096-byte sectors). Where the tools allow it without
+device-mapper, cryptsetup's and qemu's own crypto read or write the same data: ``cryptsetup
+reencrypt`` (offline, userspace) encrypts and decrypts a detached-header volume, and ``qemu-io``
+reads and writes LUKS1 images through qemu's luks driver.
+
+Skipped, with the reason, where cryptsetup or qemu-img is missing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from conftest import MiB, Bridge, assert_no_panic, require_binary, run
+from nbd_client import NBDClient
+from reference.xts_ref import xts_decrypt
+
+PASS = b"correct horse\nbattery staple\n"  # newlines inside and at the end: key files are read whole
+FAST_ARGON = ["--pbkdf-memory", "32768", "--pbkdf-parallel", "2", "--pbkdf-force-iterations", "4"]
+FAST_PBKDF2 = ["--pbkdf-force-iterations", "1000"]
+
+
+def tool(name: str) -> Optional[str]:
+    for p in (shutil.which(name), f"/usr/sbin/{name}", f"/sbin/{name}"):
+        if p and os.path.exists(p):
+            return p
+    return None
+
+
+def need(name: str) -> str:
+    p = tool(name)
+    if p is None:
+        pytest.skip(f"{name} not installed (scripts/install-deps.sh installs cryptsetup-bin and qemu-utils)")
+    return p
+
+
+def write_file(path: Path, data: bytes) -> Path:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return path
+
+
+def sparse(path: Path, size: int) -> Path:
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+def cryptsetup(*args, check: bool = True, timeout: float = 120):
+    return run([need("cryptsetup"), *args], timeout=timeout, check=check)
+
+
+def luks_format(img: Path, pass_file: Path, *opts, header: Optional[Path] = None) -> None:
+    extra = ["--header", header] if header else []
+    cryptsetup("luksFormat", "--batch-mode", "--key-file", pass_file, *extra, *opts, img)
+
+
+def volume_key(img: Path, pass_file: Path) -> bytes:
+    """The volume key as cryptsetup prints it (``MK dump:`` in 2.6, ``Volume key`` later)."""
+    out = cryptsetup("luksDump", "--dump-volume-key", "--batch-mode", "--key-file", pass_file, img).stdout.decode()
+    m = re.search(r"(?:MK dump|Volume key):?\s*\n?((?:\s*(?:[0-9a-f]{2}\s+)+)+)", out)
+    assert m, f"no volume key in luksDump output:\n{out}"
+    key = bytes.fromhex("".join(m.group(1).split()))
+    assert len(key) in (32, 64), out
+    return key
+
+
+def data_layout(img: Path) -> tuple[int, int]:
+    """(data offset in bytes, sector size) from ``cryptsetup luksDump``, not from cryptbridge."""
+    out = cryptsetup("luksDump", img).stdout.decode()
+    if "Version:       \t1" in out or re.search(r"Version:\s+1\b", out):
+        m = re.search(r"Payload offset:\s*(\d+)", out)
+        assert m, out
+        return int(m.group(1)) * 512, 512
+    seg = out.split("Data segments:", 1)[1]
+    off = re.search(r"offset:\s*(\d+) \[bytes\]", seg)
+    sector = re.search(r"sector:\s*(\d+) \[bytes\]", seg)
+    assert off and sector, out
+    return int(off.group(1)), int(sector.group(1))
+
+
+def serve_luks(ws, backing: Path, pass_file: Optional[Path], *extra, label: str = "luks") -> Bridge:
+    ws._n += 1
+    args = ["--type", "luks", "--backing", backing, "--unix", ws.sockdir / f"l{ws._n}.sock", *extra]
+    if pass_file is not None:
+        args += ["--key-file", pass_file]
+    b = Bridge(ws.tmp, args, label=f"{label}{ws._n}")
+    ws.bridges.append(b)
+    return b.start()
+
+
+def serve_fails(ws, *args, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Runs serve expecting it to refuse to start (stdin is not a terminal)."""
+    sock = ws.sockdir / "refused.sock"
+    p = run([require_binary(), "serve", "--type", "luks", "--unix", sock, *args], timeout=timeout, stdin=subprocess.DEVNULL)
+    assert_no_panic(p.stderr.decode(errors="replace"))
+    assert b"ready" not in p.stdout, p.stdout
+    return p
+
+
+def decrypt_sectors(raw: bytes, key: bytes, offset: int, sector: int, first: int, count: int) -> bytes:
+    """Sectors [first, first+count) of the data area, decrypted with plain64 IVs in 512-byte units."""
+    out = bytearray()
+    for i in range(first, first + count):
+        start = offset + i * sector
+        out += xts_decrypt(key, i * sector // 512, raw[start : start + sector])
+    return bytes(out)
+
+
+def write_and_check(ws, img: Path, pass_file: Path, key: bytes, offset: int, sector: int, *extra, data_file: Optional[Path] = None) -> dict:
+    """Writes extents through the bridge, reads them back, then checks the on-disk ciphertext."""
+    data_file = data_file or img
+    b = serve_luks(ws, data_file, pass_file, *extra)
+    expected_size = (data_file.stat().st_size - offset) // sector * sector
+    rnd = os.urandom
+    with NBDClient(b.uri) as c:
+        c.connect()
+        assert c.size == expected_size, (c.size, expected_size)
+        assert c.info.block_pref == sector, c.info
+        extents = {0: rnd(3 * sector), (c.size // 2) // sector * sector: rnd(8192), c.size - sector: rnd(sector), sector * 5 + 100: rnd(300)}
+        for off, data in extents.items():
+            c.write(off, data)
+        c.flush()
+        for off, data in extents.items():
+            assert c.read(off, len(data)) == data, f"read back at {off}"
+    assert b.stop() == 0
+    assert_no_panic(b.stderr())
+    raw = data_file.read_bytes()
+    for off, data in extents.items():
+        first, last = off // sector, (off + len(data) - 1) // sector
+        plain = decrypt_sectors(raw, key, offset, sector, first, last - first + 1)
+        rel = off - first * sector
+        assert plain[rel : rel + len(data)] == data, f"on-disk bytes at {off} do not decrypt to what was written"
+    if sector > 512:
+        # The check tells the IV conventions apart: counting 4096-byte sectors would not decrypt.
+        i = next(iter(extents)) // sector + 1
+        start = offset + i * sector
+        assert xts_decrypt(key, i, raw[start : start + sector]) != extents[0][sector : 2 * sector]
+    return extents
+
+
+# --- the matrix ----------------------------------------------------------------------------------
+
+LUKS2 = [(kdf, sector, bits) for kdf in ("argon2id", "pbkdf2") for sector in (512, 4096) for bits in (256, 512)]
+LUKS2 += [("argon2i", 4096, 512)]
+
+
+@pytest.mark.parametrize("kdf,sector,bits", LUKS2, ids=[f"{k}-s{s}-k{b}" for k, s, b in LUKS2])
+def test_luks2_cryptsetup(ws, kdf, sector, bits):
+    img = sparse(ws.tmp / "v.img", 24 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    fast = FAST_PBKDF2 + ["--hash", "sha256"] if kdf == "pbkdf2" else FAST_ARGON
+    luks_format(img, pw, "--type", "luks2", "--cipher", "aes-xts-plain64", "--key-size", str(bits), "--sector-size", str(sector), "--pbkdf", kdf, *fast)
+    key = volume_key(img, pw)
+    offset, dumped_sector = data_layout(img)
+    assert dumped_sector == sector and len(key) == bits // 8
+    write_and_check(ws, img, pw, key, offset, sector)
+    # cryptsetup still accepts the volume and passphrase afterwards.
+    cryptsetup("open", "--test-passphrase", "--key-file", pw, img)
+
+
+LUKS1 = [("sha256", 512), ("sha1", 256), ("sha512", 512)]
+
+
+@pytest.mark.parametrize("hash_,bits", LUKS1, ids=[f"{h}-k{b}" for h, b in LUKS1])
+def test_luks1_cryptsetup(ws, hash_, bits):
+    img = sparse(ws.tmp / "v.img", 8 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    luks_format(img, pw, "--type", "luks1", "--cipher", "aes-xts-plain64", "--key-size", str(bits), "--hash", hash_, *FAST_PBKDF2)
+    key = volume_key(img, pw)
+    offset, sector = data_layout(img)
+    extents = write_and_check(ws, img, pw, key, offset, sector)
+    qemu_io_check(ws, img, pw, extents)
+
+
+def qemu_img_luks(ws, img: Path, pw: Path, size: str) -> None:
+    """qemu-img create -f luks. qemu calibrates PBKDF2 on thread CPU time, which a coarse clock
+    can report as 0 ms ("Unable to get accurate CPU usage"): a few tries."""
+    qemu_img = need("qemu-img")
+    err = b""
+    for _ in range(8):
+        img.unlink(missing_ok=True)
+        p = run([qemu_img, "create", "-q", "-f", "luks", "--object", f"secret,id=sec0,file={pw}", "-o", "key-secret=sec0,iter-time=10", img, size], timeout=120)
+        if p.returncode == 0:
+            return
+        err = p.stderr
+    pytest.skip(f"qemu-img create -f luks failed 8 times here: {err.decode(errors='replace').strip()}")
+
+
+def qemu_io(img: Path, pw: Path, command: str, read_only: bool = True) -> str:
+    args = [need("qemu-io")] + (["-r"] if read_only else [])
+    args += ["--object", f"secret,id=sec0,file={pw}", "--image-opts", f"driver=luks,key-secret=sec0,file.driver=file,file.filename={img}", "-c", command]
+    p = run(args, timeout=120, check=True)
+    return (p.stdout + p.stderr).decode(errors="replace")
+
+
+def qemu_io_check(ws, img: Path, pw: Path, extents: dict) -> None:
+    """qemu's own LUKS driver reads what the bridge wrote, and the bridge reads what qemu writes."""
+    if tool("qemu-io") is None:
+        return  # the on-disk check above already ran; qemu-io is the extra, independent reader
+    off, data = next(iter(extents.items()))
+    out = qemu_io(img, pw, f"read -v {off} 512")
+    dumped = bytes.fromhex("".join(re.findall(r"^[0-9a-f]{8}:\s+((?:[0-9a-f]{2}\s){16})", out, re.M)).replace(" ", ""))
+    assert dumped == data[:512], f"qemu-io reads other bytes than the bridge wrote:\n{out[:2000]}"
+    out = qemu_io(img, pw, "write -P 0x5c 65536 4096", read_only=False)
+    assert "wrote 4096/4096" in out, out
+    b = serve_luks(ws, img, pw, "--read-only", label="qemu-check")
+    with NBDClient(b.uri) as c:
+        c.connect()
+        assert c.read(65536, 4096) == b"\x5c" * 4096, "the bridge reads other bytes than qemu wrote"
+    assert b.stop() == 0
+
+
+def test_luks1_qemu_img(ws):
+    pw = write_file(ws.tmp / "pass", b"qemu secret, no newline")
+    img = ws.tmp / "q.img"
+    qemu_img_luks(ws, img, pw, "6M")
+    key = volume_key(img, pw)
+    offset, sector = data_layout(img)
+    assert sector == 512
+    extents = write_and_check(ws, img, pw, key, offset, sector)
+    qemu_io_check(ws, img, pw, extents)
+
+
+@pytest.mark.parametrize("sector", [512, 4096])
+def test_cryptsetup_encrypts_bridge_reads_bridge_writes_cryptsetup_decrypts(ws, sector):
+    """Data encrypted by cryptsetup's own code (offline reencryption, userspace, detached header)
+    reads back through the bridge; data the bridge writes decrypts with cryptsetup."""
+    need("cryptsetup")
+    plain = os.urandom(4 * MiB)
+    data = write_file(ws.tmp / "data.img", plain)
+    hdr = ws.tmp / "hdr.img"
+    pw = write_file(ws.tmp / "pass", PASS)
+    p = cryptsetup("reencrypt", "--encrypt", "--type", "luks2", "--batch-mode", "--force-offline-reencrypt", "--key-file", pw,
+                   "--header", hdr, "--sector-size", str(sector), "--pbkdf", "pbkdf2", *FAST_PBKDF2, data, check=False)  # fmt: skip
+    if p.returncode != 0:
+        pytest.skip(f"cryptsetup offline reencryption unavailable here: {p.stderr.decode(errors='replace').strip()}")
+    assert data.read_bytes() != plain
+    b = serve_luks(ws, data, pw, "--header", hdr)
+    with NBDClient(b.uri) as c:
+        c.connect()
+        assert c.size == len(plain)
+        got = b"".join(c.read(o, 1 * MiB) for o in range(0, len(plain), MiB))
+        assert got == plain, "the bridge does not read what cryptsetup encrypted"
+        new = os.urandom(2 * MiB)
+        c.write(MiB, new)
+        c.flush()
+    assert b.stop() == 0
+    expect = plain[:MiB] + new + plain[3 * MiB :]
+    p = cryptsetup("reencrypt", "--decrypt", "--batch-mode", "--force-offline-reencrypt", "--key-file", pw, "--header", hdr, data, check=False)
+    if p.returncode != 0:
+        pytest.skip(f"cryptsetup offline decryption unavailable here: {p.stderr.decode(errors='replace').strip()}")
+    assert data.read_bytes() == expect, "cryptsetup does not decrypt what the bridge wrote"
+
+
+# --- passphrases and keyslots --------------------------------------------------------------------
+
+
+@pytest.fixture
+def luks2_img(ws):
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    luks_format(img, pw, "--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2)
+    return img, pw
+
+
+def test_wrong_passphrase_exits_1_with_a_clear_message(ws, luks2_img):
+    img, _ = luks2_img
+    bad = write_file(ws.tmp / "bad", PASS.rstrip(b"\n"))  # cryptsetup too reads the newline as part of it
+    p = serve_fails(ws, "--backing", img, "--key-file", bad)
+    assert p.returncode == 1, p
+    assert "no key available with this passphrase (tried keyslot 0)" in p.stderr.decode(), p.stderr
+
+
+def test_passphrase_from_stdin_and_no_passphrase_without_a_terminal(ws, luks2_img):
+    img, pw = luks2_img
+    p = run([require_binary(), "serve", "--type", "luks", "--backing", img, "--key-file", "-", "--unix", ws.sockdir / "x.sock"],
+            input=b"wrong", timeout=60)  # fmt: skip
+    assert p.returncode == 1 and b"no key available" in p.stderr, p.stderr
+    p = serve_fails(ws, "--backing", img)
+    assert p.returncode == 1 and b"no passphrase" in p.stderr and b"--key-file" in p.stderr, p.stderr
+    # The right passphrase on stdin opens it.
+    sock = ws.sockdir / "stdin.sock"
+    proc = subprocess.Popen([str(require_binary()), "serve", "--type", "luks", "--backing", str(img), "--key-file", "-", "--unix", str(sock)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        proc.stdin.write(PASS)
+        proc.stdin.close()
+        line = proc.stdout.readline().decode()
+        assert line.startswith("ready nbd+unix://"), (line, proc.stderr.read1().decode() if proc.poll() is not None else "")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def test_key_slots(ws, luks2_img):
+    img, pw = luks2_img
+    pw2 = write_file(ws.tmp / "pass2", b"second passphrase")
+    cryptsetup("luksAddKey", "--batch-mode", "--key-file", pw, "--key-slot", "3", "--pbkdf", "pbkdf2", *FAST_PBKDF2, img, pw2)
+    b = serve_luks(ws, img, pw2)
+    assert "keyslot 3" in b.stderr(), b.stderr()
+    b.stop()
+    b = serve_luks(ws, img, pw2, "--key-slot", "3")
+    b.stop()
+    p = serve_fails(ws, "--backing", img, "--key-file", pw2, "--key-slot", "0")
+    assert p.returncode == 1 and "tried keyslot 0)" in p.stderr.decode(), p.stderr
+    p = serve_fails(ws, "--backing", img, "--key-file", pw2, "--key-slot", "5")
+    assert p.returncode == 1 and "keyslot 5 is not active" in p.stderr.decode(), p.stderr
+    cryptsetup("luksKillSlot", "--batch-mode", "--key-file", pw2, img, "0")
+    p = serve_fails(ws, "--backing", img, "--key-file", pw)
+    assert p.returncode == 1 and "tried keyslot 3)" in p.stderr.decode(), p.stderr
+
+
+def test_plain_options_conflict_with_luks(ws, luks2_img):
+    img, pw = luks2_img
+    for extra in (["--cipher", "xts(aes)"], ["--sector-size", "4096"], ["--size", "1M"], ["--key-size", "256"], ["--passthrough"]):
+        key = [] if extra == ["--passthrough"] else ["--key-file", pw]  # clap itself refuses --passthrough with a key file
+        p = serve_fails(ws, "--backing", img, *key, *extra)
+        assert p.returncode == 2 and b"--type luks takes the volume's parameters from its header" in p.stderr, (extra, p.stderr)
+    p = run([require_binary(), "serve", "--backing", img, "--header", img, "--key-file", pw, "--unix", ws.sockdir / "p.sock"], timeout=30)
+    assert p.returncode == 2 and b"need --type luks" in p.stderr, p.stderr
+    p = serve_fails(ws, "--backing", ws.tmp / "missing.img", "--key-file", pw)
+    assert p.returncode == 1 and b"missing.img" in p.stderr, p.stderr
+
+
+# --- damaged and unsupported headers ---------------------------------------------------------------
+
+
+def rewrite_luks2(img: Path, edit=None, corrupt_primary: bool = False) -> None:
+    """Edits the LUKS2 JSON of both copies and recomputes their sha256 checksums (the on-disk
+    format: the hash over the binary header with its checksum zeroed, then the whole JSON area)."""
+    with open(img, "r+b") as f:
+        f.seek(0)
+        hdr_size = struct.unpack(">Q", f.read(16)[8:16])[0]
+        for off in (0, hdr_size):
+            f.seek(off)
+            area = bytearray(f.read(hdr_size))
+            assert area[:6] in (b"LUKS\xba\xbe", b"SKUL\xba\xbe")
+            meta = json.loads(bytes(area[4096:]).split(b"\0", 1)[0])
+            if edit:
+                edit(meta)
+            text = json.dumps(meta, separators=(",", ":")).encode()
+            area[4096:] = text + bytes(hdr_size - 4096 - len(text))
+            area[448:512] = bytes(64)
+            area[448:480] = hashlib.sha256(bytes(area)).digest()
+            f.seek(off)
+            f.write(area)
+
+
+def test_damaged_primary_header_falls_back_to_the_secondary(ws):
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    luks_format(img, pw, "--type", "luks2", "--sector-size", "4096", "--pbkdf", "argon2id", *FAST_ARGON)
+    key = volume_key(img, pw)
+    offset, sector = data_layout(img)
+    with open(img, "r+b") as f:  # one byte of the primary JSON area
+        f.seek(4096 + 2)
+        c = f.read(1)
+        f.seek(4096 + 2)
+        f.write(bytes([c[0] ^ 0x20]))
+    write_and_check(ws, img, pw, key, offset, sector)
+    err = ws.bridges[-1].stderr()
+    assert "primary header is damaged" in err and "checksum mismatch" in err and "secondary" in err, err
+    with open(img, "r+b") as f:  # now the secondary too
+        f.seek(16384 + 4096 + 2)
+        f.write(b"\xff")
+    p = serve_fails(ws, "--backing", img, "--key-file", pw)
+    assert p.returncode == 1 and b"both LUKS2 header copies are damaged" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize(
+    "what,edit,needle",
+    [
+        ("unknown requirement", lambda m: m["config"].update(requirements={"mandatory": ["cryptbridge-test-requirement"]}), "requirement `cryptbridge-test-requirement`"),
+        ("integrity", lambda m: m["segments"]["0"].update(integrity={"type": "hmac(sha256)", "journal_encryption": "none", "journal_integrity": "none"}), "dm-integrity"),
+        ("reencryption segment flag", lambda m: m["segments"]["0"].update(flags=["backup-final"]), "reencryption"),
+    ],
+    ids=["requirement", "integrity", "segment-flag"],
+)
+def test_unsupported_luks2_states_are_refused(ws, luks2_img, what, edit, needle):
+    img, pw = luks2_img
+    rewrite_luks2(img, edit)
+    if what == "unknown requirement":  # the edit is a well-formed header: cryptsetup reads it too
+        out = cryptsetup("luksDump", img, check=False)
+        assert b"cryptbridge-test-requirement" in out.stdout + out.stderr, out
+    # Refused before the passphrase is even asked for: without a key file nor a terminal the
+    # message is still about the header.
+    for extra in (["--key-file", str(pw)], []):
+        p = serve_fails(ws, "--backing", img, *extra)
+        assert p.returncode == 1 and needle in p.stderr.decode(), (what, p.stderr)
+
+
+def test_cryptsetup_integrity_volume_is_refused(ws):
+    img = sparse(ws.tmp / "v.img", 40 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    p = cryptsetup("luksFormat", "--batch-mode", "--type", "luks2", "--integrity", "hmac-sha256", "--integrity-no-wipe", "--pbkdf", "pbkdf2",
+                   *FAST_PBKDF2, "--key-file", pw, img, check=False)  # fmt: skip
+    if p.returncode != 0:
+        pytest.skip(f"cryptsetup luksFormat --integrity needs device-mapper here: {p.stderr.decode(errors='replace').strip()}")
+    p = serve_fails(ws, "--backing", img, "--key-file", pw)
+    assert p.returncode == 1 and b"dm-integrity" in p.stderr, p.stderr
+
+
+def test_luks1_cbc_essiv_is_refused(ws):
+    img = sparse(ws.tmp / "v.img", 8 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    p = cryptsetup("luksFormat", "--batch-mode", "--type", "luks1", "--cipher", "aes-cbc-essiv:sha256", "--key-size", "256", *FAST_PBKDF2,
+                   "--key-file", pw, img, check=False)  # fmt: skip
+    if p.returncode != 0:
+        pytest.skip(f"cryptsetup cannot make an aes-cbc-essiv volume here: {p.stderr.decode(errors='replace').strip()}")
+    p = serve_fails(ws, "--backing", img, "--key-file", pw)
+    assert p.returncode == 1 and b"cipher `aes-cbc-essiv:sha256` is not supported" in p.stderr, p.stderr

@@ -2,6 +2,7 @@
 //! recycling avoids an mmap/munmap and page faults per large request.
 
 use std::alloc::{self, Layout};
+use std::io;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
@@ -39,17 +40,18 @@ impl RawBuf {
         Layout::from_size_align(cap, ALIGN).expect("buffer capacity fits a Layout")
     }
 
-    fn new(cap: usize) -> Self {
+    /// `None` when the memory cannot be had: the caller fails that one request (ENOMEM) rather
+    /// than the process aborting.
+    fn new(cap: usize) -> Option<Self> {
         if cap >= HUGE_MIN {
             if let Some((ptr, mapped_len)) = map_huge(cap) {
-                return Self { ptr, cap, mapped_len: Some(mapped_len) };
+                return Some(Self { ptr, cap, mapped_len: Some(mapped_len) });
             }
         }
-        let layout = Self::layout(cap);
+        let layout = Layout::from_size_align(cap, ALIGN).ok()?;
         // SAFETY: the layout has non-zero size (cap >= ALIGN, enforced by the pool's size classes).
         let ptr = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).unwrap_or_else(|| alloc::handle_alloc_error(layout));
-        Self { ptr, cap, mapped_len: None }
+        NonNull::new(ptr).map(|ptr| Self { ptr, cap, mapped_len: None })
     }
 }
 
@@ -57,8 +59,8 @@ impl RawBuf {
 /// transparent huge pages before any page is touched. `None` if the mapping fails; the caller
 /// then falls back to the heap. The memory is zero, as anonymous mappings are.
 fn map_huge(cap: usize) -> Option<(NonNull<u8>, usize)> {
-    let len = cap.next_multiple_of(HUGE_PAGE);
-    let span = len + HUGE_PAGE; // room to slide the start to a huge-page boundary
+    let len = cap.checked_next_multiple_of(HUGE_PAGE)?;
+    let span = len.checked_add(HUGE_PAGE)?; // room to slide the start to a huge-page boundary
     // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
     let raw = unsafe {
         libc::mmap(std::ptr::null_mut(), span, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
@@ -109,16 +111,18 @@ impl BufPool {
         Self { classes: (0..CLASSES).map(|_| Mutex::new(Vec::new())).collect() }
     }
 
-    /// A buffer of exactly `len` visible bytes (contents unspecified: earlier data or zeros).
-    pub(crate) fn get(self: &Arc<Self>, len: usize) -> PooledBuf {
-        let cap = len.max(ALIGN).next_power_of_two();
+    /// A buffer of exactly `len` visible bytes (contents unspecified: earlier data or zeros), or
+    /// ENOMEM when no memory can be had for it.
+    pub(crate) fn get(self: &Arc<Self>, len: usize) -> io::Result<PooledBuf> {
+        let enomem = || io::Error::from_raw_os_error(libc::ENOMEM);
+        let cap = len.max(ALIGN).checked_next_power_of_two().ok_or_else(enomem)?;
         let class = cap.trailing_zeros() as usize;
-        let raw = self
-            .classes
-            .get(class)
-            .and_then(|c| c.lock().expect("pool lock").pop())
-            .unwrap_or_else(|| RawBuf::new(cap));
-        PooledBuf { raw: Some(raw), len, pool: Arc::clone(self) }
+        let pooled = self.classes.get(class).and_then(|c| c.lock().expect("pool lock").pop());
+        let raw = match pooled {
+            Some(raw) => raw,
+            None => RawBuf::new(cap).ok_or_else(enomem)?,
+        };
+        Ok(PooledBuf { raw: Some(raw), len, pool: Arc::clone(self) })
     }
 
     fn put(&self, raw: RawBuf) {
@@ -173,15 +177,24 @@ mod tests {
     fn buffers_are_aligned_sized_and_recycled() {
         let pool = Arc::new(BufPool::new());
         let addr = {
-            let mut b = pool.get(5000);
+            let mut b = pool.get(5000).unwrap();
             assert_eq!(b.len(), 5000);
             assert_eq!(b.as_ptr() as usize % ALIGN, 0);
             b[4999] = 7;
             b.as_ptr() as usize
         };
-        let b = pool.get(8192);
+        let b = pool.get(8192).unwrap();
         assert_eq!(b.as_ptr() as usize, addr, "same size class is reused");
-        assert_eq!(pool.get(1).len(), 1);
+        assert_eq!(pool.get(1).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn impossible_sizes_are_enomem_not_an_abort() {
+        let pool = Arc::new(BufPool::new());
+        for len in [usize::MAX, isize::MAX as usize, 1 << 62] {
+            let e = pool.get(len).map(|_| ()).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::ENOMEM), "{len}");
+        }
     }
 
     #[test]
@@ -189,7 +202,7 @@ mod tests {
         let pool = Arc::new(BufPool::new());
         // One length per size class: a reused buffer may hold earlier data.
         for len in [HUGE_MIN, HUGE_MIN + 1, 5 << 20] {
-            let mut b = pool.get(len);
+            let mut b = pool.get(len).unwrap();
             assert_eq!(b.len(), len);
             assert_eq!(b.as_ptr() as usize % HUGE_PAGE, 0, "{len}");
             assert!(b.iter().all(|&x| x == 0));

@@ -96,7 +96,7 @@ impl Backing {
     /// one aligned read now turns that into a clear start-up error.
     fn probe_direct(&self, path: &Path, sector_size: usize) -> Result<(), BackingError> {
         let pool = std::sync::Arc::new(crate::aligned::BufPool::new());
-        let mut buf = pool.get(sector_size);
+        let mut buf = pool.get(sector_size).map_err(|error| BackingError::Io { path: path.to_path_buf(), error })?;
         self.read_at(&mut buf, self.size - sector_size as u64)
             .map_err(|error| BackingError::DirectUnsupported { path: path.to_path_buf(), sector_size, error })
     }

@@ -7,12 +7,16 @@
 
 mod aligned;
 pub mod backing;
+mod budget;
+mod connection;
 pub mod nbd;
 pub mod pipeline;
+mod pool;
 mod range_lock;
 pub mod server;
+mod stream;
 
 pub use aligned::PooledBuf;
 pub use backing::{Backing, BackingOptions};
 pub use pipeline::Pipeline;
-pub use server::{Listener, Server, ServerConfig, MAX_REQUEST};
+pub use server::{raise_open_file_limit, Listener, Server, ServerConfig, MAX_REQUEST};

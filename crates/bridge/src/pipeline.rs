@@ -88,8 +88,8 @@ impl Pipeline {
         self.sector_size
     }
 
-    /// An aligned buffer for a request payload.
-    pub fn buffer(&self, len: usize) -> PooledBuf {
+    /// An aligned buffer for a request payload; ENOMEM when no memory can be had.
+    pub fn buffer(&self, len: usize) -> io::Result<PooledBuf> {
         self.pool.get(len)
     }
 
@@ -111,7 +111,7 @@ impl Pipeline {
     /// checked the range.
     pub fn read_sealed(&self, offset: u64, len: usize) -> io::Result<SealedRead> {
         let (start, end) = self.span(offset, len as u64);
-        let mut buf = self.pool.get((end - start) as usize);
+        let mut buf = self.pool.get((end - start) as usize)?;
         self.backing.read_at(&mut buf, start)?;
         Ok(SealedRead { buf, first_sector: start / self.sector_size, start: (offset - start) as usize, len })
     }
@@ -125,7 +125,7 @@ impl Pipeline {
     /// MiB read cost SEQ1M Q8 O_DIRECT reads about 9 % of their throughput, a scalar spin as
     /// much as the decryption). Decrypting piece k + 1 while the client drains piece k puts the
     /// crypto where this thread would otherwise wait on the socket.
-    pub fn open_into(&self, mut sealed: SealedRead, mut sink: impl FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
+    pub fn open_into(&self, sealed: &mut SealedRead, mut sink: impl FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
         let ss = self.sector_size as usize;
         let piece = OPEN_PIECE.div_ceil(ss) * ss;
         let (want_start, want_end) = (sealed.start, sealed.start + sealed.len);
@@ -160,7 +160,7 @@ impl Pipeline {
             let stop = offset + len;
             while pos < stop {
                 let piece_end = ((pos / ZERO_CHUNK + 1) * ZERO_CHUNK).min(stop);
-                let mut zeros = self.pool.get((piece_end - pos) as usize);
+                let mut zeros = self.pool.get((piece_end - pos) as usize)?;
                 zeros.fill(0);
                 self.write_locked(pos, &mut zeros)?;
                 pos = piece_end;
@@ -205,7 +205,7 @@ impl Pipeline {
         if aligned && direct_ok {
             return self.write_sectors(start, data);
         }
-        let mut buf = self.pool.get((end - start) as usize);
+        let mut buf = self.pool.get((end - start) as usize)?;
         let head_partial = offset != start;
         let tail_partial = offset + data.len() as u64 != end;
         if head_partial {

@@ -143,9 +143,9 @@ fn sealed_reads_open_piece_by_piece_to_the_plaintext() {
         p.write(0, &mut plain.clone(), false).unwrap();
         // Whole, sector-aligned, and windows that start and end inside sectors and pieces.
         for (off, len) in [(0usize, size), (1, 300_000), (4095, 131_073), (131_072, 262_144), (500_000, 400_001), (size - 1, 1)] {
-            let sealed = p.read_sealed(off as u64, len).unwrap();
+            let mut sealed = p.read_sealed(off as u64, len).unwrap();
             let (mut got, mut pieces) = (Vec::new(), 0);
-            p.open_into(sealed, |piece| {
+            p.open_into(&mut sealed, |piece| {
                 got.extend_from_slice(piece);
                 pieces += 1;
                 Ok(())
@@ -157,7 +157,7 @@ fn sealed_reads_open_piece_by_piece_to_the_plaintext() {
         }
         // A failing sink (the client went away) stops the reply there.
         let mut calls = 0;
-        let failed = p.open_into(p.read_sealed(0, size).unwrap(), |_| {
+        let failed = p.open_into(&mut p.read_sealed(0, size).unwrap(), |_| {
             calls += 1;
             Err(std::io::Error::other("gone"))
         });

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use cryptbridge_bridge::{Backing, BackingOptions, Listener, Pipeline, Server, ServerConfig};
+use cryptbridge_bridge::{raise_open_file_limit, Backing, BackingOptions, Listener, Pipeline, Server, ServerConfig};
 use cryptbridge_cipher::registry::KeyPolicy;
 use cryptbridge_cipher::{new_cipher, SectorCipher};
 use cryptbridge_engine::{Backend, CpuBackend, Engine, RtlSimBackend, SectorLayout};
@@ -80,9 +80,26 @@ pub struct Args {
     /// Crypto threads for large requests (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// I/O threads per connection: the most requests in flight on one connection.
+    /// The most requests of one connection run at once (its queue depth served in parallel), on
+    /// the I/O threads that every connection shares.
     #[arg(long, default_value_t = 32)]
     io_workers: usize,
+    /// Most I/O threads, shared by every connection: started when a request finds none idle,
+    /// ended after 5 s without work.
+    #[arg(long, default_value_t = cryptbridge_bridge::server::DEFAULT_MAX_IO_THREADS)]
+    max_io_threads: usize,
+    /// Most connections open at once (handshaking or transmitting); further ones are closed at
+    /// once, with a log line.
+    #[arg(long, default_value_t = cryptbridge_bridge::server::DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
+    /// Request bytes one connection may have in flight (WRITE payloads being written, READ data
+    /// whose reply is not sent yet); at the limit its requests are not read until replies drain.
+    /// Bytes, or a number with K/M/G. One request always runs, even if larger.
+    #[arg(long, default_value = "64M", value_parser = size::parse_size)]
+    max_inflight_bytes_per_connection: u64,
+    /// The same limit over all connections together.
+    #[arg(long, default_value = "512M", value_parser = size::parse_size)]
+    max_inflight_bytes: u64,
     /// After answering a small page-cache request, poll the socket this long (nanoseconds) for
     /// the next request before sleeping, like qemu's iothread `poll-max-ns`: waking an idle
     /// vCPU costs tens of microseconds, so polling halves queue-depth-1 latency on VMs at the
@@ -117,8 +134,11 @@ fn parse_sector_size(s: &str) -> Result<usize, String> {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    if args.io_workers == 0 || args.threads == Some(0) {
-        bail!("--io-workers and --threads must be at least 1");
+    if args.io_workers == 0 || args.threads == Some(0) || args.max_io_threads == 0 || args.max_connections == 0 {
+        bail!("--io-workers, --threads, --max-io-threads and --max-connections must be at least 1");
+    }
+    if args.max_inflight_bytes_per_connection == 0 || args.max_inflight_bytes == 0 {
+        bail!("--max-inflight-bytes-per-connection and --max-inflight-bytes must be more than 0");
     }
     // --type luks: the header decides cipher, key, sector size and data area (cmd_serve/luks.rs).
     let mut luks = luks::open(&args)?;
@@ -171,14 +191,27 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let server = Server::new(
         Arc::clone(&pipeline),
         ServerConfig {
-            export_name: args.export_name.clone(),
-            description: format!("cryptbridge {mode}"),
             read_only: args.read_only,
             allow_discards: args.allow_discards,
             io_workers: args.io_workers,
             poll_max: std::time::Duration::from_nanos(args.poll_max_ns),
+            max_connections: args.max_connections,
+            max_io_threads: args.max_io_threads,
+            max_inflight_bytes_per_connection: args.max_inflight_bytes_per_connection,
+            max_inflight_bytes: args.max_inflight_bytes,
+            ..ServerConfig::new(args.export_name.clone(), format!("cryptbridge {mode}"))
         },
     );
+    // One descriptor per connection: the soft limit (often 1024) would refuse connections long
+    // before --max-connections does.
+    match raise_open_file_limit() {
+        Ok(limit) if limit < args.max_connections as u64 + 64 => tracing::warn!(
+            "open-file limit {limit} is below --max-connections {} plus the server's own files; accept may fail first",
+            args.max_connections
+        ),
+        Ok(_) => {}
+        Err(e) => tracing::warn!("cannot read or raise the open-file limit: {e}"),
+    }
     let (listener, uri) = bind(&args)?;
     install_signal_handler(Arc::clone(&pipeline), args.unix.clone(), rtl.clone())?;
     if let Some(sim) = rtl {

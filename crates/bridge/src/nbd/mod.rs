@@ -1,7 +1,10 @@
 //! The NBD wire protocol (fixed newstyle handshake, simple replies), as in the NetworkBlockDevice
-//! project's doc/proto.md. This module knows bytes and numbers only; the server gives them meaning.
+//! project's doc/proto.md: the handshake, request framing ([`transmission`]) and what a request
+//! may ask ([`request`]: validation and the errno mapping). The server schedules; it does not
+//! interpret the protocol.
 
 pub mod handshake;
+pub mod request;
 pub mod transmission;
 
 pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943; // "NBDMAGIC"

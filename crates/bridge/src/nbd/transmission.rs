@@ -13,10 +13,13 @@ pub struct Request {
     pub length: u32,
 }
 
+/// Size of a request header on the wire.
+pub const REQUEST_HEADER_LEN: usize = 28;
+
 /// Reads one request header. `Ok(None)` is a clean end of stream between requests; a wrong magic
 /// is an `InvalidData` error, after which the stream cannot be resynchronised.
 pub fn read_request<R: Read>(r: &mut R) -> io::Result<Option<Request>> {
-    let mut h = [0u8; 28];
+    let mut h = [0u8; REQUEST_HEADER_LEN];
     let mut got = 0;
     while got < h.len() {
         match r.read(&mut h[got..]) {
@@ -27,17 +30,22 @@ pub fn read_request<R: Read>(r: &mut R) -> io::Result<Option<Request>> {
             Err(e) => return Err(e),
         }
     }
+    parse_request(&h).map(Some)
+}
+
+/// Decodes a request header; a wrong magic is an `InvalidData` error.
+pub fn parse_request(h: &[u8; REQUEST_HEADER_LEN]) -> io::Result<Request> {
     let magic = u32::from_be_bytes(h[0..4].try_into().unwrap());
     if magic != REQUEST_MAGIC {
         return Err(io::Error::new(io::ErrorKind::InvalidData, format!("bad request magic {magic:#010x}")));
     }
-    Ok(Some(Request {
+    Ok(Request {
         flags: u16::from_be_bytes(h[4..6].try_into().unwrap()),
         command: u16::from_be_bytes(h[6..8].try_into().unwrap()),
         handle: u64::from_be_bytes(h[8..16].try_into().unwrap()),
         offset: u64::from_be_bytes(h[16..24].try_into().unwrap()),
         length: u32::from_be_bytes(h[24..28].try_into().unwrap()),
-    }))
+    })
 }
 
 /// The 16-byte header of a simple reply.
@@ -74,13 +82,13 @@ pub fn write_all_vectored<W: Write>(w: &mut W, mut bufs: &mut [IoSlice<'_>]) -> 
 /// Whether `buffered` starts with a whole request: its header and, for a WRITE, its payload.
 /// A reader that holds one can parse it without waiting on the socket.
 pub fn holds_whole_request(buffered: &[u8]) -> bool {
-    let Some(header) = buffered.get(..28) else { return false };
+    let Some(header) = buffered.get(..REQUEST_HEADER_LEN) else { return false };
     let command = u16::from_be_bytes([header[6], header[7]]);
     if command != super::CMD_WRITE {
         return true;
     }
     let length = u32::from_be_bytes(header[24..28].try_into().unwrap()) as usize;
-    buffered.len() - 28 >= length
+    buffered.len() - REQUEST_HEADER_LEN >= length
 }
 
 #[cfg(test)]
@@ -114,6 +122,20 @@ mod tests {
         assert!(holds_whole_request(&write), "bytes after the request do not matter");
         let parsed = read_request(&mut &read[..]).unwrap().unwrap();
         assert_eq!((parsed.length, parsed.offset, parsed.handle), (1 << 20, 4096, 7));
+    }
+
+    #[test]
+    fn request_header_decoding() {
+        let mut h = request(super::super::CMD_WRITE_ZEROES, 0x0102_0304);
+        h[4..6].copy_from_slice(&3u16.to_be_bytes());
+        let r = parse_request(h[..].try_into().unwrap()).unwrap();
+        assert_eq!(r, Request { flags: 3, command: super::super::CMD_WRITE_ZEROES, handle: 7, offset: 4096, length: 0x0102_0304 });
+        h[0] ^= 1;
+        let e = parse_request(h[..].try_into().unwrap()).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(read_request(&mut &[][..]).unwrap().is_none(), "end of stream between requests");
+        let cut = read_request(&mut &request(0, 1)[..20]).unwrap_err();
+        assert_eq!(cut.kind(), io::ErrorKind::UnexpectedEof, "end of stream inside a header");
     }
 
     #[test]

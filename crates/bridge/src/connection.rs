@@ -1,0 +1,431 @@
+//! One client connection in the transmission phase.
+//!
+//! One thread at a time holds the connection's read side: it decodes requests, checks them
+//! ([`crate::nbd::request::check`]), takes a permit for each ([`crate::budget`]) and runs quick
+//! ones at once. On a slow one it hands the read side to an I/O pool thread (a new [`Job`]) and
+//! runs the request itself, so no request waits for another thread to wake up (leader/follower,
+//! with the followers shared by all connections). The connection's own thread, which ran the
+//! handshake, is its first reader.
+//!
+//! Any thread that has a reply puts it in the connection's outbox; the first to find nobody
+//! writing writes every queued reply, the others go on (one thread blocks on a slow client, not
+//! one per reply). The socket closes when the last thread lets go of the connection.
+
+use std::io::{self, IoSlice, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::aligned::PooledBuf;
+use crate::budget::{Flow, FlowLimits, Permit};
+use crate::nbd::request::{check, errno_of, Verdict};
+use crate::nbd::transmission::{holds_whole_request, parse_request, reply_header, write_all_vectored, Request};
+use crate::nbd::{CMD_CACHE, CMD_FLAG_FUA, CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES, EINVAL, ENOMEM};
+use crate::pipeline::{Pipeline, ReadData, SealedRead};
+use crate::pool::{Job, Reading};
+use crate::server::{Server, Slot};
+use crate::stream::{Inbound, Stream};
+
+/// READs from this size on an O_DIRECT backing are decrypted while their reply is sent
+/// (`Pipeline::open_into`). On a cached backing the machine is CPU-bound and splitting the
+/// decryption over the crypto pool before sending measured faster (SEQ1M Q8 page-cache reads:
+/// streamed 0.90x of split, median of 10 pairs), so those keep the split.
+const STREAMED_MIN_LEN: u32 = 256 * 1024;
+/// Requests up to this size on a cached backing count as quick (see [`is_quick`]).
+const QUICK_MAX_LEN: u32 = 16 * 1024;
+/// One recv on a connection takes up to this much: every request header queued behind it, so a
+/// queue of small requests costs one system call to read instead of two per request.
+const INBOUND_BUFFER: usize = 64 * 1024;
+/// Replies of quick requests held back to go out in one writev: at most this many (two iovecs
+/// each, below IOV_MAX)...
+const BATCH_MAX_REPLIES: usize = 256;
+/// ...and at most this many data bytes.
+const BATCH_MAX_BYTES: usize = 1 << 20;
+
+pub(crate) struct Connection {
+    pub(crate) id: u64,
+    server: Arc<Server>,
+    stream: Stream,
+    /// Set when a reply could not be sent: the socket is shut down and replies are dropped.
+    broken: AtomicBool,
+    flow: Arc<Flow>,
+    outbox: Mutex<Outbox>,
+    /// Held by the thread whose turn it is to read.
+    read_side: Mutex<ReadSide>,
+    /// This connection's place under --max-connections, given back on drop.
+    _slot: Slot,
+}
+
+struct ReadSide {
+    inbound: Inbound,
+    batch: Batch,
+    /// Whether the last request ran here: clients then often send the next within
+    /// microseconds, so the socket is polled before sleeping.
+    after_quick: bool,
+    /// The client has gone (or the stream cannot be followed): nothing more is read.
+    ended: bool,
+}
+
+/// A slow request, read and admitted, for the thread that read it to run.
+struct Slow {
+    request: Request,
+    payload: Option<PooledBuf>,
+    permit: Permit,
+}
+
+#[derive(Default)]
+struct Outbox {
+    queue: Vec<Reply>,
+    /// Whether a thread is writing replies now (it also writes whatever is queued meanwhile).
+    writing: bool,
+}
+
+/// A finished request's reply, holding the request's permit until it is sent or dropped.
+pub(crate) struct Reply {
+    handle: u64,
+    error: u32,
+    body: Body,
+    /// What the request holds (none for a rejected one).
+    _permit: Option<Permit>,
+}
+
+enum Body {
+    Empty,
+    /// A successful READ's plaintext.
+    Data(ReadData),
+    /// A successful READ's ciphertext, decrypted piece by piece as it is sent.
+    Sealed(SealedRead),
+}
+
+impl Reply {
+    fn data_len(&self) -> usize {
+        match &self.body {
+            Body::Data(d) => d.len(),
+            _ => 0,
+        }
+    }
+}
+
+/// Replies of quick requests held back by the reader while more requests are already buffered.
+#[derive(Default)]
+struct Batch {
+    replies: Vec<Reply>,
+    data_bytes: usize,
+}
+
+impl Batch {
+    fn push(&mut self, reply: Reply) {
+        self.data_bytes += reply.data_len();
+        self.replies.push(reply);
+    }
+
+    fn is_full(&self) -> bool {
+        self.replies.len() >= BATCH_MAX_REPLIES || self.data_bytes >= BATCH_MAX_BYTES
+    }
+
+    fn drain(&mut self) -> std::vec::Drain<'_, Reply> {
+        self.data_bytes = 0;
+        self.replies.drain(..)
+    }
+}
+
+/// Requests that finish in microseconds: small, no sync, and the backing is in the page cache.
+/// They run on the reader, which keeps reading: handing one to another thread costs a wake-up,
+/// which on a small machine costs more than the request.
+fn is_quick(pipeline: &Pipeline, r: &Request) -> bool {
+    !pipeline.is_direct() && r.length <= QUICK_MAX_LEN && r.flags & CMD_FLAG_FUA == 0 && matches!(r.command, CMD_READ | CMD_WRITE | CMD_CACHE)
+}
+
+/// Large READs on an O_DIRECT backing (see `STREAMED_MIN_LEN`).
+fn streams(pipeline: &Pipeline, r: &Request) -> bool {
+    pipeline.is_direct() && r.command == CMD_READ && r.length >= STREAMED_MIN_LEN
+}
+
+/// The bytes a request holds while in flight: a WRITE's payload or a READ's data.
+fn request_bytes(r: &Request) -> u64 {
+    match r.command {
+        CMD_READ | CMD_WRITE => u64::from(r.length),
+        _ => 0,
+    }
+}
+
+impl Connection {
+    /// A connection past the handshake; `None` (logged) when its buffer cannot be had.
+    pub(crate) fn open(id: u64, stream: Stream, server: Arc<Server>, slot: Slot) -> Option<Arc<Self>> {
+        let inbound = match Inbound::new(INBOUND_BUFFER) {
+            Ok(inbound) => inbound,
+            Err(e) => {
+                tracing::warn!(conn = id, "cannot allocate the connection's buffer ({e}); closing it");
+                return None;
+            }
+        };
+        let read_side = ReadSide { inbound, batch: Batch::default(), after_quick: false, ended: false };
+        Some(Arc::new(Self {
+            id,
+            server,
+            stream,
+            broken: AtomicBool::new(false),
+            flow: Arc::default(),
+            outbox: Mutex::default(),
+            read_side: Mutex::new(read_side),
+            _slot: slot,
+        }))
+    }
+
+    fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::SeqCst)
+    }
+
+    /// A turn on the read side: reads until a slow request comes, hands the read side on and
+    /// runs the request; or reads until the connection ends. Should no pool thread be available
+    /// to take the read side over, this thread keeps it and runs the request first.
+    pub(crate) fn turn(self: &Arc<Self>, reading: Reading) {
+        let mut reading = Some(reading);
+        loop {
+            let slow = {
+                let mut side = self.read_side.lock().unwrap_or_else(|e| e.into_inner());
+                self.read_until_slow(&mut side)
+            };
+            let Some(slow) = slow else { return };
+            let next = Arc::clone(self);
+            let job: Job = Box::new(move |reading| next.turn(reading));
+            let handed_on = self.server.pool().submit(job).is_ok();
+            if handed_on {
+                drop(reading.take()); // from here this thread runs a request, it does not read
+            }
+            let reply = self.execute(slow.request, slow.payload, slow.permit);
+            self.deliver(Some(reply));
+            if handed_on {
+                return;
+            }
+        }
+    }
+
+    /// Reads, checks and admits requests, running quick ones here, until a slow one comes
+    /// (returned) or the connection ends (`None`).
+    fn read_until_slow(&self, side: &mut ReadSide) -> Option<Slow> {
+        let ReadSide { inbound, batch, after_quick, ended } = side;
+        if *ended {
+            return None;
+        }
+        let server = &*self.server;
+        let config = server.config();
+        let pipeline = server.pipeline();
+        let limits = FlowLimits { max_tasks: config.io_workers.max(1), max_bytes: config.max_inflight_bytes_per_connection };
+        loop {
+            // Held-back replies go out before anything could wait on the socket, so a client
+            // that waits for them before sending more is never stuck.
+            if batch.is_full() || !holds_whole_request(inbound.buffered()) {
+                self.deliver(batch.drain());
+            }
+            if *after_quick && !config.poll_max.is_zero() && inbound.buffered().is_empty() {
+                self.stream.poll_for_input(config.poll_max);
+            }
+            *after_quick = false;
+            let request = match inbound.header(&self.stream) {
+                Ok(Some(header)) => match parse_request(&header) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::warn!(conn = self.id, "{e}; closing the connection");
+                        break;
+                    }
+                },
+                Ok(None) => {
+                    tracing::info!(conn = self.id, "client closed the connection");
+                    break;
+                }
+                Err(e) => {
+                    tracing::info!(conn = self.id, "connection lost: {e}");
+                    break;
+                }
+            };
+            match check(&request, server.rules()) {
+                Verdict::Run => {}
+                Verdict::Disconnect => {
+                    tracing::info!(conn = self.id, "client sent NBD_CMD_DISC");
+                    break;
+                }
+                Verdict::Close(why) => {
+                    tracing::warn!(conn = self.id, ?request, "{why}");
+                    break;
+                }
+                Verdict::Reject { errno, drain } => {
+                    tracing::warn!(conn = self.id, ?request, errno, "rejected request");
+                    if let Err(e) = inbound.skip(&self.stream, u64::from(drain)) {
+                        tracing::info!(conn = self.id, "connection lost while draining a rejected write: {e}");
+                        break;
+                    }
+                    batch.push(Reply { handle: request.handle, error: errno, body: Body::Empty, _permit: None });
+                    continue;
+                }
+            }
+            let quick = is_quick(pipeline, &request);
+            // Back pressure: at the connection's or the server's limit, this thread stops
+            // reading the socket until replies drain (sending its own held-back ones first).
+            let permit = self.flow.admit(
+                server.budget(),
+                limits,
+                request_bytes(&request),
+                !quick,
+                || self.deliver(batch.drain()),
+                || self.is_broken(),
+            );
+            let Some(permit) = permit else { break };
+            let payload = if request.command == CMD_WRITE {
+                match pipeline.buffer(request.length as usize) {
+                    Ok(mut buf) => {
+                        if let Err(e) = inbound.read_exact(&self.stream, &mut buf) {
+                            tracing::info!(conn = self.id, "connection lost inside a write payload: {e}");
+                            break;
+                        }
+                        Some(buf)
+                    }
+                    Err(e) => {
+                        tracing::error!(conn = self.id, ?request, "no memory for the write payload: {e}");
+                        if let Err(e) = inbound.skip(&self.stream, u64::from(request.length)) {
+                            tracing::info!(conn = self.id, "connection lost inside a write payload: {e}");
+                            break;
+                        }
+                        batch.push(Reply { handle: request.handle, error: ENOMEM, body: Body::Empty, _permit: Some(permit) });
+                        continue;
+                    }
+                }
+            } else {
+                None
+            };
+            if quick {
+                // Runs here, keeping the read side: handing it on costs a wake-up, which on a
+                // small machine costs more than the request.
+                batch.push(self.execute(request, payload, permit));
+                *after_quick = true;
+                continue;
+            }
+            self.deliver(batch.drain());
+            return Some(Slow { request, payload, permit });
+        }
+        *ended = true;
+        self.deliver(batch.drain());
+        None
+    }
+
+    fn execute(&self, r: Request, mut payload: Option<PooledBuf>, permit: Permit) -> Reply {
+        let pipeline = self.server.pipeline();
+        let fua = r.flags & CMD_FLAG_FUA != 0;
+        let reply = |error, body| Reply { handle: r.handle, error, body, _permit: Some(permit) };
+        let result = match r.command {
+            CMD_READ if streams(pipeline, &r) => match pipeline.read_sealed(r.offset, r.length as usize) {
+                Ok(sealed) => return reply(0, Body::Sealed(sealed)),
+                Err(e) => Err(e),
+            },
+            CMD_READ => match pipeline.read(r.offset, r.length as usize) {
+                Ok(data) => return reply(0, Body::Data(data)),
+                Err(e) => Err(e),
+            },
+            CMD_WRITE => match payload.as_mut() {
+                Some(payload) => pipeline.write(r.offset, payload, fua),
+                None => Err(io::Error::from_raw_os_error(libc::EINVAL)),
+            },
+            CMD_WRITE_ZEROES => pipeline.write_zeroes(r.offset, u64::from(r.length), fua),
+            CMD_TRIM => pipeline.discard(r.offset, u64::from(r.length), fua),
+            CMD_FLUSH => pipeline.flush(),
+            CMD_CACHE => Ok(()),
+            _ => return reply(EINVAL, Body::Empty),
+        };
+        match result {
+            Ok(()) => reply(0, Body::Empty),
+            Err(e) => {
+                tracing::error!(conn = self.id, request = ?r, "I/O error: {e}");
+                reply(errno_of(&e), Body::Empty)
+            }
+        }
+    }
+
+    /// Queues replies and, unless another thread is writing (it will send them), writes every
+    /// queued reply until the outbox is empty.
+    fn deliver(&self, replies: impl IntoIterator<Item = Reply>) {
+        let mut out = self.lock_outbox();
+        let before = out.queue.len();
+        out.queue.extend(replies);
+        if out.queue.len() == before || out.writing {
+            return;
+        }
+        if self.is_broken() {
+            let dropped = std::mem::take(&mut out.queue);
+            drop(out);
+            drop(dropped); // releases their permits
+            return;
+        }
+        out.writing = true;
+        let mut sending = Vec::new();
+        loop {
+            std::mem::swap(&mut sending, &mut out.queue);
+            drop(out);
+            let result = self.write_replies(self.server.pipeline(), &mut sending);
+            sending.clear(); // sent: their permits go back
+            out = self.lock_outbox();
+            if let Err(e) = result {
+                tracing::debug!(conn = self.id, "reply failed ({e}); closing");
+                self.broken.store(true, Ordering::SeqCst);
+                self.stream.shutdown();
+                let dropped = std::mem::take(&mut out.queue);
+                out.writing = false;
+                drop(out);
+                drop(dropped);
+                self.flow.wake();
+                return;
+            }
+            if out.queue.is_empty() {
+                out.writing = false;
+                if out.queue.capacity() == 0 {
+                    out.queue = sending; // keep the allocation
+                }
+                return;
+            }
+        }
+    }
+
+    /// Writes replies in order: runs of plain replies in one writev each, sealed READs decrypted
+    /// a piece at a time as they go out. Should a decryption fail after its header has gone, the
+    /// error closes the connection: the client must not take the rest of the stream for data.
+    fn write_replies(&self, pipeline: &Pipeline, replies: &mut [Reply]) -> io::Result<()> {
+        let mut w = &self.stream;
+        let mut rest = replies;
+        while let Some(first) = rest.first_mut() {
+            if let Body::Sealed(sealed) = &mut first.body {
+                let header = reply_header(first.handle, 0);
+                let mut header = Some(&header[..]);
+                pipeline.open_into(sealed, |piece| match header.take() {
+                    // The header and the first piece in one writev.
+                    Some(h) => write_all_vectored(&mut w, &mut [IoSlice::new(h), IoSlice::new(piece)]),
+                    None => w.write_all(piece),
+                })?;
+                rest = &mut rest[1..];
+                continue;
+            }
+            let run = rest.iter().take(BATCH_MAX_REPLIES).take_while(|r| !matches!(r.body, Body::Sealed(_))).count();
+            let (plain, after) = rest.split_at_mut(run);
+            let headers: Vec<[u8; 16]> = plain.iter().map(|r| reply_header(r.handle, r.error)).collect();
+            let mut slices = Vec::with_capacity(2 * run);
+            for (header, reply) in headers.iter().zip(plain.iter()) {
+                slices.push(IoSlice::new(header));
+                if let (0, Body::Data(data)) = (reply.error, &reply.body) {
+                    slices.push(IoSlice::new(data));
+                }
+            }
+            write_all_vectored(&mut w, &mut slices)?;
+            rest = after;
+        }
+        Ok(())
+    }
+
+    fn lock_outbox(&self) -> MutexGuard<'_, Outbox> {
+        self.outbox.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for Connection {
+    /// Every thread has let go: every request in flight has been answered (or its reply
+    /// dropped, the client being gone). The socket closes with the stream.
+    fn drop(&mut self) {
+        tracing::info!(conn = self.id, "client disconnected");
+    }
+}

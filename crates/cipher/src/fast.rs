@@ -82,7 +82,7 @@ impl Fast {
         #[cfg(target_arch = "x86_64")]
         let simd = TesAes::new(key, level);
         #[cfg(target_arch = "x86_64")]
-        let fused = simd.as_ref().is_some_and(|s| s.level() == CpuLevel::Vaes512) && hash.uses_wide() && variant == FastHash::Brw;
+        let fused = simd.as_ref().is_some_and(|s| s.level() == hash.level()) && variant == FastHash::Brw;
         Ok(Self {
             #[cfg(target_arch = "x86_64")]
             fused,
@@ -235,7 +235,8 @@ impl Fast {
     /// - tail (output hash `post`): encrypt C1 = f2 ^ tau b2, C2 = b2 ^ tau^2 post; decrypt
     ///   P1 = a1 ^ tau post, P2 = f1 ^ tau a1.
     #[cfg(target_arch = "x86_64")]
-    fn units_brw4096(&self, rk: &crate::arch::x86::aes::RoundKeys, first: u64, step: u64, data: &mut [u8], decrypt: bool) {
+    fn units_brw4096(&self, simd: &TesAes, first: u64, step: u64, data: &mut [u8], decrypt: bool) {
+        let (rk, level) = (simd.round_keys(), simd.level());
         const L: usize = 4096;
         let n = data.len() / L;
         if n == 0 {
@@ -296,11 +297,10 @@ impl Fast {
             let next = (u + 2 < n).then(|| (&after[L + 32..2 * L], tweak(u + 2)));
             let (first, second) = if u + 2 < n { pair(&after[L..]) } else { (0, 0) };
             let link = x86::Link { s: tail_s(prev_saved), first, second };
-            // SAFETY: `fused` is only set when `TesAes::new` succeeded at level `vaes512` (`rk` is its schedule)
-            // (AVX-512F/BW, VAES, VPCLMULQDQ, AES-NI, SSE2) and `hash.uses_wide()` holds
-            // (PCLMULQDQ, SSSE3); SSE4.1 and AVX2 come with AVX-512F on every CPU that has it (the
-            // other VAES kernels assume the same). The bodies are 254 blocks.
-            let (out, hout) = unsafe { x86::ctr_brw255(rk, &mut cur[32..], seed, &mut scratch, &self.brw.0, [prev, next], next_head, link) };
+            // SAFETY: `fused` is only set when `TesAes::new` succeeded (`rk` is its schedule and
+            // `level` its level, which the constructor's caller checked this CPU has). The
+            // bodies are 254 blocks.
+            let (out, hout) = unsafe { x86::ctr_brw255(level, rk, &mut cur[32..], seed, &mut scratch, &self.brw.0, [prev, next], next_head, link) };
             if u > 0 {
                 // encrypt: C1 = f2 ^ tau b2, C2 = b2 ^ tau^2 post; decrypt: P1 = a1 ^ tau post,
                 // P2 = f1 ^ tau a1.
@@ -331,7 +331,7 @@ impl Fast {
         }
         #[cfg(target_arch = "x86_64")]
         if let (true, 4096, Some(v)) = (self.fused, unit_len, &self.simd) {
-            self.units_brw4096(v.round_keys(), first, step, data, decrypt);
+            self.units_brw4096(v, first, step, data, decrypt);
             return Ok(());
         }
         if unit_len < 48 || !unit_len.is_multiple_of(16) {

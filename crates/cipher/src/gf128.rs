@@ -191,8 +191,9 @@ fn polyval_mul_x(v: u128) -> u128 {
 }
 
 /// Horner evaluation `acc <- (acc ^ X) * H` over 16-byte blocks, with powers of H precomputed so
-/// that eight blocks (32 with AVX-512 VPCLMULQDQ) cost one reduction. For `Field::Ghash` this is exactly GCM's GHASH chain; for
-/// `Field::Polyval` it is POLYVAL; for `Field::Le` it is FAST's field with a plain product.
+/// that eight registers of blocks (8, 16 or 32 blocks at `aesni`, `vaes256`, `vaes512`) cost one
+/// reduction. For `Field::Ghash` this is exactly GCM's GHASH chain; for `Field::Polyval` it is
+/// POLYVAL; for `Field::Le` it is FAST's field with a plain product.
 #[derive(Zeroize, ZeroizeOnDrop)]
 pub(crate) struct PolyHash {
     /// pow[i] = H^(i+1) in the internal representation (for Ghash: byte-reversed, times x).
@@ -200,16 +201,16 @@ pub(crate) struct PolyHash {
     /// H^32, H^31, ..., H^1, then four zeros: the powers for a group of r blocks start at
     /// rev[32 - r].
     rev: [u128; WIDE_BLOCKS + 4],
+    /// Karatsuba's folded keys: revk[i] = h0 ^ h1 of rev[i] in both qwords.
+    revk: [u128; WIDE_BLOCKS + 4],
     #[zeroize(skip)]
     field: Field,
+    /// The level whose kernels run: `Portable` (integer multiplies) or an x86 level.
     #[zeroize(skip)]
-    clmul: bool,
-    /// AVX-512 with VPCLMULQDQ: 32 blocks per reduction.
-    #[zeroize(skip)]
-    wide: bool,
+    level: CpuLevel,
 }
 
-/// Blocks per step of the AVX-512 Horner loop (and the number of precomputed powers).
+/// Blocks per step of the vaes512 Horner loop (and the number of precomputed powers).
 const WIDE_BLOCKS: usize = 32;
 
 /// A running Horner value, in the hash's internal representation.
@@ -218,7 +219,8 @@ pub(crate) struct Acc(pub(crate) u128);
 
 impl PolyHash {
     /// Keys the hash with the 16-byte block `h` (in the convention's own byte order), with the
-    /// kernels of `level` (PCLMULQDQ from `aesni`, VPCLMULQDQ on 512-bit registers at `vaes512`).
+    /// kernels of `level` (PCLMULQDQ at `aesni`, VPCLMULQDQ on 256- or 512-bit registers at
+    /// `vaes256` and `vaes512`).
     pub(crate) fn new(field: Field, h: &[u8; 16], level: CpuLevel) -> Self {
         let h = match field {
             Field::Le | Field::Polyval => u128::from_le_bytes(*h),
@@ -233,8 +235,13 @@ impl PolyHash {
         for (k, v) in rev[..WIDE_BLOCKS].iter_mut().enumerate() {
             *v = pow[WIDE_BLOCKS - 1 - k];
         }
-        let x86 = cfg!(target_arch = "x86_64");
-        Self { pow, rev, field, clmul: x86 && level >= CpuLevel::Aesni, wide: x86 && level >= CpuLevel::Vaes512 }
+        let mut revk = [0u128; WIDE_BLOCKS + 4];
+        for (k, v) in revk.iter_mut().zip(rev.iter()) {
+            let f = (*v ^ (*v >> 64)) as u64;
+            *k = u128::from(f) | (u128::from(f) << 64);
+        }
+        let x86 = cfg!(target_arch = "x86_64") && matches!(level, CpuLevel::Aesni | CpuLevel::Vaes256 | CpuLevel::Vaes512);
+        Self { pow, rev, revk, field, level: if x86 { level } else { CpuLevel::Portable } }
     }
 
     /// Converts a block to the internal representation.
@@ -258,20 +265,17 @@ impl PolyHash {
     /// `acc <- (acc ^ X_1) * H`, then X_2, ... for every 16-byte block of `data`.
     pub(crate) fn update(&self, acc: &mut Acc, data: &[u8]) {
         debug_assert_eq!(data.len() % 16, 0);
-        #[cfg(target_arch = "x86_64")]
-        if self.clmul {
-            if self.wide {
-                // SAFETY: `wide` is only set at level `vaes512`, which the constructor's caller
-                // checked this CPU has (`CpuLevel::available`).
-                unsafe { x86::horner_wide(self, acc, data) };
-            } else {
-                // SAFETY: `clmul` is only set at level `aesni` or above, which the constructor's caller
-                // checked this CPU has (`CpuLevel::available`).
-                unsafe { x86::horner(self, acc, data) };
-            }
-            return;
+        // SAFETY (each arm): `level` is an x86 level only when the constructor's caller checked
+        // that this CPU has it (`CpuLevel::available`); each kernel is compiled for its level.
+        match self.level {
+            #[cfg(target_arch = "x86_64")]
+            CpuLevel::Vaes512 => unsafe { x86::horner_vaes512(self, acc, data) },
+            #[cfg(target_arch = "x86_64")]
+            CpuLevel::Vaes256 => unsafe { x86::horner_vaes256(self, acc, data) },
+            #[cfg(target_arch = "x86_64")]
+            CpuLevel::Aesni => unsafe { x86::horner_aesni(self, acc, data) },
+            _ => self.update_portable(acc, data),
         }
-        self.update_portable(acc, data);
     }
 
     fn update_portable(&self, acc: &mut Acc, data: &[u8]) {
@@ -318,48 +322,53 @@ impl PolyHash {
     #[inline]
     pub(crate) fn mul(&self, a: u128, b: u128) -> u128 {
         #[cfg(target_arch = "x86_64")]
-        if self.clmul {
-            // SAFETY: `clmul` is only set at level `aesni` or above, which the constructor's caller
-            // checked this CPU has (`CpuLevel::available`).
+        if self.level >= CpuLevel::Aesni {
+            // SAFETY: `level` is `aesni` or above only when the constructor's caller checked
+            // that this CPU has it (`CpuLevel::available`).
             return unsafe { x86::mul(self.field, a, b) };
         }
         field_mul(self.field, a, b)
     }
 
-    /// a[i] <- a[i] * b[i] for every i (independent products; four per register on AVX-512).
+    /// a[i] <- a[i] * b[i] for every i (independent products; one per lane of the level's
+    /// registers).
     pub(crate) fn mul_batch(&self, a: &mut [u128], b: &[u128]) {
         debug_assert_eq!(a.len(), b.len());
-        #[cfg(target_arch = "x86_64")]
-        if self.wide {
-            // SAFETY: `wide` is only set at level `vaes512`, which the constructor's caller
-            // checked this CPU has (`CpuLevel::available`).
-            unsafe { x86::mul_batch(self.field, a, b) };
-            return;
-        }
-        for (x, y) in a.iter_mut().zip(b) {
-            *x = self.mul(*x, *y);
+        // SAFETY (each arm): as in `update`.
+        match self.level {
+            #[cfg(target_arch = "x86_64")]
+            CpuLevel::Vaes512 => unsafe { x86::mul_batch_vaes512(self.field, a, b) },
+            #[cfg(target_arch = "x86_64")]
+            CpuLevel::Vaes256 => unsafe { x86::mul_batch_vaes256(self.field, a, b) },
+            #[cfg(target_arch = "x86_64")]
+            CpuLevel::Aesni => unsafe { x86::mul_batch_aesni(self.field, a, b) },
+            _ => {
+                for (x, y) in a.iter_mut().zip(b) {
+                    *x = self.mul(*x, *y);
+                }
+            }
         }
     }
 
     /// BRW over the blocks of `body` followed by `last`, k = body blocks + 1 of the form
-    /// 2^n - 1 with 4 <= k + 1 <= 256, when the PCLMULQDQ kernel applies; `None` otherwise.
+    /// 2^n - 1 with 4 <= k + 1 <= 256, when a carry-less multiply kernel applies (from level
+    /// `aesni`); `None` otherwise.
     pub(crate) fn brw_le(&self, p: &[u128; 17], body: &[u8], last: u128) -> Option<u128> {
         let k = body.len() / 16 + 1;
         if self.field != Field::Le || !(k + 1).is_power_of_two() || !(4..=256).contains(&(k + 1)) {
             return None;
         }
+        // A level's kernel needs at least four blocks per lane (k + 1 >= 4 LANES); shorter
+        // inputs take the next narrower one. SAFETY (each arm): as in `update` (a level includes
+        // the ones below it).
         #[cfg(target_arch = "x86_64")]
-        if self.wide && (k + 1) >= 16 {
-            // SAFETY: `wide` is only set at level `vaes512`, which the constructor's caller
-            // checked this CPU has (`CpuLevel::available`).
-            return Some(unsafe { x86::brw_le_wide(p, body, last, k) });
+        match self.level {
+            CpuLevel::Vaes512 if k + 1 >= 16 => Some(unsafe { x86::brw_le_wide(p, body, last, k) }),
+            CpuLevel::Vaes512 | CpuLevel::Vaes256 if k + 1 >= 8 => Some(unsafe { x86::brw_le_vaes256(p, body, last, k) }),
+            CpuLevel::Vaes512 | CpuLevel::Vaes256 | CpuLevel::Aesni => Some(unsafe { x86::brw_le_aesni(p, body, last, k) }),
+            _ => None,
         }
-        #[cfg(target_arch = "x86_64")]
-        if self.clmul {
-            // SAFETY: `clmul` is only set at level `aesni` or above, which the constructor's caller
-            // checked this CPU has (`CpuLevel::available`).
-            return Some(unsafe { x86::brw_le(p, body, last, k) });
-        }
+        #[cfg(not(target_arch = "x86_64"))]
         None
     }
 
@@ -369,21 +378,27 @@ impl PolyHash {
     }
 
     pub(crate) fn uses_clmul(&self) -> bool {
-        self.clmul
+        self.level >= CpuLevel::Aesni
     }
 
-    pub(crate) fn uses_wide(&self) -> bool {
-        self.wide
+    /// The level whose kernels run (`Portable` for the integer-multiply path).
+    pub(crate) fn level(&self) -> CpuLevel {
+        self.level
     }
 }
 
-/// PCLMULQDQ kernels. Every function needs PCLMULQDQ, SSE2 and SSSE3, which [`PolyHash`] checks at
-/// construction; they are `unsafe` only for that reason.
+/// Carry-less multiply kernels per level: Horner, independent products and BRW written once over
+/// the vector trait (`arch::x86::simd`) and compiled at `aesni`, `vaes256` and `vaes512`, plus the
+/// vaes512-only four-lane BRW that FAST's fused kernel builds on. Every function needs the
+/// features of its level, which [`PolyHash`]'s constructor's caller checked; they are `unsafe`
+/// only for that reason.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     use core::arch::x86_64::*;
 
     use super::{Acc, Field, PolyHash, LE_C, POLYVAL_C};
+    use crate::arch::x86::simd::{AesVec, Xmm, Ymm, Zmm};
+    use crate::arch::x86::{kernel_aesni, kernel_vaes256, kernel_vaes512};
 
     #[inline(always)]
     pub(crate) unsafe fn from_u128(v: u128) -> __m128i {
@@ -457,153 +472,15 @@ pub(crate) mod x86 {
         }
     }
 
-    /// A block from memory in the field's internal order (byte-reversed for GHASH).
-    #[inline(always)]
-    pub(crate) unsafe fn load(field: Field, p: *const u8) -> __m128i {
-        let v = _mm_loadu_si128(p.cast());
-        match field {
-            Field::Ghash => _mm_shuffle_epi8(v, _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-            _ => v,
-        }
-    }
-
-    #[target_feature(enable = "pclmulqdq,sse2,ssse3,sse4.1")]
-    pub(crate) unsafe fn mul(field: Field, a: u128, b: u128) -> u128 {
-        let mut w = zero_wide();
-        mul_acc(&mut w, from_u128(a), from_u128(b));
-        to_u128(reduce(field, w))
-    }
-
-    /// XOR of the four 128-bit lanes.
-    #[inline(always)]
-    unsafe fn fold4(v: __m512i) -> __m128i {
-        let a = _mm256_xor_si256(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
-        _mm_xor_si128(_mm256_castsi256_si128(a), _mm256_extracti128_si256::<1>(a))
-    }
-
-    /// Thirty-two blocks per reduction: four blocks per register times H^32..H^1 (Karatsuba:
-    /// three carry-less multiplies per block), summed unreduced, folded to one lane and reduced
-    /// once. The running value y enters as y * H^32 on its own, so only that product and the
-    /// reduction are on the loop-carried path. A tail of r < 32 blocks is one more step with
-    /// zero-masked loads and the powers H^r..H^1.
-    #[target_feature(enable = "avx512f,avx512bw,vpclmulqdq,pclmulqdq,sse2,ssse3,sse4.1,avx2")]
-    pub(crate) unsafe fn horner_wide(h: &PolyHash, acc: &mut Acc, data: &[u8]) {
-        const W: usize = super::WIDE_BLOCKS;
-        let field = h.field;
-        let rp = h.rev.as_ptr();
-        let swap = _mm512_broadcast_i32x4(_mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-        let load_x = |q: *const u8, mask: __mmask8| -> __m512i {
-            let x = _mm512_maskz_loadu_epi64(mask, q.cast());
-            if field == Field::Ghash { _mm512_shuffle_epi8(x, swap) } else { x }
-        };
-        // One step over `regs` registers of blocks starting at `p`, with powers from rev[off..]:
-        // returns the unreduced (lo, mid, hi) sums.
-        let group = |p: *const u8, regs: usize, off: usize, last_mask: __mmask8| -> (__m512i, __m512i, __m512i) {
-            let mut lo = _mm512_setzero_si512();
-            let mut hi = _mm512_setzero_si512();
-            let mut mk = _mm512_setzero_si512();
-            for r in 0..regs {
-                let mask = if r + 1 == regs { last_mask } else { 0xff };
-                let x = load_x(p.add(64 * r), mask);
-                let pk = _mm512_loadu_si512(rp.add(off + 4 * r).cast());
-                let xk = _mm512_xor_si512(x, _mm512_shuffle_epi32::<0x4e>(x));
-                let hk = _mm512_xor_si512(pk, _mm512_shuffle_epi32::<0x4e>(pk));
-                lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128::<0x00>(x, pk));
-                hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128::<0x11>(x, pk));
-                mk = _mm512_xor_si512(mk, _mm512_clmulepi64_epi128::<0x00>(xk, hk));
-            }
-            // Karatsuba: middle = (x0 ^ x1)(h0 ^ h1) ^ lo ^ hi, summed lane-wise.
-            (lo, _mm512_ternarylogic_epi64::<0x96>(mk, lo, hi), hi)
-        };
-        let mut y = from_u128(acc.0);
-        let hw = from_u128(h.pow[W - 1]); // H^32
-        let blocks = data.len() / 16;
-        let ptr = data.as_ptr();
-        let mut i = 0;
-        while blocks - i >= W {
-            let (lo, mid, hi) = group(ptr.add(16 * i), W / 4, 0, 0xff);
-            // y * H^32 joins after the fold.
-            let mut w = Wide { lo: fold4(lo), mid: fold4(mid), hi: fold4(hi) };
-            mul_acc(&mut w, y, hw);
-            y = reduce(field, w);
-            i += W;
-        }
-        if i < blocks {
-            let r = blocks - i;
-            let regs = r.div_ceil(4);
-            let n_last = r - 4 * (regs - 1);
-            let last_mask: __mmask8 = ((1u32 << (2 * n_last)) - 1) as u8;
-            let (lo, mid, hi) = group(ptr.add(16 * i), regs, W - r, last_mask);
-            let mut w = Wide { lo: fold4(lo), mid: fold4(mid), hi: fold4(hi) };
-            mul_acc(&mut w, y, from_u128(h.pow[r - 1]));
-            y = reduce(field, w);
-        }
-        acc.0 = to_u128(y);
-    }
-
-    /// Four reductions at once, one per 128-bit lane (see `reduce_le` / `reduce_polyval`).
-    #[inline(always)]
-    unsafe fn reduce4(field: Field, lo: __m512i, mid: __m512i, hi: __m512i) -> __m512i {
-        let lo = _mm512_xor_si512(lo, _mm512_bslli_epi128::<8>(mid));
-        let hi = _mm512_xor_si512(hi, _mm512_bsrli_epi128::<8>(mid));
-        match field {
-            Field::Le => {
-                let c = _mm512_set_epi64(0, LE_C as i64, 0, LE_C as i64, 0, LE_C as i64, 0, LE_C as i64);
-                let t0 = _mm512_clmulepi64_epi128::<0x00>(hi, c);
-                let t1 = _mm512_clmulepi64_epi128::<0x01>(hi, c);
-                let over = _mm512_clmulepi64_epi128::<0x01>(t1, c);
-                _mm512_ternarylogic_epi64::<0x96>(lo, t0, _mm512_xor_si512(_mm512_bslli_epi128::<8>(t1), over))
-            }
-            Field::Polyval | Field::Ghash => {
-                let c = _mm512_set1_epi64(POLYVAL_C as i64);
-                let t = _mm512_clmulepi64_epi128::<0x00>(lo, c);
-                let lo = _mm512_xor_si512(_mm512_shuffle_epi32::<0x4e>(lo), t);
-                let u = _mm512_clmulepi64_epi128::<0x00>(lo, c);
-                let lo = _mm512_xor_si512(_mm512_shuffle_epi32::<0x4e>(lo), u);
-                _mm512_xor_si512(hi, lo)
+    kernel_aesni! {
+        pub(crate) unsafe fn mul(field: Field, a: u128, b: u128) -> u128 {
+            // SAFETY: compiled for `aesni` (PCLMULQDQ).
+            unsafe {
+                let mut w = zero_wide();
+                mul_acc(&mut w, from_u128(a), from_u128(b));
+                to_u128(reduce(field, w))
             }
         }
-    }
-
-    /// BRW_tau(X_1..X_k) for k = 4G - 1 (G <= 64 groups), level by level with every product
-    /// inline (no calls): level 1 gives v_i = (tau ^ X_{4i+1})(tau^2 ^ X_{4i+2}) ^ X_{4i+3}, level
-    /// t = 4, 8, ... gives v_i <- v_{2i} (tau^t ^ X_{2ti+t}) ^ v_{2i+1}. The blocks X_1..X_{k-1}
-    /// are `body` (little-endian), X_k is `last`. `p[e]` = tau^(2^e).
-    #[target_feature(enable = "pclmulqdq,sse2,ssse3,sse4.1")]
-    pub(crate) unsafe fn brw_le(p: &[u128; 17], body: &[u8], last: u128, k: usize) -> u128 {
-        debug_assert!((k + 1).is_power_of_two() && (4..=256).contains(&(k + 1)) && body.len() == 16 * (k - 1));
-        let groups = (k + 1) / 4;
-        let bp = body.as_ptr();
-        // SAFETY (all loads below): block j < k - 1 lies inside `body`.
-        let xs = |j: usize| -> __m128i { if j + 1 == k { from_u128(last) } else { _mm_loadu_si128(bp.add(16 * j).cast()) } };
-        let mul = |a: __m128i, b: __m128i| -> __m128i {
-            let mut w = zero_wide();
-            mul_acc(&mut w, a, b);
-            reduce(Field::Le, w)
-        };
-        let mut v = [_mm_setzero_si128(); 64];
-        let (t1, t2) = (from_u128(p[0]), from_u128(p[1]));
-        for (i, vi) in v.iter_mut().enumerate().take(groups) {
-            let a = _mm_xor_si128(t1, xs(4 * i));
-            let b = _mm_xor_si128(t2, xs(4 * i + 1));
-            *vi = _mm_xor_si128(mul(a, b), xs(4 * i + 2));
-        }
-        let mut n = groups;
-        let mut e = 2;
-        while n > 1 {
-            let t = 1usize << e;
-            let pe = from_u128(p[e]);
-            for i in 0..n / 2 {
-                let m = _mm_xor_si128(pe, xs(2 * t * i + t - 1));
-                v[i] = _mm_xor_si128(mul(v[2 * i], m), v[2 * i + 1]);
-            }
-            n /= 2;
-            e += 1;
-        }
-        let out = to_u128(v[0]);
-        v = [_mm_setzero_si128(); 64];
-        core::hint::black_box(&v);
-        out
     }
 
     /// Four unreduced 256-bit products, one per 128-bit lane: lo + mid x^64 + hi x^128 with lo,
@@ -655,32 +532,36 @@ pub(crate) mod x86 {
         _mm512_ternarylogic_epi64::<0x96>(w.lo, u, _mm512_bslli_epi128::<8>(m))
     }
 
-    /// BRW with four products per instruction for k = 16Q - 1 (Q = 1, 2, 4, 8, 16: k = 15 ..
-    /// 255), every product in registers and every block loaded straight from `body`.
-    ///
-    /// Layout: lane j works on quarter j of the input (blocks X_{4Qj+1} .. X_{4Qj+4Q}, the last
-    /// one of quarter 3 being the zero X_{k+1}). Group q of level 1 takes blocks 4q+1..4q+4 of
-    /// each quarter: four 64-byte loads, transposed, give x1..x4 with lane j = block 1..4 of
-    /// group q of quarter j, and z_q = (tau ^ x1)(tau^2 ^ x2) ^ x3. Because the recursion splits
-    /// at powers of two, the next log2(Q) levels pair neighbours inside each quarter:
-    /// z_i <- z_{2i} (tau^t ^ x4[(2ti + t)/4 - 1]) ^ z_{2i+1}, lane-wise, with the multiplier
-    /// taken from the fourth blocks (no shuffles, no gathers). Lane j then holds BRW of quarter
-    /// j's first 4Q - 1 blocks; the two last levels (t = 4Q, 8Q) combine the lanes:
-    /// (v0 (tau^4Q ^ X_4Q) ^ v1) (tau^8Q ^ X_8Q) ^ (v2 (tau^4Q ^ X_12Q) ^ v3). `p[e]` =
-    /// tau^(2^e); X_1..X_{k-1} are `body`, X_k is `last`.
-    ///
-    /// The levels inside the quarters run as the groups arrive (see [`BrwQuarters`]), and only a
-    /// value that becomes the left operand of a further product is reduced: a right operand
-    /// enters its parent as an unreduced sum (16 reductions per quarter tree instead of 31).
-    #[target_feature(enable = "avx512f,avx512bw,vpclmulqdq,pclmulqdq,sse2,sse4.1,avx2")]
-    pub(crate) unsafe fn brw_le_wide(p: &[u128; 17], body: &[u8], last: u128, k: usize) -> u128 {
-        match (k + 1) / 16 {
-            1 => brw_le_quarters::<1>(p, body, last),
-            2 => brw_le_quarters::<2>(p, body, last),
-            4 => brw_le_quarters::<4>(p, body, last),
-            8 => brw_le_quarters::<8>(p, body, last),
-            16 => brw_le_quarters::<16>(p, body, last),
-            _ => unreachable!("brw_le_wide: k + 1 = {} is not 16..256", k + 1),
+    kernel_vaes512! {
+        /// BRW with four products per instruction for k = 16Q - 1 (Q = 1, 2, 4, 8, 16: k = 15 ..
+        /// 255), every product in registers and every block loaded straight from `body`.
+        ///
+        /// Layout: lane j works on quarter j of the input (blocks X_{4Qj+1} .. X_{4Qj+4Q}, the last
+        /// one of quarter 3 being the zero X_{k+1}). Group q of level 1 takes blocks 4q+1..4q+4 of
+        /// each quarter: four 64-byte loads, transposed, give x1..x4 with lane j = block 1..4 of
+        /// group q of quarter j, and z_q = (tau ^ x1)(tau^2 ^ x2) ^ x3. Because the recursion splits
+        /// at powers of two, the next log2(Q) levels pair neighbours inside each quarter:
+        /// z_i <- z_{2i} (tau^t ^ x4[(2ti + t)/4 - 1]) ^ z_{2i+1}, lane-wise, with the multiplier
+        /// taken from the fourth blocks (no shuffles, no gathers). Lane j then holds BRW of quarter
+        /// j's first 4Q - 1 blocks; the two last levels (t = 4Q, 8Q) combine the lanes:
+        /// (v0 (tau^4Q ^ X_4Q) ^ v1) (tau^8Q ^ X_8Q) ^ (v2 (tau^4Q ^ X_12Q) ^ v3). `p[e]` =
+        /// tau^(2^e); X_1..X_{k-1} are `body`, X_k is `last`.
+        ///
+        /// The levels inside the quarters run as the groups arrive (see [`BrwQuarters`]), and only a
+        /// value that becomes the left operand of a further product is reduced: a right operand
+        /// enters its parent as an unreduced sum (16 reductions per quarter tree instead of 31).
+        pub(crate) unsafe fn brw_le_wide(p: &[u128; 17], body: &[u8], last: u128, k: usize) -> u128 {
+            // SAFETY: compiled for `vaes512`.
+            unsafe {
+                match (k + 1) / 16 {
+                    1 => brw_le_quarters::<1>(p, body, last),
+                    2 => brw_le_quarters::<2>(p, body, last),
+                    4 => brw_le_quarters::<4>(p, body, last),
+                    8 => brw_le_quarters::<8>(p, body, last),
+                    16 => brw_le_quarters::<16>(p, body, last),
+                    _ => unreachable!("brw_le_wide: k + 1 = {} is not 16..256", k + 1),
+                }
+            }
         }
     }
 
@@ -900,63 +781,437 @@ pub(crate) mod x86 {
         ([lane(c, 0), lane(c, 1), lane(c, 2), lane(c, 3)], lane(r, 1))
     }
 
-    /// a[i] <- a[i] * b[i], four products per register.
-    #[target_feature(enable = "avx512f,avx512bw,vpclmulqdq,pclmulqdq,sse2,ssse3,sse4.1,avx2")]
-    pub(crate) unsafe fn mul_batch(field: Field, a: &mut [u128], b: &[u128]) {
-        let n = a.len().min(b.len());
-        let (pa, pb) = (a.as_mut_ptr(), b.as_ptr());
-        let mut i = 0;
-        while i < n {
-            let k = (n - i).min(4);
-            let mask: __mmask8 = ((1u32 << (2 * k)) - 1) as u8;
-            // SAFETY: the masked loads and the store touch elements i..i+k of `a` and `b` only.
-            let x = _mm512_maskz_loadu_epi64(mask, pa.add(i).cast());
-            let y = _mm512_maskz_loadu_epi64(mask, pb.add(i).cast());
-            let lo = _mm512_clmulepi64_epi128::<0x00>(x, y);
-            let hi = _mm512_clmulepi64_epi128::<0x11>(x, y);
-            let mid = _mm512_xor_si512(_mm512_clmulepi64_epi128::<0x01>(x, y), _mm512_clmulepi64_epi128::<0x10>(x, y));
-            _mm512_mask_storeu_epi64(pa.add(i).cast(), mask, reduce4(field, lo, mid, hi));
-            i += k;
+    // ---- Written once over the vector trait, compiled per level ---------------------------------
+
+    kernel_aesni! {
+        pub(crate) unsafe fn horner_aesni(h: &PolyHash, acc: &mut Acc, data: &[u8]) {
+            // SAFETY: compiled for Xmm's level.
+            unsafe { horner::<Xmm>(h, acc, data) }
+        }
+
+        pub(crate) unsafe fn mul_batch_aesni(field: Field, a: &mut [u128], b: &[u128]) {
+            // SAFETY: compiled for Xmm's level.
+            unsafe { mul_batch::<Xmm>(field, a, b) }
+        }
+
+        pub(crate) unsafe fn brw_le_aesni(p: &[u128; 17], body: &[u8], last: u128, k: usize) -> u128 {
+            // SAFETY: compiled for Xmm's level.
+            unsafe { brw_parts::<Xmm>(p, body, last, k) }
         }
     }
 
-    #[target_feature(enable = "pclmulqdq,sse2,ssse3,sse4.1")]
-    pub(crate) unsafe fn horner(h: &PolyHash, acc: &mut Acc, data: &[u8]) {
-        let field = h.field;
-        let mut pw = [_mm_setzero_si128(); 8];
-        for (p, v) in pw.iter_mut().zip(h.pow.iter()) {
-            *p = from_u128(*v);
+    kernel_vaes256! {
+        pub(crate) unsafe fn horner_vaes256(h: &PolyHash, acc: &mut Acc, data: &[u8]) {
+            // SAFETY: compiled for Ymm's level.
+            unsafe { horner::<Ymm>(h, acc, data) }
         }
-        let mut y = from_u128(acc.0);
+
+        pub(crate) unsafe fn mul_batch_vaes256(field: Field, a: &mut [u128], b: &[u128]) {
+            // SAFETY: compiled for Ymm's level.
+            unsafe { mul_batch::<Ymm>(field, a, b) }
+        }
+
+        pub(crate) unsafe fn brw_le_vaes256(p: &[u128; 17], body: &[u8], last: u128, k: usize) -> u128 {
+            // SAFETY: compiled for Ymm's level.
+            unsafe { brw_parts::<Ymm>(p, body, last, k) }
+        }
+    }
+
+    kernel_vaes512! {
+        pub(crate) unsafe fn horner_vaes512(h: &PolyHash, acc: &mut Acc, data: &[u8]) {
+            // SAFETY: compiled for Zmm's level.
+            unsafe { horner::<Zmm>(h, acc, data) }
+        }
+
+        pub(crate) unsafe fn mul_batch_vaes512(field: Field, a: &mut [u128], b: &[u128]) {
+            // SAFETY: compiled for Zmm's level.
+            unsafe { mul_batch::<Zmm>(field, a, b) }
+        }
+    }
+
+    /// A field element in every lane.
+    #[inline(always)]
+    unsafe fn splat<V: AesVec>(v: u128) -> V {
+        // SAFETY: inlined into a function of V's level.
+        unsafe { V::splat(from_u128(v)) }
+    }
+
+    /// One product in FAST's field, on xmm registers.
+    #[inline(always)]
+    pub(crate) unsafe fn mul_le(a: u128, b: u128) -> u128 {
+        // SAFETY: inlined into a function of level `aesni` or above.
+        unsafe {
+            let mut w = zero_wide();
+            mul_acc(&mut w, from_u128(a), from_u128(b));
+            to_u128(reduce(Field::Le, w))
+        }
+    }
+
+    /// Lane-wise unreduced sums of products: lo + mid x^64 + hi x^128 in each lane, lo, mid and hi
+    /// 128 bits each. A sum of products is the lane-wise XOR of the parts.
+    #[derive(Clone, Copy)]
+    struct WideV<V> {
+        lo: V,
+        mid: V,
+        hi: V,
+    }
+
+    impl<V: AesVec> WideV<V> {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            // SAFETY: inlined into a function of V's level.
+            let z = unsafe { V::zero() };
+            WideV { lo: z, mid: z, hi: z }
+        }
+
+        #[inline(always)]
+        unsafe fn xor(self, o: Self) -> Self {
+            // SAFETY: inlined into a function of V's level.
+            unsafe { WideV { lo: self.lo.xor(o.lo), mid: self.mid.xor(o.mid), hi: self.hi.xor(o.hi) } }
+        }
+
+        /// a * b lane-wise (schoolbook: four carry-less multiplies).
+        #[inline(always)]
+        unsafe fn mul(a: V, b: V) -> Self {
+            // SAFETY: inlined into a function of V's level.
+            unsafe { WideV { lo: a.clmul_lo_lo(b), mid: a.clmul_hi_lo(b).xor(a.clmul_lo_hi(b)), hi: a.clmul_hi_hi(b) } }
+        }
+
+        /// a * b lane-wise with Karatsuba: three carry-less multiplies (the middle one on the
+        /// XOR of each operand's halves) and a few shuffles and XORs, which are cheaper than the
+        /// fourth multiply where carry-less multiplies are the scarce resource.
+        #[inline(always)]
+        unsafe fn mul_k(a: V, b: V) -> Self {
+            // SAFETY: inlined into a function of V's level.
+            unsafe {
+                let lo = a.clmul_lo_lo(b);
+                let hi = a.clmul_hi_hi(b);
+                let mk = a.xor(a.swap_qwords()).clmul_lo_lo(b.xor(b.swap_qwords()));
+                WideV { lo, mid: V::xor3(mk, lo, hi), hi }
+            }
+        }
+
+        /// The sum over the lanes, as one xmm accumulator.
+        #[inline(always)]
+        unsafe fn fold(self) -> Wide {
+            // SAFETY: inlined into a function of V's level.
+            unsafe { Wide { lo: self.lo.xor_lanes(), mid: self.mid.xor_lanes(), hi: self.hi.xor_lanes() } }
+        }
+    }
+
+    /// Reduces each lane modulo x^128 + x^7 + x^2 + x + 1 with two carry-less multiplies and
+    /// without folding the middle part in first (the derivation is at `reduce4_le`).
+    #[inline(always)]
+    unsafe fn reduce_lanes_le<V: AesVec>(w: WideV<V>) -> V {
+        // SAFETY: inlined into a function of V's level.
+        unsafe {
+            let c = V::splat(_mm_set1_epi64x(LE_C as i64));
+            let t = w.hi.clmul_hi_lo(c); // h1 * c
+            let m = w.mid.xor(t); // qword 0: m0 ^ t0, qword 1: m1 ^ t1
+            let g = w.hi.lane_shl8().xor(m); // qword 1: h0 ^ m1 ^ t1
+            let u = g.clmul_hi_lo(c); // g * c
+            V::xor3(w.lo, u, m.lane_shl8())
+        }
+    }
+
+    /// Reduces each lane in the field's convention (see `reduce_le` and `reduce_polyval`).
+    #[inline(always)]
+    unsafe fn reduce_lanes<V: AesVec>(field: Field, w: WideV<V>) -> V {
+        // SAFETY: inlined into a function of V's level.
+        unsafe {
+            match field {
+                Field::Le => reduce_lanes_le(w),
+                Field::Polyval | Field::Ghash => {
+                    let lo = w.lo.xor(w.mid.lane_shl8());
+                    let hi = w.hi.xor(w.mid.lane_shr8());
+                    let c = V::splat(_mm_set1_epi64x(POLYVAL_C as i64));
+                    let t = lo.clmul_lo_lo(c); // c0 * C
+                    let lo = lo.swap_qwords().xor(t);
+                    let u = lo.clmul_lo_lo(c); // c1' * C
+                    V::xor3(hi, lo.swap_qwords(), u)
+                }
+            }
+        }
+    }
+
+    /// The sum over `regs` registers at `p` of block i times rev[off + i], unreduced (Karatsuba:
+    /// three carry-less multiplies per block, with the keys' folded halves from `revk`); the last
+    /// register holds `n_last` blocks, the rest of it is zero.
+    #[inline(always)]
+    unsafe fn horner_group<V: AesVec>(h: &PolyHash, p: *const u8, regs: usize, off: usize, n_last: usize) -> WideV<V> {
+        let (rp, kp) = (h.rev.as_ptr().cast::<u8>(), h.revk.as_ptr().cast::<u8>());
+        // SAFETY: the caller passes `regs` registers at `p` (the last one `n_last` blocks) and
+        // off + LANES regs <= 36, the length of `rev` and `revk`; inlined into a function of V's
+        // level.
+        unsafe {
+            let swap = V::splat(_mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+            let (mut lo, mut hi, mut mk) = (V::zero(), V::zero(), V::zero());
+            for r in 0..regs {
+                let q = p.add(16 * V::LANES * r);
+                let mut x = if r + 1 == regs { V::load_blocks(q, n_last) } else { V::load(q) };
+                if h.field == Field::Ghash {
+                    x = x.shuffle_bytes(swap);
+                }
+                let pk = V::load(rp.add(16 * (off + V::LANES * r)));
+                let hk = V::load(kp.add(16 * (off + V::LANES * r)));
+                lo = lo.xor(x.clmul_lo_lo(pk));
+                hi = hi.xor(x.clmul_hi_hi(pk));
+                mk = mk.xor(x.xor(x.swap_qwords()).clmul_lo_lo(hk));
+            }
+            // Karatsuba: middle = (x0 ^ x1)(h0 ^ h1) ^ lo ^ hi, summed lane-wise.
+            WideV { lo, mid: V::xor3(mk, lo, hi), hi }
+        }
+    }
+
+    /// Eight registers of blocks per reduction: the blocks times H^(8 LANES)..H^1, summed
+    /// unreduced, folded to one lane and reduced once. The running value y enters as
+    /// y * H^(8 LANES) on its own, so only that product and the reduction are on the
+    /// loop-carried path. A tail of r < 8 LANES blocks is one more step with the powers H^r..H^1.
+    #[inline(always)]
+    unsafe fn horner<V: AesVec>(h: &PolyHash, acc: &mut Acc, data: &[u8]) {
+        const W: usize = super::WIDE_BLOCKS;
+        let step = 8 * V::LANES;
         let blocks = data.len() / 16;
         let ptr = data.as_ptr();
+        // SAFETY: every group lies inside `data` (whole blocks); inlined into a function of V's
+        // level.
+        unsafe {
+            let mut y = from_u128(acc.0);
+            let hs = from_u128(h.pow[step - 1]);
+            let mut i = 0;
+            while blocks - i >= step {
+                let mut w = horner_group::<V>(h, ptr.add(16 * i), 8, W - step, V::LANES).fold();
+                mul_acc(&mut w, y, hs);
+                y = reduce(h.field, w);
+                i += step;
+            }
+            if i < blocks {
+                let r = blocks - i;
+                let regs = r.div_ceil(V::LANES);
+                let mut w = horner_group::<V>(h, ptr.add(16 * i), regs, W - r, r - V::LANES * (regs - 1)).fold();
+                mul_acc(&mut w, y, from_u128(h.pow[r - 1]));
+                y = reduce(h.field, w);
+            }
+            acc.0 = to_u128(y);
+        }
+    }
+
+    /// a[i] <- a[i] * b[i], one product per lane.
+    #[inline(always)]
+    unsafe fn mul_batch<V: AesVec>(field: Field, a: &mut [u128], b: &[u128]) {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_mut_ptr().cast::<u8>(), b.as_ptr().cast::<u8>());
         let mut i = 0;
-        while blocks - i >= 8 {
-            let p = ptr.add(16 * i);
-            let mut w = zero_wide();
-            let x0 = _mm_xor_si128(load(field, p), y);
-            mul_acc(&mut w, x0, pw[7]);
-            for j in 1..8 {
-                mul_acc(&mut w, load(field, p.add(16 * j)), pw[7 - j]);
+        // SAFETY: the loads and the store touch elements i..i+k of `a` and `b` only; inlined
+        // into a function of V's level.
+        unsafe {
+            while i < n {
+                let k = (n - i).min(V::LANES);
+                let x = V::load_blocks(pa.add(16 * i), k);
+                let y = V::load_blocks(pb.add(16 * i), k);
+                reduce_lanes(field, WideV::mul_k(x, y)).store_blocks(pa.add(16 * i), k);
+                i += k;
             }
-            y = reduce(field, w);
-            i += 8;
         }
-        if i < blocks {
-            // The last r < 8 blocks in one step: (y ^ X_1) H^r ^ X_2 H^(r-1) ^ ... ^ X_r H.
-            let r = blocks - i;
-            let p = ptr.add(16 * i);
-            let mut w = zero_wide();
-            mul_acc(&mut w, _mm_xor_si128(load(field, p), y), pw[r - 1]);
-            for j in 1..r {
-                mul_acc(&mut w, load(field, p.add(16 * j)), pw[r - 1 - j]);
+    }
+
+    /// BRW_tau(X_1..X_k) for k + 1 = 4 Q LANES, a power of two with Q <= 64 (see
+    /// [`brw_parts_q`]).
+    #[inline(always)]
+    unsafe fn brw_parts<V: AesVec>(p: &[u128; 17], body: &[u8], last: u128, k: usize) -> u128 {
+        // SAFETY: inlined into a function of V's level.
+        unsafe {
+            match (k + 1) / (4 * V::LANES) {
+                1 => brw_parts_q::<V, 1>(p, body, last),
+                2 => brw_parts_q::<V, 2>(p, body, last),
+                4 => brw_parts_q::<V, 4>(p, body, last),
+                8 => brw_parts_q::<V, 8>(p, body, last),
+                16 => brw_parts_q::<V, 16>(p, body, last),
+                32 => brw_parts_q::<V, 32>(p, body, last),
+                64 => brw_parts_q::<V, 64>(p, body, last),
+                _ => unreachable!("brw_parts: k + 1 = {} is not 4 LANES .. 256", k + 1),
             }
-            y = reduce(field, w);
         }
-        acc.0 = to_u128(y);
-        // Do not leave key powers in this stack frame.
-        pw = [_mm_setzero_si128(); 8];
-        core::hint::black_box(&pw);
+    }
+
+    /// BRW with one part of the input per lane (see [`BrwParts`]), for k + 1 = 4 Q LANES.
+    #[inline(always)]
+    unsafe fn brw_parts_q<V: AesVec, const Q: usize>(p: &[u128; 17], body: &[u8], last: u128) -> u128 {
+        // SAFETY: inlined into a function of V's level.
+        unsafe {
+            let mut h = BrwParts::<V, Q>::new(p, body, last);
+            for q in 0..Q {
+                h.group(q);
+            }
+            h.finish()
+        }
+    }
+
+    /// The state of one group between the phases of [`BrwParts::group`].
+    #[derive(Clone, Copy)]
+    pub(crate) struct PartsGroup<V> {
+        z: WideV<V>,
+        v: V,
+        x4: V,
+    }
+
+    /// BRW with one part of the input per lane, the layout of [`BrwQuarters`] for any register
+    /// width, for k + 1 = 4 Q LANES (Q <= 64): lane j evaluates the tree of blocks X_{4Qj+1} ..
+    /// X_{4Qj+4Q-1} (the last block of the last part being the zero X_{k+1}), group q of every
+    /// part at once, in steps that a caller can interleave with other work (FAST runs a
+    /// sector's counter mode beside other sectors' hashes, so that the AES and carry-less
+    /// multiply units work together). Group q's four blocks come transposed (lane j = part j),
+    /// z_q = (tau ^ x1)(tau^2 ^ x2) ^ x3, and the levels inside the parts run as the groups
+    /// arrive, like a binary counter: group q's value is a right child at the levels of q's low
+    /// one bits and joins, unreduced, the product its left sibling left in `pending`; at the
+    /// first zero bit l it is a left child, reduced and multiplied by tau^(2^(l+2)) ^ x4 (the
+    /// block after it). The log2(LANES) levels across the parts are single products in
+    /// `finish`. `p[e]` = tau^(2^e); X_1..X_{k-1} are `body`, X_k is `last`.
+    pub(crate) struct BrwParts<'a, V, const Q: usize> {
+        body: &'a [u8],
+        p: &'a [u128; 17],
+        /// The last group of the last part: X_{k-2}, X_{k-1}, X_k and the zero X_{k+1}.
+        end: [u8; 64],
+        t1: V,
+        t2: V,
+        /// pending[l]: the product of a finished left child at level l + 1 and its multiplier.
+        pending: [WideV<V>; 6],
+        /// The reduced part trees, lane j = part j (after group Q - 1).
+        root: V,
+        /// x4 of group Q - 1: the last block of each part.
+        xlast: V,
+    }
+
+    impl<'a, V: AesVec, const Q: usize> BrwParts<'a, V, Q> {
+        /// `body` = X_1..X_{k-1}, `last` = X_k.
+        #[inline(always)]
+        pub(crate) unsafe fn new(p: &'a [u128; 17], body: &'a [u8], last: u128) -> Self {
+            let k = 4 * Q * V::LANES - 1;
+            assert!(Q.is_power_of_two() && Q <= 64, "BrwParts: Q is not a power of two up to 64");
+            assert!(body.len() == 16 * (k - 1), "BrwParts: body is not k - 1 blocks");
+            let mut end = [0u8; 64];
+            end[..32].copy_from_slice(&body[16 * (k - 3)..]);
+            end[32..48].copy_from_slice(&last.to_le_bytes());
+            // SAFETY: inlined into a function of V's level.
+            unsafe {
+                let z = V::zero();
+                Self { body, p, end, t1: splat(p[0]), t2: splat(p[1]), pending: [WideV::zero(); 6], root: z, xlast: z }
+            }
+        }
+
+        /// Group q (q = 0, 1, ..., Q - 1 in order) and the levels above it that it completes.
+        #[inline(always)]
+        pub(crate) unsafe fn group(&mut self, q: usize) {
+            // SAFETY: inlined into a function of V's level.
+            unsafe {
+                let s = self.group_load(q);
+                let s = self.group_reduce(q, s);
+                self.group_store(q, s);
+            }
+        }
+
+        /// Phase 1: loads and transposes the group's blocks and makes the level-1 product.
+        #[inline(always)]
+        pub(crate) unsafe fn group_load(&mut self, q: usize) -> PartsGroup<V> {
+            debug_assert!(q < Q);
+            let bp = self.body.as_ptr();
+            let mut ptrs = [self.end.as_ptr(); 4];
+            // SAFETY: group q of part j is blocks 4Qj + 4q .. + 3 of `body` (k - 1 blocks,
+            // checked in `new`), except the last group of the last part, read from `end`;
+            // inlined into a function of V's level.
+            unsafe {
+                for (j, ptr) in ptrs.iter_mut().enumerate().take(V::LANES) {
+                    if q + 1 < Q || j + 1 < V::LANES {
+                        *ptr = bp.add(16 * (4 * Q * j + 4 * q));
+                    }
+                }
+                let [x1, x2, x3, x4] = V::load_transposed(ptrs);
+                let mut z = WideV::mul(self.t1.xor(x1), self.t2.xor(x2));
+                z.lo = z.lo.xor(x3);
+                PartsGroup { z, v: x4, x4 }
+            }
+        }
+
+        /// Phase 2: joins the left siblings' products (group q's value is a right child at the
+        /// levels of q's low one bits) and reduces.
+        #[inline(always)]
+        pub(crate) unsafe fn group_reduce(&mut self, q: usize, mut s: PartsGroup<V>) -> PartsGroup<V> {
+            let mut l = 0;
+            // SAFETY: inlined into a function of V's level.
+            unsafe {
+                while (q >> l) & 1 == 1 {
+                    s.z = s.z.xor(self.pending[l]);
+                    l += 1;
+                }
+                s.v = reduce_lanes_le(s.z);
+            }
+            s
+        }
+
+        /// `group_reduce` for a group whose number has exactly TR low one bits (known to the
+        /// caller), with static indices so that the pending products can stay in registers.
+        #[inline(always)]
+        pub(crate) unsafe fn group_join<const TR: usize>(&mut self, mut s: PartsGroup<V>) -> PartsGroup<V> {
+            // SAFETY: inlined into a function of V's level.
+            unsafe {
+                for l in 0..TR {
+                    s.z = s.z.xor(self.pending[l]);
+                }
+                s.v = reduce_lanes_le(s.z);
+            }
+            s
+        }
+
+        /// `group_store` for a group that is a left child at level L + 1 (L low one bits, and not
+        /// group Q - 1).
+        #[inline(always)]
+        pub(crate) unsafe fn group_keep<const L: usize>(&mut self, s: PartsGroup<V>) {
+            // SAFETY: inlined into a function of V's level.
+            self.pending[L] = unsafe { WideV::mul(s.v, splat::<V>(self.p[L + 2]).xor(s.x4)) };
+        }
+
+        /// Phase 3: a left child waits as its product with the parent's multiplier; group Q - 1
+        /// keeps the part trees.
+        #[inline(always)]
+        pub(crate) unsafe fn group_store(&mut self, q: usize, s: PartsGroup<V>) {
+            if q + 1 == Q {
+                self.root = s.v;
+                self.xlast = s.x4;
+            } else {
+                let l = q.trailing_ones() as usize;
+                // SAFETY: inlined into a function of V's level.
+                self.pending[l] = unsafe { WideV::mul(s.v, splat::<V>(self.p[l + 2]).xor(s.x4)) };
+            }
+        }
+
+        /// The levels across the parts (after `group` for every q): at level s, the trees of
+        /// parts 2i and 2i + 1 (of 2^s parts each) join with the last block of part
+        /// (2i + 1) 2^s - 1 in the multiplier.
+        #[inline(always)]
+        pub(crate) unsafe fn finish(&mut self) -> u128 {
+            let (mut vals, mut f) = ([0u128; 4], [0u128; 4]);
+            // SAFETY: each store writes LANES <= 4 blocks into a 4-block array; inlined into a
+            // function of V's level.
+            unsafe {
+                self.root.store(vals.as_mut_ptr().cast());
+                self.xlast.store(f.as_mut_ptr().cast());
+                let e = 2 + Q.trailing_zeros() as usize; // 4Q = 2^e
+                let (mut width, mut s) = (V::LANES, 0);
+                while width > 1 {
+                    for i in 0..width / 2 {
+                        vals[i] = mul_le(vals[2 * i], self.p[e + s] ^ f[((2 * i + 1) << s) - 1]) ^ vals[2 * i + 1];
+                    }
+                    width /= 2;
+                    s += 1;
+                }
+            }
+            let out = vals[0];
+            // Do not leave data-dependent values (plaintext blocks) on the stack.
+            zeroize::Zeroize::zeroize(&mut vals);
+            zeroize::Zeroize::zeroize(&mut f);
+            zeroize::Zeroize::zeroize(&mut self.end);
+            out
+        }
     }
 }
 
@@ -1089,6 +1344,45 @@ mod tes_tests {
         }
     }
 
+    /// BRW straight from the recursion (fast.md 2.2), `p[e]` = tau^(2^e).
+    fn slow_brw(p: &[u128; 17], x: &[u128]) -> u128 {
+        match x.len() {
+            0 => 0,
+            1 => x[0],
+            2 => slow_le(x[0], p[0]) ^ x[1],
+            3 => slow_le(p[0] ^ x[0], p[1] ^ x[1]) ^ x[2],
+            n => {
+                let e = (usize::BITS - 1 - n.leading_zeros()) as usize;
+                let t = 1 << e;
+                slow_le(slow_brw(p, &x[..t - 1]), p[e] ^ x[t - 1]) ^ slow_brw(p, &x[t..])
+            }
+        }
+    }
+
+    /// The BRW kernels of every level (each level's own width, and the narrower ones it falls
+    /// back to for short inputs) equal the recursion, for every k + 1 = 4 .. 256.
+    #[test]
+    fn brw_kernels_match_the_recursion() {
+        let mut s = 31u128;
+        for e in 2..=8 {
+            let k = (1usize << e) - 1;
+            let tau = rng(&mut s);
+            let mut p = [0u128; 17];
+            p[0] = tau;
+            for i in 1..17 {
+                p[i] = slow_le(p[i - 1], p[i - 1]);
+            }
+            let x: Vec<u128> = (0..k).map(|_| rng(&mut s)).collect();
+            let body: Vec<u8> = x[..k - 1].iter().flat_map(|v| v.to_le_bytes()).collect();
+            let want = slow_brw(&p, &x);
+            assert_eq!(PolyHash::new(Field::Le, &tau.to_le_bytes(), CpuLevel::Portable).brw_le(&p, &body, x[k - 1]), None);
+            for level in CpuLevel::supported().filter(|l| *l != CpuLevel::Portable) {
+                let ph = PolyHash::new(Field::Le, &tau.to_le_bytes(), level);
+                assert_eq!(ph.brw_le(&p, &body, x[k - 1]), Some(want), "k = {k}, level {level}");
+            }
+        }
+    }
+
     /// RFC 8452 appendix A: POLYVAL(H, X_1, X_2).
     #[test]
     fn polyval_rfc8452_example() {
@@ -1110,4 +1404,3 @@ mod tes_tests {
         out
     }
 }
-

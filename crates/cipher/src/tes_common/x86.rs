@@ -9,7 +9,7 @@
 use core::arch::x86_64::*;
 
 use crate::arch::x86::aes::{expand, RoundKeys};
-use crate::arch::x86::simd::{first_tweaks, rounds, splat_keys, AesVec, Xmm, Ymm, Zmm};
+use crate::arch::x86::simd::{first_tweaks, splat_keys, AesVec, Xmm, Ymm, Zmm};
 use crate::arch::x86::{kernel_aesni, kernel_vaes256, kernel_vaes512};
 use crate::CpuLevel;
 
@@ -191,7 +191,7 @@ fn to_u128(v: __m128i) -> u128 {
 /// next register's lanes and the step between registers. The XOR counter adds bin(i) to the
 /// low qword; XCB's adds to word 3, which is byte-swapped into place (the seed's bytes 12..16
 /// are cleared, so XOR and OR agree there).
-struct Counters<V> {
+pub(crate) struct Counters<V> {
     base: V,
     cnt: V,
     step: V,
@@ -200,7 +200,7 @@ struct Counters<V> {
 
 impl<V: AesVec> Counters<V> {
     #[inline(always)]
-    unsafe fn new<const INC32: bool>(seed: [u8; 16], rk0: V) -> Self {
+    pub(crate) unsafe fn new<const INC32: bool>(seed: [u8; 16], rk0: V) -> Self {
         // SAFETY: inlined into a function of V's level; the loads read the local arrays (at most
         // 64 bytes each, 4 lanes).
         unsafe {
@@ -234,7 +234,7 @@ impl<V: AesVec> Counters<V> {
 
     /// The next register's input blocks (round key 0 applied), advancing the counters.
     #[inline(always)]
-    unsafe fn next<const INC32: bool>(&mut self) -> V {
+    pub(crate) unsafe fn next<const INC32: bool>(&mut self) -> V {
         // SAFETY: inlined into a function of V's level.
         unsafe {
             if INC32 {
@@ -250,6 +250,26 @@ impl<V: AesVec> Counters<V> {
     }
 }
 
+/// Rounds 1..=NR over N registers (round 0 is the caller's). On the 16 xmm and ymm registers
+/// each register is pinned after each round ([`AesVec::pin`]): left to itself the compiler
+/// reorders the rounds and the loads and stores around them into longer dependent stretches,
+/// which runs measurably slower. With 32 zmm registers its own order is as good or better.
+#[inline(always)]
+unsafe fn rounds_pinned<V: AesVec, const NR: usize, const DEC: bool, const N: usize>(rk: &[V; 15], x: &mut [V; N]) {
+    // SAFETY: inlined into a function of V's level.
+    unsafe {
+        for k in &rk[1..NR] {
+            for v in x.iter_mut() {
+                let y = if DEC { v.aesdec(*k) } else { v.aesenc(*k) };
+                *v = if V::LANES < 4 { y.pin() } else { y };
+            }
+        }
+        for v in x.iter_mut() {
+            *v = if DEC { v.aesdeclast(rk[NR]) } else { v.aesenclast(rk[NR]) };
+        }
+    }
+}
+
 /// N registers of keystream XORed into the N LANES blocks at `p`.
 #[inline(always)]
 unsafe fn ctr_regs<V: AesVec, const NR: usize, const INC32: bool, const N: usize>(rk: &[V; 15], c: &mut Counters<V>, p: *mut u8) {
@@ -259,7 +279,7 @@ unsafe fn ctr_regs<V: AesVec, const NR: usize, const INC32: bool, const N: usize
         for v in x.iter_mut() {
             *v = c.next::<INC32>();
         }
-        rounds::<V, NR, false, N>(rk, &mut x);
+        rounds_pinned::<V, NR, false, N>(rk, &mut x);
         for (j, v) in x.iter().enumerate() {
             let q = p.add(16 * V::LANES * j);
             V::load(q).xor(*v).store(q);
@@ -338,7 +358,7 @@ unsafe fn masked_ecb<V: AesVec, const NR: usize, const DEC: bool, const FIRST: b
                     c.xor(rk[0])
                 };
             }
-            rounds::<V, NR, DEC, 8>(&rk, &mut x);
+            rounds_pinned::<V, NR, DEC, 8>(&rk, &mut x);
             for r in 0..8 {
                 let out = if FIRST {
                     sum[r & 1] = sum[r & 1].xor(x[r]);
@@ -367,7 +387,7 @@ unsafe fn masked_ecb<V: AesVec, const NR: usize, const DEC: bool, const FIRST: b
                 sum[0] = sum[0].xor(c.keep_lanes(n));
                 c.xor(rk[0])
             }];
-            rounds::<V, NR, DEC, 1>(&rk, &mut x);
+            rounds_pinned::<V, NR, DEC, 1>(&rk, &mut x);
             let out = if FIRST {
                 sum[0] = sum[0].xor(x[0].keep_lanes(n));
                 x[0]

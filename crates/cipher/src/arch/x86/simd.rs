@@ -94,6 +94,12 @@ pub(crate) trait AesVec: Copy {
     /// Four registers from four blocks at each of `p[0..LANES]`: lane j of register i is block i
     /// at `p[j]` (a LANES x 4 transposition; `p[LANES..]` is not read).
     unsafe fn load_transposed(p: [*const u8; 4]) -> [Self; 4];
+    /// The same value, through an empty `asm!` statement that also orders memory accesses: a
+    /// scheduling anchor. Kernels that interleave two kinds of work (FAST's counter mode and
+    /// hash) pin their AES states with it after each round, so that the compiler keeps the
+    /// other work between the rounds instead of gathering it into one stretch, which an
+    /// out-of-order core could not overlap with the rounds.
+    unsafe fn pin(self) -> Self;
 }
 
 /// The XTS reduction constant 0x87 in the low qword of every lane.
@@ -335,6 +341,13 @@ impl AesVec for Xmm {
     unsafe fn load_transposed(p: [*const u8; 4]) -> [Self; 4] {
         unsafe { [Self::load(p[0]), Self::load(p[0].add(16)), Self::load(p[0].add(32)), Self::load(p[0].add(48))] }
     }
+    #[inline(always)]
+    unsafe fn pin(self) -> Self {
+        let mut v = self.0;
+        // SAFETY: an empty statement; it only keeps `v` in a register at this point.
+        unsafe { core::arch::asm!("/* {0} */", inout(xmm_reg) v, options(nostack, preserves_flags)) };
+        Xmm(v)
+    }
 }
 
 impl AesVec for Ymm {
@@ -511,6 +524,11 @@ impl AesVec for Ymm {
         // One 128-bit load and one insert per register.
         let (a, b) = (p[0], p[1]);
         unsafe { core::array::from_fn(|i| Ymm(_mm256_loadu2_m128i(b.add(16 * i).cast(), a.add(16 * i).cast()))) }
+    }
+    #[inline(always)]
+    unsafe fn pin(self) -> Self {
+        // SAFETY: the caller runs at Ymm's level, which `pin_ymm` is compiled for.
+        Ymm(unsafe { pin_ymm(self.0) })
     }
 }
 
@@ -693,5 +711,30 @@ impl AesVec for Zmm {
                 Zmm(_mm512_shuffle_i64x2::<0xdd>(u1, u3)),
             ]
         }
+    }
+    #[inline(always)]
+    unsafe fn pin(self) -> Self {
+        // SAFETY: the caller runs at Zmm's level, which `pin_zmm` is compiled for.
+        Zmm(unsafe { pin_zmm(self.0) })
+    }
+}
+
+// `AesVec::pin` for the wider registers: `asm!` takes ymm and zmm operands only in functions
+// compiled with AVX and AVX-512F; these are inlined into the kernels of their level.
+super::kernel_vaes256! {
+    #[inline]
+    unsafe fn pin_ymm(mut v: __m256i) -> __m256i {
+        // SAFETY: an empty statement; it only keeps `v` in a register at this point.
+        unsafe { core::arch::asm!("/* {0} */", inout(ymm_reg) v, options(nostack, preserves_flags)) };
+        v
+    }
+}
+
+super::kernel_vaes512! {
+    #[inline]
+    unsafe fn pin_zmm(mut v: __m512i) -> __m512i {
+        // SAFETY: an empty statement; it only keeps `v` in a register at this point.
+        unsafe { core::arch::asm!("/* {0} */", inout(zmm_reg) v, options(nostack, preserves_flags)) };
+        v
     }
 }

@@ -50,7 +50,7 @@ Stop with Ctrl-C (answered writes are synced first).
 endef
 export RUN_BANNER
 
-.PHONY: all build build-native run test test-rust test-portable test-aarch64 test-integration test-rtl deps bench rtl-report clean
+.PHONY: all build build-native fuzz run test test-rust test-portable test-aarch64 test-integration test-rtl deps bench rtl-report clean
 
 all: build
 
@@ -137,3 +137,14 @@ rtl-report:
 
 clean:
 	$(CARGO) clean
+
+# The long, coverage-guided fuzz campaign (the short one runs in `make test`: crates/bridge/tests/
+# fuzz_short.rs). cargo-fuzz needs a nightly toolchain; both are installed here when missing.
+FUZZ_RUNS ?= 10000000
+FUZZ_PIPELINE_SECONDS ?= 300
+fuzz:
+	rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
+	command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
+	cd crates/bridge/fuzz && for t in handshake requests; do \
+		$(CARGO) +nightly fuzz run $$t -- -runs=$(FUZZ_RUNS) -max_len=4096 || exit 1; done
+	cd crates/bridge/fuzz && $(CARGO) +nightly fuzz run pipeline -- -max_total_time=$(FUZZ_PIPELINE_SECONDS) -max_len=2048

@@ -174,63 +174,110 @@ impl SectorCipher for Adiantum {
 /// NH over one chunk (at most 1024 bytes, zero-padded to a multiple of 16): four 64-bit sums.
 #[inline]
 pub(crate) fn nh(key: &[u32; NH_KEY_WORDS], chunk: &[u8], level: CpuLevel) -> [u8; 32] {
-    #[cfg(target_arch = "x86_64")]
-    if level >= CpuLevel::Vaes512 {
-        // SAFETY: the cipher's constructor checked that the CPU has `level`, which includes
-        // AVX-512F.
-        return unsafe { nh_avx512(key, chunk) };
+    // SAFETY (each arm): the cipher's constructor checked that the CPU has `level`; each
+    // kernel is compiled for its level.
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        CpuLevel::Vaes512 => unsafe { nh_x86::nh_vaes512(key, chunk) },
+        #[cfg(target_arch = "x86_64")]
+        CpuLevel::Vaes256 => unsafe { nh_x86::nh_vaes256(key, chunk) },
+        #[cfg(target_arch = "x86_64")]
+        CpuLevel::Aesni => unsafe { nh_x86::nh_aesni(key, chunk) },
+        _ => nh_portable(key, chunk),
     }
-    nh_portable(key, chunk)
 }
 
-/// NH with AVX-512: the four passes of one 16-byte unit side by side, one pass per 128-bit lane
-/// (the message words broadcast, the key words 4j..4j+16 loaded whole), products with VPMULUDQ.
+/// NH written once over the vector trait (`arch::x86::simd`) and compiled at `aesni` (SSE2),
+/// `vaes256` (AVX2) and `vaes512` (AVX-512): the four passes of one 16-byte unit side by side,
+/// one pass per 128-bit lane (4 / LANES registers per unit, the message words broadcast, the
+/// key words loaded whole), products with PMULUDQ.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn nh_avx512(key: &[u32; NH_KEY_WORDS], chunk: &[u8]) -> [u8; 32] {
+mod nh_x86 {
     use core::arch::x86_64::*;
-    debug_assert!(chunk.len() <= NH_CHUNK);
-    #[inline(always)]
-    unsafe fn step(acc: __m512i, m: __m128i, k: *const u32) -> __m512i {
-        let t = _mm512_add_epi32(_mm512_broadcast_i32x4(m), _mm512_loadu_si512(k.cast()));
-        let u = _mm512_shuffle_epi32::<0x4e>(t); // (m2 + k2, m3 + k3, m0 + k0, m1 + k1) per lane
-        let a = _mm512_mul_epu32(t, u); // (m0 + k0)(m2 + k2) in the low qword
-        let b = _mm512_mul_epu32(_mm512_srli_epi64::<32>(t), _mm512_srli_epi64::<32>(u)); // (m1 + k1)(m3 + k3)
-        _mm512_add_epi64(acc, _mm512_add_epi64(a, b))
-    }
-    let units = chunk.len() / 16;
-    let kp = key.as_ptr();
-    let cp = chunk.as_ptr();
-    let mut acc = [_mm512_setzero_si512(); 4];
-    let mut j = 0;
-    while units - j >= 4 {
-        for (r, a) in acc.iter_mut().enumerate() {
-            // SAFETY: unit j + r < units lies inside `chunk`; key words 4(j + r) .. 4(j + r) + 16
-            // lie inside the 268-word key because j + r < 64.
-            *a = step(*a, _mm_loadu_si128(cp.add(16 * (j + r)).cast()), kp.add(4 * (j + r)));
+
+    use super::{NH_CHUNK, NH_KEY_WORDS};
+    use crate::arch::x86::simd::{AesVec, Xmm, Ymm, Zmm};
+    use crate::arch::x86::{kernel_aesni, kernel_vaes256, kernel_vaes512};
+
+    kernel_aesni! {
+        pub(super) unsafe fn nh_aesni(key: &[u32; NH_KEY_WORDS], chunk: &[u8]) -> [u8; 32] {
+            // SAFETY: compiled for Xmm's level.
+            unsafe { nh::<Xmm>(key, chunk) }
         }
-        j += 4;
     }
-    while j < units {
-        // SAFETY: as above.
-        acc[0] = step(acc[0], _mm_loadu_si128(cp.add(16 * j).cast()), kp.add(4 * j));
-        j += 1;
+
+    kernel_vaes256! {
+        pub(super) unsafe fn nh_vaes256(key: &[u32; NH_KEY_WORDS], chunk: &[u8]) -> [u8; 32] {
+            // SAFETY: compiled for Ymm's level.
+            unsafe { nh::<Ymm>(key, chunk) }
+        }
     }
-    let rest = &chunk[16 * units..];
-    if !rest.is_empty() {
-        let mut last = [0u8; 16];
-        last[..rest.len()].copy_from_slice(rest);
-        // SAFETY: as above (units < 64 when a partial unit follows).
-        acc[0] = step(acc[0], _mm_loadu_si128(last.as_ptr().cast()), kp.add(4 * units));
+
+    kernel_vaes512! {
+        pub(super) unsafe fn nh_vaes512(key: &[u32; NH_KEY_WORDS], chunk: &[u8]) -> [u8; 32] {
+            // SAFETY: compiled for Zmm's level.
+            unsafe { nh::<Zmm>(key, chunk) }
+        }
     }
-    let total = _mm512_add_epi64(_mm512_add_epi64(acc[0], acc[1]), _mm512_add_epi64(acc[2], acc[3]));
-    let mut q = [0u64; 8];
-    _mm512_storeu_si512(q.as_mut_ptr().cast(), total);
-    let mut out = [0u8; 32];
-    for (p, o) in out.chunks_exact_mut(8).enumerate() {
-        o.copy_from_slice(&q[2 * p].to_le_bytes());
+
+    /// acc[g] += the NH terms of message block `m` with the key words at `k`: register g, lane l
+    /// is pass LANES g + l, whose key words start 4 LANES g + 4 l words after `k`.
+    #[inline(always)]
+    unsafe fn step<V: AesVec>(acc: &mut [V; 4], m: __m128i, k: *const u8) {
+        // SAFETY: the caller keeps k + 64 bytes inside the key; inlined into a function of V's
+        // level.
+        unsafe {
+            let mv = V::splat(m);
+            for (g, a) in acc.iter_mut().enumerate().take(4 / V::LANES) {
+                let t = mv.add32(V::load(k.add(16 * V::LANES * g)));
+                let u = t.swap_qwords(); // (m2 + k2, m3 + k3, m0 + k0, m1 + k1) per lane
+                let lo = t.mul_u32(u); // (m0 + k0)(m2 + k2) in the low qword
+                let hi = t.qword_shr(32).mul_u32(u.qword_shr(32)); // (m1 + k1)(m3 + k3)
+                *a = a.add64(lo.add64(hi));
+            }
+        }
     }
-    out
+
+    #[inline(always)]
+    unsafe fn nh<V: AesVec>(key: &[u32; NH_KEY_WORDS], chunk: &[u8]) -> [u8; 32] {
+        debug_assert!(chunk.len() <= NH_CHUNK);
+        let units = chunk.len() / 16;
+        let kp = key.as_ptr().cast::<u8>();
+        let cp = chunk.as_ptr();
+        // SAFETY: unit j < units lies inside `chunk`; its key words 4j .. 4j + 16 lie inside the
+        // 268-word key because j < 64 (also for the padded partial unit, as units < 64 then);
+        // the stores write LANES <= 4 blocks into 4-block arrays; inlined into a function of
+        // V's level.
+        unsafe {
+            // Two sets of sums, alternate units, so that the additions form two chains.
+            let mut acc = [[V::zero(); 4]; 2];
+            let mut j = 0;
+            while units - j >= 2 {
+                step(&mut acc[0], _mm_loadu_si128(cp.add(16 * j).cast()), kp.add(16 * j));
+                step(&mut acc[1], _mm_loadu_si128(cp.add(16 * j + 16).cast()), kp.add(16 * j + 16));
+                j += 2;
+            }
+            if j < units {
+                step(&mut acc[0], _mm_loadu_si128(cp.add(16 * j).cast()), kp.add(16 * j));
+            }
+            let rest = &chunk[16 * units..];
+            if !rest.is_empty() {
+                let mut last = [0u8; 16];
+                last[..rest.len()].copy_from_slice(rest);
+                step(&mut acc[1], _mm_loadu_si128(last.as_ptr().cast()), kp.add(16 * units));
+            }
+            let mut out = [0u8; 32];
+            for g in 0..4 / V::LANES {
+                let mut q = [0u64; 8];
+                acc[0][g].add64(acc[1][g]).store(q.as_mut_ptr().cast());
+                for l in 0..V::LANES {
+                    let pass = V::LANES * g + l;
+                    out[8 * pass..8 * pass + 8].copy_from_slice(&q[2 * l].to_le_bytes());
+                }
+            }
+            out
+        }
+    }
 }
 
 fn nh_portable(key: &[u32; NH_KEY_WORDS], chunk: &[u8]) -> [u8; 32] {

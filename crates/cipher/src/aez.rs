@@ -104,7 +104,7 @@ fn rounds(r: Round, blocks: &mut [B], keys: &[B]) {
     }
 }
 
-/// AES-NI rounds. The function needs AES-NI and SSE2, which `Round::detect` checks before
+/// AES-NI rounds. The function needs level `aesni`, which the constructor checks before
 /// `Round::AesNi` is ever chosen; it is `unsafe` only for that reason.
 #[cfg(target_arch = "x86_64")]
 mod aesni {
@@ -112,8 +112,8 @@ mod aesni {
 
     use super::B;
 
+    crate::arch::x86::kernel_aesni! {
     /// `keys.len()` AESENC rounds over every block, eight blocks interleaved.
-    #[target_feature(enable = "aes,sse2")]
     pub(super) unsafe fn rounds(blocks: &mut [B], keys: &[B]) {
         let mut ks = [_mm_setzero_si128(); 10];
         for (k, src) in ks.iter_mut().zip(keys) {
@@ -143,217 +143,211 @@ mod aesni {
             _mm_storeu_si128(b.as_mut_ptr().cast(), v);
         }
     }
+    }
 }
 
-/// AEZ-core's passes with VAES, sixteen pairs (512 bytes) per iteration (the last iteration
-/// may have 4, 8 or 12). The functions need AVX-512F/BW, VAES and AES-NI, which `Aez::new` checks
-/// before setting `vaes`; they are `unsafe` for that reason and for the pointer arithmetic, which
-/// stays inside the `pairs` slice (noted where it happens). The pairs are stored
-/// interleaved (M_1 M'_1 M_2 M'_2 ...); two permutes per four pairs separate the halves and two
-/// put them back. Offsets: pairs 16q+1..16q+16 share 2^ceil(i/8) I per half of eight, and the L
-/// multiples repeat as 1..4 and 5, 6, 7, 0.
+/// AEZ-core's two passes over whole registers of pairs, written once over the vector trait
+/// (`arch::x86::simd`) and compiled at `aesni` (one pair per register), `vaes256` (two) and
+/// `vaes512` (four); `Aez::with_level` keeps the level in `simd` only when the CPU has it. The
+/// pairs are stored interleaved (M_1 M'_1 M_2 M'_2 ...): two registers hold LANES pairs, which
+/// `deinterleave` separates into halves and `interleave` puts back. R registers go through the
+/// rounds together (eight at the narrower levels, where a register holds fewer pairs). A
+/// register's pairs share 2^ceil(i/8) I, and the L multiples (i mod 8) L repeat every
+/// 8 / LANES registers.
 #[cfg(target_arch = "x86_64")]
-mod vaes_core {
+mod simd_core {
     use core::arch::x86_64::*;
 
     use super::{Aez, B};
+    use crate::arch::x86::simd::{AesVec, Xmm, Ymm, Zmm};
+    use crate::arch::x86::{kernel_aesni, kernel_vaes256, kernel_vaes512};
 
-    struct Ctx {
-        rk: [__m512i; 4],
-        /// L multiples of the four lanes, for registers 0 and 2 (i mod 8 = 1..4) and 1 and 3
-        /// (5, 6, 7, 0).
-        lv: [__m512i; 2],
-        j1: __m512i,
-        j2: __m512i,
-        off00: __m512i,
-    }
+    kernel_aesni! {
+        pub(super) unsafe fn pass1_aesni(a: &Aez, pairs: &mut [u8], first: usize) -> B {
+            // SAFETY: compiled for Xmm's level.
+            unsafe { pass::<Xmm, 8, false>(a, pairs, first, [0; 16]) }
+        }
 
-    #[inline(always)]
-    unsafe fn bcast(b: &B) -> __m512i {
-        _mm512_broadcast_i32x4(_mm_loadu_si128(b.as_ptr().cast()))
-    }
-
-    #[inline(always)]
-    unsafe fn lanes(a: &B, b: &B, c: &B, d: &B) -> __m512i {
-        let mut buf = [0u8; 64];
-        buf[..16].copy_from_slice(a);
-        buf[16..32].copy_from_slice(b);
-        buf[32..48].copy_from_slice(c);
-        buf[48..].copy_from_slice(d);
-        _mm512_loadu_si512(buf.as_ptr().cast())
-    }
-
-    #[inline(always)]
-    unsafe fn ctx(a: &Aez) -> Ctx {
-        let k = &a.k;
-        let lm = &k.lmul;
-        let j2 = super::dbl(k.j);
-        Ctx {
-            rk: [bcast(&k.j), bcast(&k.i), bcast(&k.l), _mm512_setzero_si512()],
-            lv: [lanes(&lm[1], &lm[2], &lm[3], &lm[4]), lanes(&lm[5], &lm[6], &lm[7], &lm[0])],
-            j1: bcast(&k.j),
-            j2: bcast(&j2),
-            off00: bcast(&k.ipow[0]),
+        pub(super) unsafe fn pass2_aesni(a: &Aez, pairs: &mut [u8], first: usize, s: B) -> B {
+            // SAFETY: compiled for Xmm's level.
+            unsafe { pass::<Xmm, 8, true>(a, pairs, first, s) }
         }
     }
 
-    /// AES4 on N registers (unused trailing registers just compute garbage).
+    kernel_vaes256! {
+        pub(super) unsafe fn pass1_vaes256(a: &Aez, pairs: &mut [u8], first: usize) -> B {
+            // SAFETY: compiled for Ymm's level.
+            unsafe { pass::<Ymm, 8, false>(a, pairs, first, [0; 16]) }
+        }
+
+        pub(super) unsafe fn pass2_vaes256(a: &Aez, pairs: &mut [u8], first: usize, s: B) -> B {
+            // SAFETY: compiled for Ymm's level.
+            unsafe { pass::<Ymm, 8, true>(a, pairs, first, s) }
+        }
+    }
+
+    kernel_vaes512! {
+        pub(super) unsafe fn pass1_vaes512(a: &Aez, pairs: &mut [u8], first: usize) -> B {
+            // SAFETY: compiled for Zmm's level.
+            unsafe { pass::<Zmm, 4, false>(a, pairs, first, [0; 16]) }
+        }
+
+        pub(super) unsafe fn pass2_vaes512(a: &Aez, pairs: &mut [u8], first: usize, s: B) -> B {
+            // SAFETY: compiled for Zmm's level.
+            unsafe { pass::<Zmm, 4, true>(a, pairs, first, s) }
+        }
+    }
+
+    /// Keys and offsets in registers.
+    struct Ctx<V> {
+        /// AES4's round keys J, I, L, 0.
+        rk: [V; 4],
+        /// lv[k]: the L multiples of the lanes of a register whose first pair is 8m + LANES k + 1.
+        lv: [V; 8],
+        j1: V,
+        j2: V,
+        off00: V,
+        /// S in every lane (pass 2).
+        s: V,
+    }
+
     #[inline(always)]
-    unsafe fn aes4<const N: usize>(c: &Ctx, x: &mut [__m512i; N]) {
-        for k in &c.rk {
-            for v in x.iter_mut() {
-                *v = _mm512_aesenc_epi128(*v, *k);
+    unsafe fn bcast<V: AesVec>(b: &B) -> V {
+        // SAFETY: inlined into a function of V's level; `b` is 16 bytes.
+        unsafe { V::splat(_mm_loadu_si128(b.as_ptr().cast())) }
+    }
+
+    /// AES4 on N registers, round by round. On ymm registers each register is pinned after each
+    /// round ([`AesVec::pin`]): the compiler otherwise runs each register's four rounds back to
+    /// back, one dependent chain after another, which there runs measurably slower (on xmm and
+    /// zmm registers its order ran as fast or faster).
+    #[inline(always)]
+    unsafe fn aes4<V: AesVec, const N: usize>(c: &Ctx<V>, x: &mut [V; N]) {
+        // SAFETY: inlined into a function of V's level.
+        unsafe {
+            for k in &c.rk {
+                for v in x.iter_mut() {
+                    let y = v.aesenc(*k);
+                    *v = if V::LANES == 2 { y.pin() } else { y };
+                }
             }
         }
     }
 
-    /// The I multiple of pairs 8e-7..8e.
+    /// The offset parts shared by E^{1,i} and E^{2,i} of N registers whose first pair has
+    /// 0-based index b: 2^ceil(i/8) I ^ (i mod 8) L for each register's pairs i (one 8-pair
+    /// block per register, as LANES divides 8 and b). The I multiples are looked up once per
+    /// 8-pair block, not per register.
     #[inline(always)]
-    unsafe fn imult(a: &Aez, e: usize) -> __m512i {
-        bcast(&a.i_mult(8 * e as u64))
+    unsafe fn offsets<V: AesVec, const N: usize>(a: &Aez, c: &Ctx<V>, b: usize) -> [V; N] {
+        // SAFETY: inlined into a function of V's level.
+        unsafe {
+            let mut ims = [V::zero(); 3]; // N LANES <= 16 pairs span at most 3 blocks
+            for (k, im) in ims.iter_mut().enumerate().take((b % 8 + N * V::LANES).div_ceil(8)) {
+                *im = bcast::<V>(&a.i_mult(8 * (b / 8 + 1 + k) as u64));
+            }
+            let mut off = [V::zero(); N];
+            for (r, o) in off.iter_mut().enumerate() {
+                let br = b + V::LANES * r;
+                *o = ims[br / 8 - b / 8].xor(c.lv[(br % 8) / V::LANES]);
+            }
+            off
+        }
     }
 
-    /// Splits four registers of interleaved pairs into (first halves, second halves) x 4 pairs
-    /// each... for two registers: lo = [M1 M'1 M2 M'2], hi = [M3 M'3 M4 M'4].
+    /// Pass 1 (`SECOND` false): W_i = M_i ^ E^{1,i}(M'_i); X_i = M'_i ^ E^{0,0}(W_i); returns the
+    /// XOR of the X_i. Pass 2: S' = E^{2,i}(S); Y = W ^ S'; Z = X ^ S'; C' = Y ^ E^{0,0}(Z);
+    /// C = Z ^ E^{1,i}(C'); returns the XOR of the Y_i. `pairs` holds a multiple of LANES
+    /// pairs, the first of which is pair `first + 1`; `first` is a multiple of LANES.
     #[inline(always)]
-    unsafe fn split(lo: __m512i, hi: __m512i) -> (__m512i, __m512i) {
-        let even = _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0);
-        let odd = _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2);
-        (_mm512_permutex2var_epi64(lo, even, hi), _mm512_permutex2var_epi64(lo, odd, hi))
-    }
-
-    /// Inverse of `split`.
-    #[inline(always)]
-    unsafe fn join(a: __m512i, b: __m512i) -> (__m512i, __m512i) {
-        let lo = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
-        let hi = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-        (_mm512_permutex2var_epi64(a, lo, b), _mm512_permutex2var_epi64(a, hi, b))
-    }
-
-    #[inline(always)]
-    unsafe fn fold(v: __m512i) -> B {
-        let a = _mm256_xor_si256(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
-        let b = _mm_xor_si128(_mm256_castsi256_si128(a), _mm256_extracti128_si256::<1>(a));
-        let mut out = [0u8; 16];
-        _mm_storeu_si128(out.as_mut_ptr().cast(), b);
-        out
-    }
-
-    /// W_i = M_i ^ E^{1,i}(M'_i); X_i = M'_i ^ E^{0,0}(W_i) over whole groups of 4 pairs
-    /// starting at pair 1; returns the XOR of the X_i.
-    #[target_feature(enable = "avx512f,avx512bw,vaes,aes,sse2,avx2")]
-    pub(super) unsafe fn pass1(a: &Aez, pairs: &mut [u8]) -> B {
-        let c = ctx(a);
-        let mut sum = _mm512_setzero_si512();
+    unsafe fn pass<V: AesVec, const R: usize, const SECOND: bool>(a: &Aez, pairs: &mut [u8], first: usize, s: B) -> B {
+        let span = 32 * V::LANES; // bytes per register of pairs
+        let regs = pairs.len() / span;
         let p = pairs.as_mut_ptr();
-        let groups = pairs.len() / 512;
-        for g in 0..groups {
-            // SAFETY: 512 (g + 1) <= pairs.len().
-            group1::<4>(a, &c, p.add(512 * g), g, &mut sum);
+        let k = &a.k;
+        // SAFETY: every register of pairs processed lies inside `pairs` (registers < `regs`);
+        // each `lv` load reads LANES <= 4 blocks of a 4-block array; inlined into a function of
+        // V's level.
+        unsafe {
+            let mut lv = [V::zero(); 8];
+            for (r, v) in lv.iter_mut().enumerate().take(8 / V::LANES) {
+                let lanes: [B; 4] = core::array::from_fn(|l| k.lmul[(V::LANES * r + l + 1) % 8]);
+                *v = V::load(lanes.as_ptr().cast());
+            }
+            let c = Ctx { rk: [bcast(&k.j), bcast(&k.i), bcast(&k.l), V::zero()], lv, j1: bcast(&k.j), j2: bcast(&k.j2), off00: bcast(&k.ipow[0]), s: bcast(&s) };
+            let mut sum = V::zero();
+            let mut r = 0;
+            while regs - r >= R {
+                regs_at::<V, R, SECOND>(a, &c, p.add(span * r), first + V::LANES * r, &mut sum);
+                r += R;
+            }
+            // The rest in runs of 4, 2 and 1 registers.
+            while r < regs {
+                let left = regs - r;
+                let n = if left >= 4 { 4 } else if left >= 2 { 2 } else { 1 };
+                match n {
+                    4 => regs_at::<V, 4, SECOND>(a, &c, p.add(span * r), first + V::LANES * r, &mut sum),
+                    2 => regs_at::<V, 2, SECOND>(a, &c, p.add(span * r), first + V::LANES * r, &mut sum),
+                    _ => regs_at::<V, 1, SECOND>(a, &c, p.add(span * r), first + V::LANES * r, &mut sum),
+                }
+                r += n;
+            }
+            let mut out = [0u8; 16];
+            _mm_storeu_si128(out.as_mut_ptr().cast(), sum.xor_lanes());
+            out
         }
-        // SAFETY: the last (len % 512) / 128 registers lie inside `pairs`.
-        let q = p.add(512 * groups);
-        match (pairs.len() % 512) / 128 {
-            1 => group1::<1>(a, &c, q, groups, &mut sum),
-            2 => group1::<2>(a, &c, q, groups, &mut sum),
-            3 => group1::<3>(a, &c, q, groups, &mut sum),
-            _ => {}
-        }
-        fold(sum)
     }
 
-    /// One group of R registers (4R pairs) of pass 1 at `q`, group number g.
+    /// One pass over N registers of pairs at `q`, whose first pair has 0-based index `b`.
     #[inline(always)]
-    unsafe fn group1<const R: usize>(a: &Aez, c: &Ctx, q: *mut u8, g: usize, sum: &mut __m512i) {
-        let (i_a, i_b) = (imult(a, 2 * g + 1), imult(a, 2 * g + 2));
-        let mut m = [_mm512_setzero_si512(); R];
-        let mut mp = [_mm512_setzero_si512(); R];
-        for r in 0..R {
-            let lo = _mm512_loadu_si512(q.add(128 * r).cast());
-            let hi = _mm512_loadu_si512(q.add(128 * r + 64).cast());
-            (m[r], mp[r]) = split(lo, hi);
-        }
-        let mut t = [_mm512_setzero_si512(); R];
-        for r in 0..R {
-            let iv = if r < 2 { i_a } else { i_b };
-            t[r] = _mm512_ternarylogic_epi64::<0x96>(mp[r], c.j1, _mm512_xor_si512(iv, c.lv[r % 2]));
-        }
-        aes4(c, &mut t);
-        let mut w = [_mm512_setzero_si512(); R];
-        for r in 0..R {
-            w[r] = _mm512_xor_si512(m[r], t[r]);
-            t[r] = _mm512_xor_si512(w[r], c.off00);
-        }
-        aes4(c, &mut t);
-        for r in 0..R {
-            let xr = _mm512_xor_si512(mp[r], t[r]);
-            *sum = _mm512_xor_si512(*sum, xr);
-            let (lo, hi) = join(w[r], xr);
-            _mm512_storeu_si512(q.add(128 * r).cast(), lo);
-            _mm512_storeu_si512(q.add(128 * r + 64).cast(), hi);
-        }
-    }
-
-    /// S' = E^{2,i}(S); Y = W ^ S'; Z = X ^ S'; C' = Y ^ E^{0,0}(Z); C = Z ^ E^{1,i}(C');
-    /// returns the XOR of the Y_i.
-    #[target_feature(enable = "avx512f,avx512bw,vaes,aes,sse2,avx2")]
-    pub(super) unsafe fn pass2(a: &Aez, pairs: &mut [u8], s: B) -> B {
-        let c = ctx(a);
-        let sv = bcast(&s);
-        let mut sum = _mm512_setzero_si512();
-        let p = pairs.as_mut_ptr();
-        let groups = pairs.len() / 512;
-        for g in 0..groups {
-            // SAFETY: 512 (g + 1) <= pairs.len().
-            group2::<4>(a, &c, sv, p.add(512 * g), g, &mut sum);
-        }
-        // SAFETY: the last (len % 512) / 128 registers lie inside `pairs`.
-        let q = p.add(512 * groups);
-        match (pairs.len() % 512) / 128 {
-            1 => group2::<1>(a, &c, sv, q, groups, &mut sum),
-            2 => group2::<2>(a, &c, sv, q, groups, &mut sum),
-            3 => group2::<3>(a, &c, sv, q, groups, &mut sum),
-            _ => {}
-        }
-        fold(sum)
-    }
-
-    #[inline(always)]
-    unsafe fn group2<const R: usize>(a: &Aez, c: &Ctx, sv: __m512i, q: *mut u8, g: usize, sum: &mut __m512i) {
-        let (i_a, i_b) = (imult(a, 2 * g + 1), imult(a, 2 * g + 2));
-        let mut w = [_mm512_setzero_si512(); R];
-        let mut xx = [_mm512_setzero_si512(); R];
-        let mut off = [_mm512_setzero_si512(); R];
-        let mut t = [_mm512_setzero_si512(); R];
-        for r in 0..R {
-            let lo = _mm512_loadu_si512(q.add(128 * r).cast());
-            let hi = _mm512_loadu_si512(q.add(128 * r + 64).cast());
-            (w[r], xx[r]) = split(lo, hi);
-            let iv = if r < 2 { i_a } else { i_b };
-            off[r] = _mm512_xor_si512(iv, c.lv[r % 2]);
-            t[r] = _mm512_ternarylogic_epi64::<0x96>(sv, c.j2, off[r]);
-        }
-        aes4(c, &mut t); // S'
-        let mut z = [_mm512_setzero_si512(); R];
-        let mut y = [_mm512_setzero_si512(); R];
-        for r in 0..R {
-            y[r] = _mm512_xor_si512(w[r], t[r]);
-            z[r] = _mm512_xor_si512(xx[r], t[r]);
-            *sum = _mm512_xor_si512(*sum, y[r]);
-            t[r] = _mm512_xor_si512(z[r], c.off00);
-        }
-        aes4(c, &mut t);
-        let mut cp = [_mm512_setzero_si512(); R];
-        for r in 0..R {
-            cp[r] = _mm512_xor_si512(y[r], t[r]);
-            t[r] = _mm512_ternarylogic_epi64::<0x96>(cp[r], c.j1, off[r]);
-        }
-        aes4(c, &mut t);
-        for r in 0..R {
-            let ci = _mm512_xor_si512(z[r], t[r]);
-            let (lo, hi) = join(ci, cp[r]);
-            _mm512_storeu_si512(q.add(128 * r).cast(), lo);
-            _mm512_storeu_si512(q.add(128 * r + 64).cast(), hi);
+    unsafe fn regs_at<V: AesVec, const N: usize, const SECOND: bool>(a: &Aez, c: &Ctx<V>, q: *mut u8, b: usize, sum: &mut V) {
+        let span = 32 * V::LANES;
+        // SAFETY: the caller passes N registers of pairs at `q`; inlined into a function of V's
+        // level.
+        unsafe {
+            let mut h0 = [V::zero(); N]; // M (pass 1), W (pass 2)
+            let mut h1 = [V::zero(); N]; // M' (pass 1), X (pass 2)
+            let off = offsets::<V, N>(a, c, b);
+            let mut t = [V::zero(); N];
+            for r in 0..N {
+                (h0[r], h1[r]) = V::load_halves(q.add(span * r));
+                t[r] = if SECOND { V::xor3(c.s, c.j2, off[r]) } else { V::xor3(h1[r], c.j1, off[r]) };
+            }
+            aes4(c, &mut t);
+            if !SECOND {
+                let mut w = [V::zero(); N];
+                for r in 0..N {
+                    w[r] = h0[r].xor(t[r]);
+                    t[r] = w[r].xor(c.off00);
+                }
+                aes4(c, &mut t);
+                for r in 0..N {
+                    let xr = h1[r].xor(t[r]);
+                    *sum = sum.xor(xr);
+                    V::store_halves(w[r], xr, q.add(span * r));
+                }
+            } else {
+                // t = S'.
+                let mut z = [V::zero(); N];
+                let mut y = [V::zero(); N];
+                for r in 0..N {
+                    y[r] = h0[r].xor(t[r]);
+                    z[r] = h1[r].xor(t[r]);
+                    *sum = sum.xor(y[r]);
+                    t[r] = z[r].xor(c.off00);
+                }
+                aes4(c, &mut t);
+                let mut cp = [V::zero(); N];
+                for r in 0..N {
+                    cp[r] = y[r].xor(t[r]);
+                    t[r] = V::xor3(cp[r], c.j1, off[r]);
+                }
+                aes4(c, &mut t);
+                for r in 0..N {
+                    let ci = z[r].xor(t[r]);
+                    V::store_halves(ci, cp[r], q.add(span * r));
+                }
+            }
         }
     }
 }
@@ -387,8 +381,8 @@ struct Keys {
 pub struct Aez {
     k: Keys,
     round: Round,
-    /// AEZ-core's two passes sixteen pairs at a time with VAES (AVX-512).
-    vaes: bool,
+    /// The level of AEZ-core's pass kernels (`simd_core`), or `Portable` for none.
+    simd: CpuLevel,
     key_len: usize,
 }
 
@@ -399,8 +393,8 @@ impl Aez {
     }
 
     /// With the kernels of `level` (an error if the CPU lacks it): `portable` uses the `aes`
-    /// crate's round function, `aesni` AES-NI one block at a time, `vaes512` AEZ-core's passes
-    /// sixteen pairs at a time.
+    /// crate's round function; from `aesni` up AEZ-core's passes run in the level's registers
+    /// (one, two or four pairs each), the rest with AES-NI one block at a time.
     pub fn with_level(key: &[u8], level: CpuLevel) -> Result<Self, CipherError> {
         level.available()?;
         let mut kk = extract(key);
@@ -427,10 +421,41 @@ impl Aez {
             aes10: [i, j, l, i, j, l, i, j, l, i],
         };
         let round = Round::at(level);
-        let vaes = cfg!(target_arch = "x86_64") && level >= CpuLevel::Vaes512;
-        let mut a = Self { k, round, vaes, key_len: key.len() };
+        let x86 = cfg!(target_arch = "x86_64") && matches!(level, CpuLevel::Aesni | CpuLevel::Vaes256 | CpuLevel::Vaes512);
+        let mut a = Self { k, round, simd: if x86 { level } else { CpuLevel::Portable }, key_len: key.len() };
         a.k.delta0 = a.e(3, 1, [0; 16]);
         Ok(a)
+    }
+
+    /// AEZ-core's pass 1 (`s` = None) or pass 2 (with S) over all pairs with the kernels of
+    /// `simd` (from level `aesni`): the leading whole registers at the level's width, the last
+    /// pairs (fewer than a register) at `aesni`'s. Returns the XOR of the X_i or the Y_i.
+    #[cfg(target_arch = "x86_64")]
+    fn simd_pass(&self, pairs: &mut [u8], s: Option<B>) -> B {
+        let m = pairs.len() / 32;
+        let wide = match self.simd {
+            CpuLevel::Vaes512 => m / 4 * 4,
+            CpuLevel::Vaes256 => m / 2 * 2,
+            _ => 0,
+        };
+        let (head, rest) = pairs.split_at_mut(32 * wide);
+        // SAFETY (each call): `simd` is an x86 level only when the constructor checked that this
+        // CPU has it (a level includes `aesni`); each kernel is compiled for its level.
+        unsafe {
+            let sum = match (self.simd, s) {
+                (_, _) if wide == 0 => [0; 16],
+                (CpuLevel::Vaes512, None) => simd_core::pass1_vaes512(self, head, 0),
+                (CpuLevel::Vaes512, Some(s)) => simd_core::pass2_vaes512(self, head, 0, s),
+                (_, None) => simd_core::pass1_vaes256(self, head, 0),
+                (_, Some(s)) => simd_core::pass2_vaes256(self, head, 0, s),
+            };
+            let tail = match s {
+                _ if rest.is_empty() => [0; 16],
+                None => simd_core::pass1_aesni(self, rest, wide),
+                Some(s) => simd_core::pass2_aesni(self, rest, wide, s),
+            };
+            x(sum, tail)
+        }
     }
 
     /// 2^ceil(i/8) * I.
@@ -539,21 +564,20 @@ impl Aez {
         let dd = u64::from(d);
 
         // Pass 1, eight pairs per batch: W_i = M_i ^ E^{1,i}(M'_i); X_i = M'_i ^ E^{0,0}(W_i).
-        // With VAES the leading multiple of 16 pairs goes through `vaes_core` instead.
+        // From level `aesni` the leading whole registers of pairs go through `simd_core`
+        // instead.
         let off00 = self.offset(0, 0);
         let mut sum_x = [0u8; 16];
         let mut buf = [[0u8; 16]; 8];
-        let vaes_pairs = if self.vaes { m / 4 * 4 } else { 0 };
+        let simd_pairs = if self.simd >= CpuLevel::Aesni { m } else { 0 };
         #[cfg(target_arch = "x86_64")]
-        if vaes_pairs > 0 {
-            // SAFETY: `vaes` is only set at level `vaes512`, which the constructor checked this
-            // CPU has.
-            sum_x = unsafe { vaes_core::pass1(self, &mut pairs[..32 * vaes_pairs]) };
+        if simd_pairs > 0 {
+            sum_x = self.simd_pass(pairs, None);
         }
-        for (c, chunk) in pairs[32 * vaes_pairs..].chunks_mut(256).enumerate() {
+        for (c, chunk) in pairs[32 * simd_pairs..].chunks_mut(256).enumerate() {
             let n = chunk.len() / 32;
             for (k, b) in buf[..n].iter_mut().enumerate() {
-                let i = (vaes_pairs + 8 * c + k + 1) as u64;
+                let i = (simd_pairs + 8 * c + k + 1) as u64;
                 *b = x(chunk[32 * k + 16..32 * k + 32].try_into().unwrap(), self.offset(1, i));
             }
             self.aes4(&mut buf[..n]);
@@ -587,14 +611,13 @@ impl Aez {
         let mut sum_y = [0u8; 16];
         let mut z = [[0u8; 16]; 8];
         #[cfg(target_arch = "x86_64")]
-        if vaes_pairs > 0 {
-            // SAFETY: as for pass 1.
-            sum_y = unsafe { vaes_core::pass2(self, &mut pairs[..32 * vaes_pairs], s) };
+        if simd_pairs > 0 {
+            sum_y = self.simd_pass(pairs, Some(s));
         }
-        for (c, chunk) in pairs[32 * vaes_pairs..].chunks_mut(256).enumerate() {
+        for (c, chunk) in pairs[32 * simd_pairs..].chunks_mut(256).enumerate() {
             let n = chunk.len() / 32;
             for (k, b) in buf[..n].iter_mut().enumerate() {
-                *b = x(s, self.offset(2, (vaes_pairs + 8 * c + k + 1) as u64));
+                *b = x(s, self.offset(2, (simd_pairs + 8 * c + k + 1) as u64));
             }
             self.aes4(&mut buf[..n]);
             for k in 0..n {
@@ -609,7 +632,7 @@ impl Aez {
             for k in 0..n {
                 let cp = x(chunk[32 * k..32 * k + 16].try_into().unwrap(), buf[k]); // C'_i
                 chunk[32 * k + 16..32 * k + 32].copy_from_slice(&cp);
-                buf[k] = x(cp, self.offset(1, (vaes_pairs + 8 * c + k + 1) as u64));
+                buf[k] = x(cp, self.offset(1, (simd_pairs + 8 * c + k + 1) as u64));
             }
             self.aes4(&mut buf[..n]);
             for k in 0..n {
@@ -744,11 +767,14 @@ impl Aez {
         self.hash(&[&[0u8; 16], tweak])
     }
 
+    /// The level of AEZ-core's pass kernels (`aesni`, `vaes256`, `vaes512`), or the `aes`
+    /// crate's round function.
     pub fn implementation(&self) -> &'static str {
-        match self.round {
+        match (self.simd, self.round) {
+            (CpuLevel::Aesni | CpuLevel::Vaes256 | CpuLevel::Vaes512, _) => self.simd.name(),
             #[cfg(target_arch = "x86_64")]
-            Round::AesNi => "aes-ni",
-            Round::Soft => "aes-crate-hazmat",
+            (_, Round::AesNi) => "aes-ni",
+            _ => "aes-crate-hazmat",
         }
     }
 }

@@ -100,6 +100,12 @@ pub(crate) trait AesVec: Copy {
     /// other work between the rounds instead of gathering it into one stretch, which an
     /// out-of-order core could not overlap with the rounds.
     unsafe fn pin(self) -> Self;
+    /// The A halves and the B halves of the LANES pairs (A_i, B_i) stored block by block at
+    /// `p` (A_1 B_1 A_2 B_2 ...; 32 LANES bytes), each in pair order (`deinterleave` of two
+    /// loads).
+    unsafe fn load_halves(p: *const u8) -> (Self, Self);
+    /// Inverse of [`AesVec::load_halves`]: stores the pairs (a_i, b_i) block by block at `p`.
+    unsafe fn store_halves(a: Self, b: Self, p: *mut u8);
 }
 
 /// The XTS reduction constant 0x87 in the low qword of every lane.
@@ -348,6 +354,17 @@ impl AesVec for Xmm {
         unsafe { core::arch::asm!("/* {0} */", inout(xmm_reg) v, options(nostack, preserves_flags)) };
         Xmm(v)
     }
+    #[inline(always)]
+    unsafe fn load_halves(p: *const u8) -> (Self, Self) {
+        unsafe { (Self::load(p), Self::load(p.add(16))) }
+    }
+    #[inline(always)]
+    unsafe fn store_halves(a: Self, b: Self, p: *mut u8) {
+        unsafe {
+            a.store(p);
+            b.store(p.add(16));
+        }
+    }
 }
 
 impl AesVec for Ymm {
@@ -529,6 +546,18 @@ impl AesVec for Ymm {
     unsafe fn pin(self) -> Self {
         // SAFETY: the caller runs at Ymm's level, which `pin_ymm` is compiled for.
         Ymm(unsafe { pin_ymm(self.0) })
+    }
+    #[inline(always)]
+    unsafe fn load_halves(p: *const u8) -> (Self, Self) {
+        unsafe { Self::deinterleave(Self::load(p), Self::load(p.add(32))) }
+    }
+    #[inline(always)]
+    unsafe fn store_halves(a: Self, b: Self, p: *mut u8) {
+        unsafe {
+            let (lo, hi) = Self::interleave(a, b);
+            lo.store(p);
+            hi.store(p.add(32));
+        }
     }
 }
 
@@ -716,6 +745,18 @@ impl AesVec for Zmm {
     unsafe fn pin(self) -> Self {
         // SAFETY: the caller runs at Zmm's level, which `pin_zmm` is compiled for.
         Zmm(unsafe { pin_zmm(self.0) })
+    }
+    #[inline(always)]
+    unsafe fn load_halves(p: *const u8) -> (Self, Self) {
+        unsafe { Self::deinterleave(Self::load(p), Self::load(p.add(64))) }
+    }
+    #[inline(always)]
+    unsafe fn store_halves(a: Self, b: Self, p: *mut u8) {
+        unsafe {
+            let (lo, hi) = Self::interleave(a, b);
+            lo.store(p);
+            hi.store(p.add(64));
+        }
     }
 }
 

@@ -425,3 +425,91 @@ def test_luks1_cbc_essiv_is_refused(ws):
         pytest.skip(f"cryptsetup cannot make an aes-cbc-essiv volume here: {p.stderr.decode(errors='replace').strip()}")
     p = serve_fails(ws, "--backing", img, "--key-file", pw)
     assert p.returncode == 1 and b"cipher `aes-cbc-essiv:sha256` is not supported" in p.stderr, p.stderr
+
+
+# --- luks format / luks dump ---------------------------------------------------------------------
+
+FORMATS = [
+    ("luks2", "argon2id", 512, 512),
+    ("luks2", "argon2i", 4096, 256),
+    ("luks2", "pbkdf2", 4096, 512),
+    ("luks1", "pbkdf2", 512, 512),
+    ("luks1", "pbkdf2", 512, 256),
+]
+
+
+def cb_format(img: Path, pw: Path, luks_type: str, pbkdf: str, sector: int, bits: int, *extra):
+    force = "1000" if pbkdf == "pbkdf2" else "4"
+    args = ["luks", "format", "--type", luks_type, "--pbkdf", pbkdf, "--key-size", str(bits), "--pbkdf-force-iterations", force,
+            "--pbkdf-memory", "32768", "--key-file", pw, *extra, img]  # fmt: skip
+    if luks_type == "luks2":
+        args[2:2] = ["--sector-size", str(sector)]
+    return run([require_binary(), *args], timeout=120)
+
+
+@pytest.mark.parametrize("luks_type,pbkdf,sector,bits", FORMATS, ids=[f"{t}-{p}-s{s}-k{b}" for t, p, s, b in FORMATS])
+def test_luks_format_is_read_by_cryptsetup(ws, luks_type, pbkdf, sector, bits):
+    need("cryptsetup")
+    img = sparse(ws.tmp / "v.img", 24 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    p = cb_format(img, pw, luks_type, pbkdf, sector, bits)
+    assert p.returncode == 0, p.stderr
+    dump = cryptsetup("luksDump", img).stdout.decode()
+    assert re.search(rf"Version:\s+{luks_type[-1]}\b", dump), dump
+    if luks_type == "luks2":
+        assert f"PBKDF:      {pbkdf}" in dump and f"sector: {sector} [bytes]" in dump, dump
+    cryptsetup("open", "--test-passphrase", "--key-file", pw, img)
+    bad = write_file(ws.tmp / "bad", b"not it")
+    assert cryptsetup("open", "--test-passphrase", "--key-file", bad, img, check=False).returncode != 0
+    key = volume_key(img, pw)
+    offset, dumped_sector = data_layout(img)
+    assert dumped_sector == sector and len(key) == bits // 8
+    extents = write_and_check(ws, img, pw, key, offset, sector)
+    if luks_type == "luks1":
+        qemu_io_check(ws, img, pw, extents)
+    # cryptsetup manages keyslots of the header made here.
+    pw2 = write_file(ws.tmp / "pass2", b"added by cryptsetup")
+    cryptsetup("luksAddKey", "--batch-mode", "--key-file", pw, "--pbkdf-force-iterations", "1000", "--pbkdf", "pbkdf2", img, pw2)
+    b = serve_luks(ws, img, pw2, "--read-only")
+    with NBDClient(b.uri) as c:
+        c.connect()
+        off, data = next(iter(extents.items()))
+        assert c.read(off, len(data)) == data
+    assert b.stop() == 0
+    # luks dump --json agrees with cryptsetup.
+    j = json.loads(run([require_binary(), "luks", "dump", "--json", img], timeout=30, check=True).stdout)
+    assert j["version"] == int(luks_type[-1]) and j["refused"] is None
+    assert (j["data_segment"]["offset"], j["data_segment"]["sector_size"], j["data_segment"]["key_size"]) == (offset, sector, bits)
+    # An existing header is not overwritten without --batch-mode.
+    p = cb_format(img, pw, luks_type, pbkdf, sector, bits)
+    assert p.returncode == 1 and b"already holds a LUKS header" in p.stderr, p.stderr
+    cryptsetup("open", "--test-passphrase", "--key-file", pw, img)
+
+
+def test_luks_format_detached_header(ws):
+    need("cryptsetup")
+    data = sparse(ws.tmp / "data.img", 4 * MiB)
+    hdr = ws.tmp / "hdr.img"
+    pw = write_file(ws.tmp / "pass", PASS)
+    p = cb_format(data, pw, "luks2", "argon2id", 4096, 512, "--header", hdr)
+    assert p.returncode == 0, p.stderr
+    assert oct(hdr.stat().st_mode & 0o777) == "0o600"
+    cryptsetup("open", "--test-passphrase", "--key-file", pw, "--header", hdr, data)
+    key = volume_key(hdr, pw)
+    offset, sector = data_layout(hdr)
+    assert (offset, sector) == (0, 4096)
+    write_and_check(ws, data, pw, key, offset, sector, "--header", hdr)
+    # Without --header the data file holds no header: refused clearly.
+    p = serve_fails(ws, "--backing", data, "--key-file", pw)
+    assert p.returncode == 1 and b"no LUKS header" in p.stderr, p.stderr
+
+
+def test_luks_dump_text_and_refusal(ws, luks2_img):
+    img, _ = luks2_img
+    out = run([require_binary(), "luks", "dump", img], timeout=30, check=True).stdout.decode()
+    assert "Version:       2" in out and "Served as:     aes-xts-plain64 512-bit" in out, out
+    rewrite_luks2(img, lambda m: m["config"].update(requirements={"mandatory": ["cryptbridge-test-requirement"]}))
+    out = run([require_binary(), "luks", "dump", img], timeout=30, check=True).stdout.decode()
+    assert "Served as:     refused: LUKS2 requirement `cryptbridge-test-requirement`" in out, out
+    p = run([require_binary(), "luks", "dump", ws.tmp / "pass"], timeout=30)
+    assert p.returncode == 1 and b"no LUKS header" in p.stderr, p.stderr

@@ -4,6 +4,7 @@ mod cmd_bench;
 mod cmd_cipher;
 mod cmd_file;
 mod cmd_keygen;
+mod cmd_luks;
 mod cmd_serve;
 mod keyfile;
 mod names;
@@ -44,6 +45,9 @@ enum Command {
     Serve(cmd_serve::Args),
     /// Write a new random raw key file (mode 0600).
     Keygen(cmd_keygen::Args),
+    /// LUKS1/LUKS2 volumes: dump a header, format a volume (cryptsetup compatible).
+    #[command(subcommand)]
+    Luks(cmd_luks::Command),
     /// Vector interface: read `KEYHEX TWEAKHEX DATAHEX` jobs from stdin, write results to stdout.
     Cipher(cmd_cipher::Args),
     /// Benchmarks.
@@ -69,6 +73,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => cmd_serve::run(args),
         Command::Keygen(args) => cmd_keygen::run(args),
+        Command::Luks(cmd) => cmd_luks::run(cmd),
         Command::Cipher(args) => cmd_cipher::run(args),
         Command::Bench(cmd) => cmd_bench::run(cmd),
         Command::File(cmd) => cmd_file::run(cmd),

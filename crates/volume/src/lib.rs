@@ -13,6 +13,7 @@ pub mod base64;
 pub mod cipher_spec;
 pub mod device;
 mod error;
+pub mod format;
 pub mod hash;
 pub mod kdf;
 pub mod luks1;

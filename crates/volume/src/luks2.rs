@@ -381,14 +381,24 @@ impl Luks2Header {
         let secondary = match &primary {
             Ok(p) => read_copy(dev, p.binary.hdr_size, true),
             Err(_) => {
-                let mut last = Err("no secondary header at any known offset".to_string());
+                // The first copy found at a known offset, else the first damage seen at one (a
+                // missing magic or a device too short says only that nothing is there).
+                let mut found = Err("no secondary header at any known offset".to_string());
                 for off in SECONDARY_OFFSETS {
-                    last = read_copy(dev, off, true);
-                    if last.is_ok() {
-                        break;
+                    match read_copy(dev, off, true) {
+                        Ok(h) => {
+                            found = Ok(h);
+                            break;
+                        }
+                        Err(why) if why == "no LUKS2 magic" || why.starts_with("cannot read it") => {}
+                        Err(why) => {
+                            if found.as_ref().is_err_and(|w| w.starts_with("no secondary")) {
+                                found = Err(format!("at offset {off}: {why}"));
+                            }
+                        }
                     }
                 }
-                last
+                found
             }
         };
         let (mut chosen, warning) = match (primary, secondary) {
@@ -415,7 +425,7 @@ impl Luks2Header {
                 (s, Some(w))
             }
             (Err(p), Err(s)) => {
-                if p == "no LUKS2 magic" && s.contains("no LUKS2 magic") || s.starts_with("no secondary") {
+                if (p == "no LUKS2 magic" || p.starts_with("cannot read it")) && s.starts_with("no secondary") {
                     return Err(VolumeError::NotLuks(format!("no valid LUKS2 header (primary: {p}; secondary: {s})")));
                 }
                 return Err(VolumeError::Corrupt(format!("both LUKS2 header copies are damaged (primary: {p}; secondary: {s})")));
@@ -740,6 +750,14 @@ pub(crate) mod tests {
         img.bytes[0x4000 + 4096 + 10] ^= 1;
         let e = crate::Header::read(&img.bytes).unwrap_err().to_string();
         assert!(e.contains("primary") && e.contains("secondary"), "{e}");
+    }
+
+    #[test]
+    fn blank_and_short_devices_are_not_luks() {
+        for len in [0usize, 100, 4096, 1 << 20] {
+            let e = crate::Header::read(&vec![0u8; len]).unwrap_err();
+            assert!(matches!(e, VolumeError::NotLuks(_)), "{len}: {e}");
+        }
     }
 
     #[test]

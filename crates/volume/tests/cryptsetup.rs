@@ -58,3 +58,41 @@ fn cryptsetup_headers_open_with_the_same_key() {
         assert!(matches!(header.unlock(&file, b"a passphrase", None), Err(VolumeError::WrongPassphrase(_))), "{name}");
     }
 }
+
+#[test]
+fn volumes_formatted_here_open_in_cryptsetup() {
+    use cryptbridge_volume::format::{format, FormatParams};
+    use cryptbridge_volume::hash::Hash;
+    use cryptbridge_volume::kdf::{Argon2Variant, Kdf};
+    let Some(cs) = cryptsetup() else {
+        eprintln!("SKIPPED: cryptsetup not installed (scripts/install-deps.sh installs cryptsetup-bin)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let pass = dir.path().join("pass");
+    std::fs::write(&pass, b"formatted here").unwrap();
+    let argon = Kdf::Argon2 { variant: Argon2Variant::Argon2id, time: 4, memory_kib: 32768, parallel: 2 };
+    let pbkdf2 = Kdf::Pbkdf2 { hash: Hash::Sha512, iterations: 1000 };
+    for (version, kdf, sector, hash) in [(2u8, argon, 4096, Hash::Sha256), (2, pbkdf2.clone(), 512, Hash::Sha512), (1, pbkdf2, 512, Hash::Sha1)] {
+        let image = dir.path().join(format!("v{version}-{sector}.img"));
+        let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&image).unwrap();
+        file.set_len(20 << 20).unwrap();
+        let params = FormatParams {
+            version,
+            cipher: "aes-xts-plain64".into(),
+            key_bytes: 64,
+            sector_size: sector,
+            kdf,
+            hash,
+            digest_iterations: 1000,
+            label: String::new(),
+            data_offset: None,
+            detached: false,
+        };
+        format(&file, "v.img", 20 << 20, &params, b"formatted here").unwrap();
+        let test = Command::new(&cs).args(["open", "--test-passphrase", "--key-file"]).arg(&pass).arg(&image).output().unwrap();
+        assert!(test.status.success(), "LUKS{version}/{sector}: {}", String::from_utf8_lossy(&test.stderr));
+        let unlocked = Header::read(&file).unwrap().unlock(&file, b"formatted here", None).unwrap();
+        assert_eq!(dumped_key(&cs, &image, &pass), unlocked.volume_key.as_slice(), "LUKS{version}/{sector}");
+    }
+}

@@ -1,0 +1,487 @@
+//! Creating LUKS volumes (`luksFormat`): the layout cryptsetup 2.x writes, written in an order
+//! that leaves no half-valid header after a crash, under an exclusive lock.
+//!
+//! Write order, each step made durable (fdatasync) before the next:
+//! 1. the old headers are invalidated (LUKS2: both copies' binary headers, at every offset a
+//!    secondary may use; LUKS1: the header sector), so no stale header can pair with new keyslots;
+//! 2. the keyslot area (the split, encrypted volume key);
+//! 3. LUKS2: the secondary header copy;
+//! 4. the primary header.
+//!
+//! A crash before 4 leaves a device with no primary header: either nothing is recognised (redo
+//! the format) or, after 3, the secondary copy alone, which [`crate::Header::read`] uses with a
+//! warning. A crash after 4 leaves a complete volume.
+//!
+//! The header device is locked with `flock(LOCK_EX)` for the whole operation (cryptsetup locks
+//! image files the same way), so two formats, or a format and a cryptsetup metadata change, cannot
+//! interleave their writes.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::time::Instant;
+
+use rand::TryRngCore;
+use serde_json::json;
+use zeroize::Zeroizing;
+
+use crate::af;
+use crate::base64;
+use crate::cipher_spec::{crypto_api_name, encrypt_area, sector_cipher};
+use crate::device::ReadAt;
+use crate::error::{io_err, Result, VolumeError};
+use crate::hash::Hash;
+use crate::kdf::{Argon2Variant, Kdf};
+use crate::luks1::{self, Luks1Header, Luks1Keyslot, SlotState};
+use crate::luks2::{self, BinaryHeader};
+use cryptbridge_cipher::registry::KeyPolicy;
+
+/// LUKS2 as cryptsetup lays it out by default: 16 KiB per header copy, keyslots from 32 KiB, data
+/// at 16 MiB.
+pub const LUKS2_HDR_SIZE: u64 = 0x4000;
+pub const LUKS2_KEYSLOTS_OFFSET: u64 = 2 * LUKS2_HDR_SIZE;
+pub const LUKS2_DATA_OFFSET: u64 = 16 << 20;
+/// LUKS1: data at 2 MiB (4096 sectors), keyslots aligned to 4 KiB from sector 8.
+pub const LUKS1_DATA_OFFSET_SECTORS: u32 = 4096;
+/// The fewest PBKDF2 iterations cryptsetup accepts, and what a digest gets without a benchmark.
+pub const MIN_PBKDF2_ITERATIONS: u32 = 1000;
+/// The fewest Argon2 passes cryptsetup uses.
+pub const MIN_ARGON2_TIME: u32 = 4;
+/// cryptsetup's target for the volume key digest (LUKS_MKD_ITERATIONS_MS).
+const DIGEST_MS: u64 = 125;
+
+/// What `luks format` makes.
+#[derive(Debug, Clone)]
+pub struct FormatParams {
+    /// 1 or 2.
+    pub version: u8,
+    /// dm-crypt spec, e.g. `aes-xts-plain64`.
+    pub cipher: String,
+    pub key_bytes: usize,
+    /// LUKS2 only (LUKS1 is always 512).
+    pub sector_size: usize,
+    /// The keyslot's KDF, already benchmarked (see [`benchmark`]).
+    pub kdf: Kdf,
+    /// LUKS1's hashSpec, the AF hash and the digest hash.
+    pub hash: Hash,
+    /// Iterations of the volume key digest (PBKDF2 with `hash`).
+    pub digest_iterations: u32,
+    pub label: String,
+    /// Where the data starts in the data device: `None` for the default (LUKS2 16 MiB, LUKS1
+    /// 2 MiB with the header in front; 0 with a detached header).
+    pub data_offset: Option<u64>,
+    /// The header lives in its own file (`--header`).
+    pub detached: bool,
+}
+
+/// What was written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Formatted {
+    pub uuid: String,
+    pub data_offset: u64,
+    /// Bytes of header and keyslots at the start of the header device.
+    pub header_len: u64,
+}
+
+fn os_random(buf: &mut [u8]) -> Result<()> {
+    rand::rngs::OsRng
+        .try_fill_bytes(buf)
+        .map_err(|e| VolumeError::Invalid(format!("the system random generator failed: {e}")))
+}
+
+fn uuid_v4() -> Result<String> {
+    let mut b = [0u8; 16];
+    os_random(&mut b)?;
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let h = b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    Ok(format!("{}-{}-{}-{}-{}", &h[..8], &h[8..12], &h[12..16], &h[16..20], &h[20..]))
+}
+
+/// An exclusive `flock` on the header device for the life of the guard.
+pub struct DeviceLock<'a> {
+    file: &'a File,
+}
+
+impl<'a> DeviceLock<'a> {
+    /// Takes the lock without waiting: another holder (a running format, a cryptsetup metadata
+    /// change) makes this fail at once rather than interleave.
+    pub fn exclusive(file: &'a File, what: &str) -> Result<Self> {
+        // SAFETY: flock takes a descriptor that `file` keeps open for the call, and plain flags.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                return Err(VolumeError::Invalid(format!("{what} is locked by another process changing its header; try again when it is done")));
+            }
+            return Err(VolumeError::Io { what: format!("cannot lock {what}"), error: e });
+        }
+        Ok(DeviceLock { file })
+    }
+}
+
+impl Drop for DeviceLock<'_> {
+    fn drop(&mut self) {
+        // SAFETY: as above; unlocking a descriptor we locked.
+        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+fn write_synced(f: &File, data: &[u8], offset: u64, what: &str) -> Result<()> {
+    f.write_all_at(data, offset).map_err(io_err(format!("cannot write {what}")))?;
+    f.sync_data().map_err(io_err(format!("cannot flush {what}")))
+}
+
+/// Picks KDF parameters the way cryptsetup does: PBKDF2 iterations, or Argon2 passes at the given
+/// memory (lowered if even the minimum passes take longer), so that one derivation of `key_bytes`
+/// takes about `iter_time_ms`.
+pub fn benchmark(kind: &str, hash: Hash, iter_time_ms: u64, memory_kib: u32, parallel: u32, key_bytes: usize) -> Result<Kdf> {
+    let salt = [0x5au8; 32];
+    let time = |kdf: &Kdf| -> Result<u64> {
+        let t = Instant::now();
+        kdf.derive(b"benchmark passphrase", &salt, key_bytes)?;
+        Ok(t.elapsed().as_micros().max(1) as u64)
+    };
+    match kind {
+        "pbkdf2" => {
+            let probe = 20_000;
+            let us = time(&Kdf::Pbkdf2 { hash, iterations: probe })?;
+            let iterations = (u64::from(probe) * iter_time_ms * 1000 / us).clamp(u64::from(MIN_PBKDF2_ITERATIONS), u64::from(u32::MAX));
+            Ok(Kdf::Pbkdf2 { hash, iterations: iterations as u32 })
+        }
+        "argon2i" | "argon2id" => {
+            let variant = if kind == "argon2i" { Argon2Variant::Argon2i } else { Argon2Variant::Argon2id };
+            let mut memory_kib = memory_kib;
+            let us = time(&Kdf::Argon2 { variant, time: 1, memory_kib, parallel })?;
+            let budget = iter_time_ms * 1000;
+            if us * u64::from(MIN_ARGON2_TIME) > budget {
+                // Even the fewest passes are too slow: less memory, as cryptsetup does.
+                let scaled = u64::from(memory_kib) * budget / (us * u64::from(MIN_ARGON2_TIME));
+                memory_kib = (scaled as u32).max(32 * 1024).min(memory_kib);
+                return Ok(Kdf::Argon2 { variant, time: MIN_ARGON2_TIME, memory_kib, parallel });
+            }
+            let time = (budget / us).clamp(u64::from(MIN_ARGON2_TIME), u64::from(u32::MAX)) as u32;
+            Ok(Kdf::Argon2 { variant, time, memory_kib, parallel })
+        }
+        other => Err(VolumeError::Invalid(format!("--pbkdf {other}: use argon2id, argon2i or pbkdf2"))),
+    }
+}
+
+/// Iterations for the volume key digest: ~125 ms, at least 1000 (cryptsetup's rule).
+pub fn digest_iterations(hash: Hash, key_bytes: usize) -> u32 {
+    let probe = 20_000u32;
+    let t = Instant::now();
+    let mut out = [0u8; 64];
+    hash.pbkdf2(&vec![0u8; key_bytes], &[0u8; 32], probe, &mut out[..hash.output_len()]);
+    let us = t.elapsed().as_micros().max(1) as u64;
+    (u64::from(probe) * DIGEST_MS * 1000 / us).clamp(u64::from(MIN_PBKDF2_ITERATIONS), u64::from(u32::MAX)) as u32
+}
+
+fn check_params(p: &FormatParams) -> Result<()> {
+    crypto_api_name(&p.cipher)?;
+    let probe = vec![1u8; p.key_bytes];
+    let mut probe2 = probe.clone();
+    probe2[p.key_bytes / 2..].fill(2);
+    sector_cipher(&p.cipher, &probe2, KeyPolicy::Volume)
+        .map_err(|e| VolumeError::Invalid(format!("--cipher {} with --key-size {}: {e}", p.cipher, p.key_bytes * 8)))?;
+    match p.version {
+        1 => {
+            if !matches!(p.kdf, Kdf::Pbkdf2 { .. }) {
+                return Err(VolumeError::Invalid("LUKS1 keyslots use pbkdf2 only".into()));
+            }
+            if p.sector_size != 512 {
+                return Err(VolumeError::Invalid("LUKS1 has 512-byte sectors only".into()));
+            }
+            if !p.cipher.contains('-') || p.cipher.starts_with("capi:") {
+                return Err(VolumeError::Invalid(format!("LUKS1 stores a cipher as name-mode; `{}` cannot be", p.cipher)));
+            }
+        }
+        2 => {
+            if !matches!(p.sector_size, 512 | 1024 | 2048 | 4096) {
+                return Err(VolumeError::Invalid(format!("--sector-size {}: use 512, 1024, 2048 or 4096", p.sector_size)));
+            }
+        }
+        v => return Err(VolumeError::Invalid(format!("LUKS version {v}: use luks1 or luks2"))),
+    }
+    if let Some(off) = p.data_offset {
+        if !off.is_multiple_of(p.sector_size.max(512) as u64) {
+            return Err(VolumeError::Invalid(format!("data offset {off} is not a multiple of the sector size")));
+        }
+    }
+    Ok(())
+}
+
+/// Formats `dev` (the header device: the volume itself, or the detached header file) and returns
+/// where the data starts. `data_size` is the data device's size in bytes (for the same device,
+/// `dev`'s), checked to leave room for data. The volume key is made here from the OS generator.
+pub fn format(dev: &File, dev_name: &str, data_size: u64, p: &FormatParams, passphrase: &[u8]) -> Result<Formatted> {
+    check_params(p)?;
+    let _lock = DeviceLock::exclusive(dev, dev_name)?;
+    let mut key = Zeroizing::new(vec![0u8; p.key_bytes]);
+    loop {
+        os_random(&mut key)?;
+        // A key whose XTS halves are equal is refused by the cipher; astronomically unlikely.
+        if sector_cipher(&p.cipher, &key, KeyPolicy::Volume).is_ok() {
+            break;
+        }
+    }
+    let mut digest_salt = [0u8; 32];
+    os_random(&mut digest_salt)?;
+    let mut digest = Zeroizing::new(vec![0u8; if p.version == 1 { luks1::DIGEST_LEN } else { p.hash.output_len() }]);
+    p.hash.pbkdf2(&key, &digest_salt, p.digest_iterations, &mut digest);
+    let mut slot_salt = [0u8; 32];
+    os_random(&mut slot_salt)?;
+    let uuid = uuid_v4()?;
+    let stripes = luks1::STRIPES;
+    let material_len = af::split_len(p.key_bytes, stripes);
+    let mut split_error = None;
+    let mut material = af::split(&key, stripes, p.hash, &mut |b: &mut [u8]| {
+        if let Err(e) = os_random(b) {
+            split_error.get_or_insert(e);
+        }
+    })?;
+    if let Some(e) = split_error {
+        return Err(e);
+    }
+    if p.version == 1 {
+        format_luks1(dev, dev_name, data_size, p, passphrase, &digest, digest_salt, slot_salt, &mut material, uuid)
+    } else {
+        format_luks2(dev, dev_name, data_size, p, passphrase, &digest, digest_salt, slot_salt, &mut material, material_len, uuid)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn format_luks2(
+    dev: &File,
+    dev_name: &str,
+    data_size: u64,
+    p: &FormatParams,
+    passphrase: &[u8],
+    digest: &[u8],
+    digest_salt: [u8; 32],
+    slot_salt: [u8; 32],
+    material: &mut [u8],
+    material_len: usize,
+    uuid: String,
+) -> Result<Formatted> {
+    let data_offset = p.data_offset.unwrap_or(if p.detached { 0 } else { LUKS2_DATA_OFFSET });
+    let area_size = (material_len as u64).div_ceil(4096) * 4096;
+    // The keyslots area runs to the data (or, detached, to the default 16 MiB).
+    let keyslots_end = if p.detached || data_offset < LUKS2_DATA_OFFSET { LUKS2_DATA_OFFSET.max(LUKS2_KEYSLOTS_OFFSET + area_size) } else { data_offset };
+    if !p.detached && data_offset < LUKS2_KEYSLOTS_OFFSET + area_size {
+        return Err(VolumeError::Invalid(format!("data offset {data_offset} leaves no room for the header and keyslot")));
+    }
+    check_data_room(data_size, data_offset, p.sector_size, dev_name)?;
+    // The keyslot area is encrypted like the data where the data cipher is XTS (cryptsetup's
+    // choice); other data ciphers get cryptsetup's default keyslot cipher, aes-xts-plain64/512.
+    let (area_cipher, area_key) = if p.cipher == "aes-xts-plain64" { (p.cipher.clone(), p.key_bytes) } else { ("aes-xts-plain64".to_string(), 64) };
+    let kdf_json = match &p.kdf {
+        Kdf::Pbkdf2 { hash, iterations } => json!({"type": "pbkdf2", "hash": hash.name(), "iterations": iterations, "salt": base64::encode(&slot_salt)}),
+        Kdf::Argon2 { variant, time, memory_kib, parallel } => {
+            json!({"type": variant.name(), "time": time, "memory": memory_kib, "cpus": parallel, "salt": base64::encode(&slot_salt)})
+        }
+    };
+    let meta = json!({
+        "keyslots": {"0": {
+            "type": "luks2", "key_size": p.key_bytes,
+            "af": {"type": "luks1", "stripes": luks1::STRIPES, "hash": p.hash.name()},
+            "area": {"type": "raw", "offset": LUKS2_KEYSLOTS_OFFSET.to_string(), "size": area_size.to_string(), "encryption": area_cipher, "key_size": area_key},
+            "kdf": kdf_json,
+        }},
+        "tokens": {},
+        "segments": {"0": {"type": "crypt", "offset": data_offset.to_string(), "size": "dynamic", "iv_tweak": "0", "encryption": p.cipher, "sector_size": p.sector_size}},
+        "digests": {"0": {"type": "pbkdf2", "keyslots": ["0"], "segments": ["0"], "hash": p.hash.name(), "iterations": p.digest_iterations,
+            "salt": base64::encode(&digest_salt), "digest": base64::encode(digest)}},
+        "config": {"json_size": (LUKS2_HDR_SIZE - luks2::BIN_LEN as u64).to_string(), "keyslots_size": (keyslots_end - LUKS2_KEYSLOTS_OFFSET).to_string()},
+    });
+    let mut salt = [0u8; 64];
+    os_random(&mut salt)?;
+    let binary = BinaryHeader {
+        hdr_size: LUKS2_HDR_SIZE,
+        seqid: 1,
+        label: p.label.clone(),
+        checksum_alg: "sha256".into(),
+        salt,
+        uuid: uuid.clone(),
+        subsystem: String::new(),
+        hdr_offset: 0,
+    };
+    let (primary, secondary) = luks2::encode_copies(&binary, &meta)?;
+    let derived = p.kdf.derive(passphrase, &slot_salt, area_key)?;
+    encrypt_area(&area_cipher, &derived, material)?;
+    // 1. No old header survives to be paired with the new keyslots.
+    if p.detached {
+        ensure_len(dev, keyslots_end, dev_name)?;
+    }
+    let zero = [0u8; luks2::BIN_LEN];
+    for off in std::iter::once(0).chain(luks2::SECONDARY_OFFSETS) {
+        dev.write_all_at(&zero, off).map_err(io_err(format!("cannot clear the old header of {dev_name}")))?;
+    }
+    dev.sync_data().map_err(io_err(format!("cannot flush {dev_name}")))?;
+    // 2. The keyslot; 3. the secondary copy; 4. the primary copy.
+    let mut area = Zeroizing::new(vec![0u8; area_size as usize]);
+    area[..material.len()].copy_from_slice(material);
+    write_synced(dev, &area, LUKS2_KEYSLOTS_OFFSET, &format!("keyslot 0 of {dev_name}"))?;
+    write_synced(dev, &secondary, LUKS2_HDR_SIZE, &format!("the secondary header of {dev_name}"))?;
+    write_synced(dev, &primary, 0, &format!("the primary header of {dev_name}"))?;
+    Ok(Formatted { uuid, data_offset, header_len: keyslots_end })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn format_luks1(
+    dev: &File,
+    dev_name: &str,
+    data_size: u64,
+    p: &FormatParams,
+    passphrase: &[u8],
+    digest: &[u8],
+    digest_salt: [u8; 32],
+    slot_salt: [u8; 32],
+    material: &mut [u8],
+    uuid: String,
+) -> Result<Formatted> {
+    let Kdf::Pbkdf2 { iterations, .. } = p.kdf else { unreachable!("checked: LUKS1 uses pbkdf2") };
+    let (cipher_name, cipher_mode) = p.cipher.split_once('-').expect("checked: name-mode");
+    // Keyslots from sector 8, each aligned to 4 KiB (8 sectors), as cryptsetup lays them out.
+    let slot_sectors = (material.len() as u32 / 512).div_ceil(8) * 8;
+    let slots_end = 8 + luks1::KEYSLOTS as u32 * slot_sectors;
+    let payload = match p.data_offset {
+        Some(off) => u32::try_from(off / 512).map_err(|_| VolumeError::Invalid(format!("data offset {off} is too large for LUKS1")))?,
+        None if p.detached => 0,
+        None => LUKS1_DATA_OFFSET_SECTORS.max(slots_end.div_ceil(8) * 8),
+    };
+    if !p.detached && payload < slots_end {
+        return Err(VolumeError::Invalid(format!("data offset {} leaves no room for the LUKS1 keyslots", u64::from(payload) * 512)));
+    }
+    check_data_room(data_size, u64::from(payload) * 512, 512, dev_name)?;
+    let keyslots = std::array::from_fn(|i| Luks1Keyslot {
+        state: if i == 0 { SlotState::Active } else { SlotState::Inactive },
+        iterations: if i == 0 { iterations } else { 0 },
+        salt: if i == 0 { slot_salt } else { [0u8; 32] },
+        key_material_offset: 8 + i as u32 * slot_sectors,
+        stripes: luks1::STRIPES,
+    });
+    let header = Luks1Header {
+        cipher_name: cipher_name.to_string(),
+        cipher_mode: cipher_mode.to_string(),
+        hash_spec: p.hash.name().to_string(),
+        payload_offset: payload,
+        key_bytes: p.key_bytes as u32,
+        mk_digest: digest.try_into().map_err(|_| VolumeError::Invalid("LUKS1 digest length".into()))?,
+        mk_digest_salt: digest_salt,
+        mk_digest_iterations: p.digest_iterations,
+        uuid: uuid.clone(),
+        keyslots,
+    };
+    let bytes = header.to_bytes()?;
+    // LUKS1 has one hash for everything: the keyslot's PBKDF2 uses hashSpec too.
+    let derived = Kdf::Pbkdf2 { hash: p.hash, iterations }.derive(passphrase, &slot_salt, p.key_bytes)?;
+    encrypt_area(&p.cipher, &derived, material)?;
+    if p.detached {
+        ensure_len(dev, u64::from(slots_end) * 512, dev_name)?;
+    }
+    write_synced(dev, &[0u8; 4096], 0, &format!("the old header of {dev_name}"))?;
+    write_synced(dev, material, 8 * 512, &format!("keyslot 0 of {dev_name}"))?;
+    let mut first = [0u8; 4096];
+    first[..bytes.len()].copy_from_slice(&bytes);
+    write_synced(dev, &first, 0, &format!("the header of {dev_name}"))?;
+    Ok(Formatted { uuid, data_offset: u64::from(payload) * 512, header_len: u64::from(slots_end) * 512 })
+}
+
+/// A detached header file grows to hold its whole keyslots area (as cryptsetup makes it).
+fn ensure_len(dev: &File, len: u64, dev_name: &str) -> Result<()> {
+    let size = ReadAt::size(dev).map_err(io_err(format!("cannot size {dev_name}")))?;
+    if size < len {
+        dev.set_len(len).map_err(io_err(format!("cannot extend the header file {dev_name} to {len} bytes")))?;
+    }
+    Ok(())
+}
+
+fn check_data_room(data_size: u64, data_offset: u64, sector_size: usize, dev_name: &str) -> Result<()> {
+    if data_size < data_offset + sector_size as u64 {
+        return Err(VolumeError::Invalid(format!(
+            "{dev_name}: the data device ({data_size} bytes) has no room for data after offset {data_offset}"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(version: u8, kdf: Kdf, sector_size: usize, detached: bool) -> FormatParams {
+        FormatParams {
+            version,
+            cipher: "aes-xts-plain64".into(),
+            key_bytes: 64,
+            sector_size,
+            kdf,
+            hash: Hash::Sha256,
+            digest_iterations: 1000,
+            label: "test".into(),
+            data_offset: None,
+            detached,
+        }
+    }
+
+    #[test]
+    fn formatted_volumes_open_here() {
+        let argon = Kdf::Argon2 { variant: Argon2Variant::Argon2id, time: 4, memory_kib: 1024, parallel: 2 };
+        let pbkdf2 = Kdf::Pbkdf2 { hash: Hash::Sha256, iterations: 1000 };
+        for (version, kdf, sector, detached) in [(2, argon.clone(), 4096, false), (2, pbkdf2.clone(), 512, true), (1, pbkdf2.clone(), 512, false)] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("v.img");
+            let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+            f.set_len(20 << 20).unwrap();
+            let out = format(&f, "v.img", 20 << 20, &params(version, kdf.clone(), sector, detached), b"pass").unwrap();
+            let h = crate::Header::read(&f).unwrap();
+            assert_eq!(h.version(), version);
+            assert!(h.warnings().is_empty(), "{:?}", h.warnings());
+            assert_eq!(h.uuid(), out.uuid);
+            let u = h.unlock(&f, b"pass", None).unwrap();
+            assert_eq!((u.segment.sector_size, u.segment.offset, u.segment.key_bytes), (sector, out.data_offset, 64));
+            assert!(matches!(h.unlock(&f, b"Pass", None), Err(VolumeError::WrongPassphrase(_))));
+            let expect_offset = match (version, detached) {
+                (_, true) => 0,
+                (2, false) => LUKS2_DATA_OFFSET,
+                _ => 2 << 20,
+            };
+            assert_eq!(out.data_offset, expect_offset);
+        }
+    }
+
+    #[test]
+    fn bad_parameters_and_a_held_lock_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v.img");
+        let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+        f.set_len(20 << 20).unwrap();
+        let pbkdf2 = Kdf::Pbkdf2 { hash: Hash::Sha256, iterations: 1000 };
+        let mut p = params(1, Kdf::Argon2 { variant: Argon2Variant::Argon2id, time: 4, memory_kib: 1024, parallel: 1 }, 512, false);
+        assert!(format(&f, "v", 20 << 20, &p, b"x").unwrap_err().to_string().contains("pbkdf2"));
+        p = params(2, pbkdf2.clone(), 4096, false);
+        p.cipher = "aes-cbc-essiv:sha256".into();
+        assert!(format(&f, "v", 20 << 20, &p, b"x").is_err());
+        p = params(2, pbkdf2.clone(), 4096, false);
+        assert!(format(&f, "v", 16 << 20, &p, b"x").unwrap_err().to_string().contains("no room"));
+        let other = File::open(&path).unwrap();
+        let _held = DeviceLock::exclusive(&other, "v").unwrap();
+        assert!(format(&f, "v", 20 << 20, &params(2, pbkdf2, 512, false), b"x").unwrap_err().to_string().contains("locked"));
+        assert!(crate::Header::read(&f).is_err(), "nothing was written");
+    }
+
+    #[test]
+    fn benchmarks_respect_the_minimums() {
+        match benchmark("pbkdf2", Hash::Sha256, 1, 0, 1, 64).unwrap() {
+            Kdf::Pbkdf2 { iterations, .. } => assert!(iterations >= MIN_PBKDF2_ITERATIONS),
+            k => panic!("{k:?}"),
+        }
+        match benchmark("argon2id", Hash::Sha256, 1, 32 * 1024, 2, 64).unwrap() {
+            Kdf::Argon2 { time, memory_kib, parallel, .. } => assert!(time >= MIN_ARGON2_TIME && memory_kib == 32 * 1024 && parallel == 2),
+            k => panic!("{k:?}"),
+        }
+        assert!(benchmark("scrypt", Hash::Sha256, 1, 1024, 1, 64).is_err());
+        assert!(digest_iterations(Hash::Sha256, 64) >= MIN_PBKDF2_ITERATIONS);
+    }
+}

@@ -36,7 +36,6 @@ const SCHEMES: &[(&str, usize, Make)] = &[
 
 struct Entry {
     name: &'static str,
-    level: CpuLevel,
     cipher: Box<dyn SectorCipher>,
     best: [f64; 2],
 }
@@ -64,7 +63,7 @@ fn main() {
         }
         let key: Vec<u8> = (0..klen).map(|i| (i as u8).wrapping_mul(151).wrapping_add(29)).collect();
         for &level in &levels {
-            entries.push(Entry { name, level, cipher: make(&key, level), best: [f64::MAX; 2] });
+            entries.push(Entry { name, cipher: make(&key, level), best: [f64::MAX; 2] });
         }
     }
     let len = buf_kib * 1024 / unit.max(1) * unit.max(1);

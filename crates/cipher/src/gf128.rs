@@ -1279,7 +1279,7 @@ mod tes_tests {
     #[test]
     fn ghash_equals_gcm_chain() {
         let mut s = 3u128;
-        for level in CpuLevel::supported() {
+        for level in crate::test_vectors::levels("ghash_equals_gcm_chain") {
             for n in [0usize, 1, 7, 8, 9, 16, 17, 33, 255, 258] {
                 let h = rng(&mut s).to_be_bytes();
                 let data: Vec<u8> = (0..n * 16).map(|_| rng(&mut s) as u8).collect();
@@ -1299,6 +1299,7 @@ mod tes_tests {
     /// Le chain equals the bitwise definition.
     #[test]
     fn horner_paths_agree() {
+        let levels = crate::test_vectors::levels("horner_paths_agree");
         let mut s = 5u128;
         for field in [Field::Le, Field::Polyval] {
             for n in [0usize, 1, 3, 8, 15, 16, 17, 31, 32, 47, 255, 256, 257] {
@@ -1308,7 +1309,7 @@ mod tes_tests {
                 let start = rng(&mut s);
                 let mut x = Acc(start);
                 a.update(&mut x, &data);
-                for level in CpuLevel::supported() {
+                for &level in &levels {
                     let mut y = Acc(start);
                     PolyHash::new(field, &h, level).update(&mut y, &data);
                     assert_eq!(x.0, y.0, "{field:?} n = {n}, level {level}");
@@ -1330,7 +1331,8 @@ mod tes_tests {
     #[test]
     fn batch_products_equal_single_ones() {
         let mut s = 21u128;
-        for (field, level) in [Field::Le, Field::Polyval, Field::Ghash].into_iter().flat_map(|f| CpuLevel::supported().map(move |l| (f, l))) {
+        let levels = crate::test_vectors::levels("batch_products_equal_single_ones");
+        for (field, level) in [Field::Le, Field::Polyval, Field::Ghash].into_iter().flat_map(|f| levels.iter().map(move |&l| (f, l))) {
             let ph = PolyHash::new(field, &rng(&mut s).to_le_bytes(), level);
             for n in [0usize, 1, 3, 4, 5, 64, 127] {
                 let a: Vec<u128> = (0..n).map(|_| rng(&mut s)).collect();
@@ -1363,6 +1365,7 @@ mod tes_tests {
     /// back to for short inputs) equal the recursion, for every k + 1 = 4 .. 256.
     #[test]
     fn brw_kernels_match_the_recursion() {
+        let levels = crate::test_vectors::levels("brw_kernels_match_the_recursion");
         let mut s = 31u128;
         for e in 2..=8 {
             let k = (1usize << e) - 1;
@@ -1376,7 +1379,7 @@ mod tes_tests {
             let body: Vec<u8> = x[..k - 1].iter().flat_map(|v| v.to_le_bytes()).collect();
             let want = slow_brw(&p, &x);
             assert_eq!(PolyHash::new(Field::Le, &tau.to_le_bytes(), CpuLevel::Portable).brw_le(&p, &body, x[k - 1]), None);
-            for level in CpuLevel::supported().filter(|l| *l != CpuLevel::Portable) {
+            for &level in levels.iter().filter(|l| **l != CpuLevel::Portable) {
                 let ph = PolyHash::new(Field::Le, &tau.to_le_bytes(), level);
                 assert_eq!(ph.brw_le(&p, &body, x[k - 1]), Some(want), "k = {k}, level {level}");
             }

@@ -1,6 +1,7 @@
 //! The shared public vectors (`../shared/vectors` from the project root, or
 //! `$CRYPTBRIDGE_VECTORS`) for the unit tests of internal parts (AEZ's Extract, Adiantum's
-//! NH and Poly1305) that the integration tests in `tests/` cannot reach.
+//! NH and Poly1305) that the integration tests in `tests/` cannot reach, and the levels those
+//! unit tests run their kernels at.
 
 use std::path::PathBuf;
 
@@ -19,4 +20,18 @@ pub(crate) fn load(path: &str) -> Vec<Value> {
 /// A hex string field as bytes.
 pub(crate) fn hex_bytes(v: &Value) -> Vec<u8> {
     hex::decode(v.as_str().expect("hex field is a string")).expect("hex field is valid hex")
+}
+
+/// Every level of this architecture that the CPU has, lowest first, for unit tests that check
+/// each level's kernels; each level the CPU lacks is reported as `SKIPPED <test>::<level>: <why>`
+/// on stderr, so that a run on an older CPU shows what it did not check.
+pub(crate) fn levels(test: &str) -> Vec<crate::CpuLevel> {
+    let mut run = Vec::new();
+    for &level in crate::CpuLevel::ALL {
+        match level.available() {
+            Ok(()) => run.push(level),
+            Err(why) => eprintln!("SKIPPED {test}::{level}: {why}"),
+        }
+    }
+    run
 }

@@ -303,8 +303,8 @@ kernel_aesni! {
 /// `fused` over any register width: Q / 2 steps (4 Q LANES = 256), each encrypting eight
 /// registers of counter blocks (eight independent AES chains keep both AES units busy; the
 /// registers past the 254-block body are computed and dropped) with two groups of each hash
-/// ([`BrwParts`]) between the rounds, and the head's two AES calls riding along in steps 0 and
-/// 1. The steps run in blocks of four (eight groups), so that for all but the last group of a
+/// ([`BrwParts`]) between the rounds, and the head's two AES calls riding along in steps 0
+/// and 1. The steps run in blocks of four (eight groups), so that for all but the last group of a
 /// block the tree levels a group completes are known at compile time and the step is one
 /// stretch of code without branches, which the compiler and the CPU can interleave. The
 /// products after the hashes (`Link`, with the constants `m`) are made here too, inline.
@@ -323,7 +323,7 @@ unsafe fn fused_v<V: AesVec, const Q: usize, const NR: usize, const HA: bool, co
     const BLOCKS: usize = 254;
     const REGS: usize = 8;
     assert!(data.len() == 16 * BLOCKS, "ctr_brw255: not the body of a 4096-byte sector");
-    assert!(4 * Q * V::LANES == 256 && Q % 8 == 0 && BLOCKS % V::LANES == 0, "fused_v: Q does not fit the register width");
+    assert!(4 * Q * V::LANES == 256 && Q.is_multiple_of(8) && BLOCKS.is_multiple_of(V::LANES), "fused_v: Q does not fit the register width");
     let regs = BLOCKS / V::LANES;
     let ptr = data.as_mut_ptr();
     // SAFETY: inlined into a function of V's level (which includes `aesni` for the head's

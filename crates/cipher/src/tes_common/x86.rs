@@ -413,16 +413,9 @@ mod tests {
         (*s >> 33) as u8
     }
 
-    /// The kernel levels this CPU runs; the others are reported as skipped (not passed).
+    /// The kernel levels this CPU runs (`aesni` and up); the others are reported as skipped.
     fn levels(test: &str) -> Vec<CpuLevel> {
-        let mut run = Vec::new();
-        for level in [CpuLevel::Aesni, CpuLevel::Vaes256, CpuLevel::Vaes512] {
-            match level.available() {
-                Ok(()) => run.push(level),
-                Err(why) => eprintln!("SKIPPED {test}::{level}: {why}"),
-            }
-        }
-        run
+        crate::test_vectors::levels(test).into_iter().filter(|l| *l >= CpuLevel::Aesni).collect()
     }
 
     #[test]

@@ -6,6 +6,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod tes;
 mod xts;
 
 use cryptbridge_cipher::CpuLevel;
@@ -15,7 +16,7 @@ use libtest_mimic::{Arguments, Failed, Trial};
 pub type Check = fn(CpuLevel) -> Result<(), Failed>;
 
 /// (name, check) for every suite.
-const CASES: &[&[(&str, Check)]] = &[xts::CASES];
+const CASES: &[&[(&str, Check)]] = &[xts::CASES, tes::CASES];
 
 fn main() {
     let args = Arguments::from_args();

@@ -67,7 +67,6 @@ pub(crate) trait AesVec: Copy {
     unsafe fn keep_lanes(self, n: usize) -> Self;
     /// The XOR of all lanes.
     unsafe fn xor_lanes(self) -> __m128i;
-    unsafe fn or(self, o: Self) -> Self;
     /// Per 32-bit word: wrapping addition.
     unsafe fn add32(self, o: Self) -> Self;
     /// Per qword: wrapping addition.
@@ -300,10 +299,6 @@ impl AesVec for Xmm {
         self.0
     }
     #[inline(always)]
-    unsafe fn or(self, o: Self) -> Self {
-        Xmm(_mm_or_si128(self.0, o.0))
-    }
-    #[inline(always)]
     unsafe fn add32(self, o: Self) -> Self {
         Xmm(_mm_add_epi32(self.0, o.0))
     }
@@ -491,10 +486,6 @@ impl AesVec for Ymm {
         unsafe { _mm_xor_si128(_mm256_castsi256_si128(self.0), _mm256_extracti128_si256::<1>(self.0)) }
     }
     #[inline(always)]
-    unsafe fn or(self, o: Self) -> Self {
-        Ymm(unsafe { _mm256_or_si256(self.0, o.0) })
-    }
-    #[inline(always)]
     unsafe fn add32(self, o: Self) -> Self {
         Ymm(unsafe { _mm256_add_epi32(self.0, o.0) })
     }
@@ -671,10 +662,6 @@ impl AesVec for Zmm {
             let a = _mm256_xor_si256(_mm512_castsi512_si256(self.0), _mm512_extracti64x4_epi64::<1>(self.0));
             _mm_xor_si128(_mm256_castsi256_si128(a), _mm256_extracti128_si256::<1>(a))
         }
-    }
-    #[inline(always)]
-    unsafe fn or(self, o: Self) -> Self {
-        Zmm(unsafe { _mm512_or_si512(self.0, o.0) })
     }
     #[inline(always)]
     unsafe fn add32(self, o: Self) -> Self {

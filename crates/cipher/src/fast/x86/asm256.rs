@@ -461,12 +461,12 @@ macro_rules! step {
     };
 }
 
+crate::arch::x86::kernel_vaes512! {
 /// `ctr_brw255` for AES-256 with both hashes present (see the module comment).
 ///
 /// # Safety
 /// As `ctr_brw255`; `rk` must be an AES-256 schedule.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,vaes,vpclmulqdq,aes,pclmulqdq,sse2,ssse3,sse4.1,avx2")]
 pub(in super::super) unsafe fn fused(
     rk: &RoundKeys,
     data: &mut [u8],
@@ -605,4 +605,5 @@ pub(in super::super) unsafe fn fused(
         options(nomem, nostack, preserves_flags),
     );
     (out, head_out)
+}
 }

@@ -154,8 +154,9 @@ fn read_header(mode: Mode, secret: &Secret, input: &mut dyn Read) -> Result<Vec<
 /// Encrypts or decrypts `input` into `output` through the pipeline.
 ///
 /// On error nothing is left at an output path (the temporary file is removed). With stdout as the
-/// output, data already written stays written: for GCM only chunks that authenticated, for the
-/// OpenSSL modes everything before the failure point.
+/// output, data already written stays written: for GCM every chunk before the first one that
+/// failed authentication (all of them authenticated, in order), for the OpenSSL modes everything
+/// before the failure point.
 pub fn run_file(dir: Direction, secret: &Secret, input: Input, output: Output, opts: &FileOptions) -> Result<Report> {
     let t0 = Instant::now();
     let mode = opts.mode;
@@ -205,8 +206,12 @@ pub fn run_file(dir: Direction, secret: &Secret, input: Input, output: Output, o
             if dir == Direction::Encrypt {
                 out.write_all(&setup.header).map_err(|e| Error::io("cannot write the output", e))?;
             }
-            let stats = pipeline::run(&setup, dir, &mut reader, Some(&mut out), &cfg)?;
-            out.flush().map_err(|e| Error::io("cannot write the output", e))?;
+            let result = pipeline::run(&setup, dir, &mut reader, Some(&mut out), &cfg);
+            // Flushed on failure too: what was written before the failure (for GCM, the chunks
+            // that authenticated) reaches stdout before the error is reported.
+            let flushed = out.flush();
+            let stats = result?;
+            flushed.map_err(|e| Error::io("cannot write the output", e))?;
             stats
         }
         Output::Path(p) => {

@@ -9,11 +9,14 @@
 //!   block to the previous ciphertext block, so it runs on exactly one worker, in order, while the
 //!   reader and writer still overlap with it.
 //! * The writer puts chunks back in order, writes them (or drops them in sink mode) and returns
-//!   the buffers to the pool. After the first error nothing more is written.
+//!   the buffers to the pool. A chunk that fails stops the run at its index: every chunk before
+//!   it is still transformed and written (with stdout as the output, all the GCM chunks that
+//!   authenticated before a bad one reach it), nothing from it on is. Chunks finish out of
+//!   order, so the failure of chunk k can reach the writer before chunks below k have.
 
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -166,6 +169,21 @@ impl FirstError {
     }
 }
 
+/// Where a failed run stops: the index of the earliest chunk that failed.
+struct StopAt(AtomicU64);
+
+impl StopAt {
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::SeqCst)
+    }
+    fn stopped(&self) -> bool {
+        self.get() != u64::MAX
+    }
+    fn stop(&self, seq: u64) {
+        self.0.fetch_min(seq, Ordering::SeqCst);
+    }
+}
+
 /// Runs the pipeline over everything after the header. `output` is `None` in sink mode.
 pub(crate) fn run(
     setup: &FileSetup,
@@ -253,7 +271,9 @@ pub(crate) fn run(
     }
     let (work_tx, work_rx) = bounded::<Job>(nbufs);
     let (done_tx, done_rx) = bounded::<(Job, Result<()>)>(nbufs);
-    let abort = AtomicBool::new(false);
+    // The index of the first chunk that must not be written (the earliest failure so far);
+    // `u64::MAX` while none failed. It only ever decreases.
+    let stop_at = StopAt(AtomicU64::new(u64::MAX));
     let first_error = FirstError(Mutex::new(None));
     let progress = make_progress(cfg);
 
@@ -261,22 +281,26 @@ pub(crate) fn run(
     std::thread::scope(|s| {
         // ---- reader ----
         let reader = {
-            let (free_rx, work_tx, abort, first_error) = (&free_rx, work_tx, &abort, &first_error);
+            let (free_rx, work_tx, stop_at, first_error) = (&free_rx, work_tx, &stop_at, &first_error);
             s.spawn(move || -> (u64, u64) {
                 let mut seq = 0u64;
                 let mut offset = 0u64;
                 let mut prev = initial_prev;
                 let mut pending: Option<Job> = None;
                 loop {
-                    if abort.load(Ordering::Relaxed) {
+                    // Every chunk before a failed one has been read already (chunks are read in
+                    // order), so nothing after a failure is needed.
+                    if stop_at.stopped() {
                         break;
                     }
                     let Ok(mut buf) = free_rx.recv() else { break };
                     let n = match read_full(input, &mut buf[read_off..read_off + read_len]) {
                         Ok(n) => n,
                         Err(e) => {
-                            first_error.set(seq, Error::io("cannot read the input", e));
-                            abort.store(true, Ordering::Relaxed);
+                            // The held-back chunk is not sent: whether it is the last is unknown.
+                            let at = pending.as_ref().map_or(seq, |p| p.seq);
+                            first_error.set(at, Error::io("cannot read the input", e));
+                            stop_at.stop(at);
                             break;
                         }
                     };
@@ -325,11 +349,13 @@ pub(crate) fn run(
 
         // ---- workers ----
         for _ in 0..workers {
-            let (work_rx, done_tx, abort, chain) = (work_rx.clone(), done_tx.clone(), &abort, &chain);
+            let (work_rx, done_tx, stop_at, chain) = (work_rx.clone(), done_tx.clone(), &stop_at, &chain);
             s.spawn(move || {
                 for mut job in work_rx.iter() {
-                    let r = if abort.load(Ordering::Relaxed) {
-                        Ok(()) // the writer drops it; keep the buffers flowing
+                    #[cfg(test)]
+                    tests::before_transform(job.seq);
+                    let r = if job.seq >= stop_at.get() {
+                        Ok(()) // the writer drops it untransformed; keep the buffers flowing
                     } else {
                         transform(setup, dir, chain, &mut job)
                     };
@@ -343,48 +369,47 @@ pub(crate) fn run(
         drop(done_tx);
 
         // ---- writer (this thread) ----
+        // Chunks are written in order, each as soon as all before it are; a chunk at or after
+        // `stop_at` never is. Every buffer goes back to the pool, so the reader never starves.
         let mut output = output;
         let mut next = 0u64;
         let mut parked: BTreeMap<u64, Job> = BTreeMap::new();
         for (job, r) in done_rx.iter() {
-            if abort.load(Ordering::Relaxed) {
-                if let Err(e) = r {
-                    first_error.set(job.seq, e);
-                }
-                let _ = free_tx.send(job.buf);
-                continue;
-            }
             if let Err(e) = r {
                 first_error.set(job.seq, e);
-                abort.store(true, Ordering::Relaxed);
-                let _ = free_tx.send(job.buf);
-                continue;
+                stop_at.stop(job.seq);
             }
-            parked.insert(job.seq, job);
-            while let Some(job) = parked.remove(&next) {
+            if job.seq >= stop_at.get() {
+                let _ = free_tx.send(job.buf);
+            } else {
+                parked.insert(job.seq, job);
+            }
+            while next < stop_at.get() {
+                let Some(job) = parked.remove(&next) else { break };
                 let data = &job.buf[job.start..job.end];
                 if let Some(out) = output.as_deref_mut() {
                     if let Err(e) = out.write_all(data) {
                         first_error.set(job.seq, Error::io("cannot write the output", e));
-                        abort.store(true, Ordering::Relaxed);
+                        stop_at.stop(job.seq);
                     }
                 }
-                stats.bytes_out += data.len() as u64;
-
-                stats.chunks += 1;
-                if let Some(pb) = &progress {
-                    pb.inc(job.in_len as u64);
+                if job.seq < stop_at.get() {
+                    stats.bytes_out += data.len() as u64;
+                    stats.chunks += 1;
+                    if let Some(pb) = &progress {
+                        pb.inc(job.in_len as u64);
+                    }
                 }
                 next += 1;
                 let _ = free_tx.send(job.buf);
-                if abort.load(Ordering::Relaxed) {
+            }
+            // Chunks parked behind a failure will never be written.
+            let limit = stop_at.get();
+            while let Some(entry) = parked.last_entry() {
+                if *entry.key() < limit {
                     break;
                 }
-            }
-            if abort.load(Ordering::Relaxed) {
-                for (_, j) in std::mem::take(&mut parked) {
-                    let _ = free_tx.send(j.buf);
-                }
+                let _ = free_tx.send(entry.remove().buf);
             }
         }
         match reader.join() {
@@ -429,4 +454,84 @@ fn make_progress(cfg: &PipelineConfig) -> Option<indicatif::ProgressBar> {
         }
     };
     Some(pb)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::kdf::Secret;
+
+    /// A worker that picks up this chunk index waits 50 ms before transforming it, so that later
+    /// chunks (and their failures) reach the writer first. Only the tests in this module set it.
+    static SLOW_SEQ: AtomicU64 = AtomicU64::new(u64::MAX);
+
+    pub(super) fn before_transform(seq: u64) {
+        if seq == SLOW_SEQ.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    const CHUNK: usize = 4096;
+
+    fn cfg(threads: usize) -> PipelineConfig {
+        PipelineConfig { threads, chunk: CHUNK, progress: false, total_hint: None }
+    }
+
+    /// A GCM file of `chunks` full chunks and a short last one: (setup for decryption, body after
+    /// the header, plaintext).
+    fn gcm_body(chunks: usize) -> (FileSetup, Vec<u8>, Vec<u8>) {
+        let secret = Secret::key(&[7u8; 32]).unwrap();
+        let plain: Vec<u8> = (0..chunks * CHUNK + 100).map(|i| (i * 131 % 251) as u8).collect();
+        let enc = FileSetup::for_encrypt(Mode::Gcm, &secret, 1000, CHUNK).unwrap();
+        let mut body = Vec::new();
+        run(&enc, Direction::Encrypt, &mut &plain[..], Some(&mut body), &cfg(2)).unwrap();
+        let dec = FileSetup::for_decrypt(Mode::Gcm, &secret, 1000, &enc.header).unwrap();
+        (dec, body, plain)
+    }
+
+    /// Chunk 2 of 6 is tampered with; chunk 0 is transformed last. Everything before chunk 2
+    /// must still be written, in order, and nothing from chunk 2 on.
+    #[test]
+    fn chunks_before_a_bad_one_are_written_even_when_it_fails_first() {
+        let (setup, mut body, plain) = gcm_body(5);
+        let rec = CHUNK + GCM_OVERHEAD;
+        body[2 * rec + 20] ^= 1;
+        SLOW_SEQ.store(0, Ordering::SeqCst);
+        for threads in [2, 4, 8] {
+            let mut out = Vec::new();
+            let err = run(&setup, Direction::Decrypt, &mut &body[..], Some(&mut out), &cfg(threads)).unwrap_err();
+            assert!(err.to_string().contains("chunk 2 failed authentication"), "{err}");
+            assert_eq!(out.len(), 2 * CHUNK, "{threads} threads");
+            assert_eq!(out, plain[..2 * CHUNK], "{threads} threads");
+        }
+        SLOW_SEQ.store(u64::MAX, Ordering::SeqCst);
+    }
+
+    /// A writer that fails on its second write: the first chunk stays written, the error is the
+    /// write error, and the run ends (no hang, every buffer returned).
+    #[test]
+    fn a_write_error_stops_the_run() {
+        struct FailSecond(Vec<u8>, usize);
+        impl Write for FailSecond {
+            fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+                self.1 += 1;
+                if self.1 == 2 {
+                    return Err(io::Error::other("disk full"));
+                }
+                self.0.extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let (setup, body, plain) = gcm_body(5);
+        let mut w = FailSecond(Vec::new(), 0);
+        let err = run(&setup, Direction::Decrypt, &mut &body[..], Some(&mut w), &cfg(4)).unwrap_err();
+        assert!(err.to_string().contains("cannot write the output"), "{err}");
+        assert_eq!(w.0, plain[..CHUNK]);
+    }
 }

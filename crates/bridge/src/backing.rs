@@ -1,5 +1,9 @@
 //! The backing store: a regular file (created sparse when missing) or a block device, accessed
 //! with positioned I/O so that many requests can run at once.
+//!
+//! A file created here gets mode 0600 (it holds the ciphertext and, by its changes, which sectors
+//! are written); an existing file keeps its mode. If opening fails after the file was created, it
+//! is removed again, so a retry with corrected options does not find a stray empty file.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
@@ -48,18 +52,48 @@ pub struct Backing {
     /// Where the export starts in the file or device: a volume's data offset (a LUKS header
     /// comes first), 0 for a plain volume. Every offset below is relative to it.
     offset: u64,
+    /// Whether [`Backing::open`] created the file.
+    created: bool,
 }
 
+/// Mode of a backing file created by [`Backing::open`] (before the umask, which can only narrow it).
+pub const CREATED_FILE_MODE: u32 = 0o600;
+
 impl Backing {
+    /// Opens `path`, creating it (mode 0600, sparse, `opts.size` bytes) when it does not exist.
+    /// On an error after creating it, the file is removed before the error is returned.
     pub fn open(path: &Path, opts: &BackingOptions) -> Result<Self, BackingError> {
         let io_err = |error| BackingError::Io { path: path.to_path_buf(), error };
         let exists = path.exists();
-        if !exists {
-            let size = opts.size.ok_or_else(|| BackingError::MissingNoSize { path: path.to_path_buf() })?;
-            check_aligned(size, opts.sector_size)?;
-            let f = OpenOptions::new().write(true).create_new(true).open(path).map_err(io_err)?;
-            f.set_len(size).map_err(io_err)?; // sparse: no blocks allocated until written
+        if exists {
+            return Self::open_existing(path, opts, true);
         }
+        let size = opts.size.ok_or_else(|| BackingError::MissingNoSize { path: path.to_path_buf() })?;
+        check_aligned(size, opts.sector_size)?;
+        // create_new: should the path appear meanwhile, it is not taken over (nor removed below).
+        let f = OpenOptions::new().write(true).create_new(true).mode(CREATED_FILE_MODE).open(path).map_err(io_err)?;
+        let opened = f
+            .set_len(size) // sparse: no blocks allocated until written
+            .map_err(io_err)
+            .and_then(|()| Self::open_existing(path, opts, false));
+        drop(f);
+        match opened {
+            Ok(mut backing) => {
+                backing.created = true;
+                Ok(backing)
+            }
+            Err(e) => {
+                if let Err(rm) = std::fs::remove_file(path) {
+                    tracing::warn!("cannot remove {} created for this start: {rm}", path.display());
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Opens a file or device that exists; `check_size`: compare it with `opts.size`.
+    fn open_existing(path: &Path, opts: &BackingOptions, check_size: bool) -> Result<Self, BackingError> {
+        let io_err = |error| BackingError::Io { path: path.to_path_buf(), error };
         let mut options = OpenOptions::new();
         options.read(true).write(!opts.read_only);
         if opts.direct {
@@ -72,7 +106,7 @@ impl Backing {
             return Err(BackingError::NotFileOrDevice { path: path.to_path_buf() });
         }
         let actual = if is_block_device { file.seek(SeekFrom::End(0)).map_err(io_err)? } else { meta.len() };
-        if let (true, Some(wanted)) = (exists, opts.size) {
+        if let (true, Some(wanted)) = (check_size, opts.size) {
             if wanted != actual {
                 return Err(BackingError::SizeMismatch { path: path.to_path_buf(), actual, wanted });
             }
@@ -85,7 +119,7 @@ impl Backing {
         if size != actual {
             tracing::warn!("backing {} is {actual} bytes; exporting the first {size} (whole sectors)", path.display());
         }
-        let backing = Self { file, offset: 0, size, is_block_device, direct: opts.direct };
+        let backing = Self { file, offset: 0, size, is_block_device, direct: opts.direct, created: false };
         if opts.direct {
             backing.probe_direct(path, opts.sector_size)?;
         }
@@ -117,6 +151,11 @@ impl Backing {
         self.offset = offset;
         self.size = len;
         Ok(self)
+    }
+
+    /// Whether [`Backing::open`] created the file (it did not exist before).
+    pub fn created(&self) -> bool {
+        self.created
     }
 
     pub fn is_direct(&self) -> bool {

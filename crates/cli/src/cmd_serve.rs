@@ -3,7 +3,7 @@
 use std::net::TcpListener;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -32,13 +32,15 @@ pub enum VolumeType {
 --key-size 512 --key-file KEYFILE` for the same key and sector size.\n\
 When ready, prints `ready <NBD URI>` on stdout.")]
 pub struct Args {
-    /// Backing file or block device (a file is created sparse at --size when missing).
+    /// Backing file or block device (a file is created sparse at --size, mode 0600, when
+    /// missing; it is removed again if the server then fails to start).
     #[arg(long)]
     backing: PathBuf,
     /// Size of a new backing file: bytes, or a number with K/M/G/T (binary units).
     #[arg(long, value_parser = size::parse_size)]
     size: Option<u64>,
-    /// Raw key file (Key1 || Key2), as written by `cryptbridge keygen`.
+    /// Raw key file (Key1 || Key2), as written by `cryptbridge keygen`; at most 64 bytes are read
+    /// (a pipe such as <(cmd) or /dev/stdin works).
     #[arg(long, required_unless_present_any = ["passthrough", "volume_type"])]
     key_file: Option<PathBuf>,
     /// Key size in bits; by default taken from the key file's length.
@@ -146,6 +148,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let layout = luks.as_ref().map_or_else(|| SectorLayout::new(args.sector_size, args.iv_large_sectors), luks::Volume::layout);
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let mut rtl: Option<Arc<RtlSimBackend>> = None;
+    let mut key_bits = 0;
     let engine = if args.passthrough {
         if args.engine != "cpu" {
             bail!("--passthrough stores plaintext; --engine {} has nothing to do", args.engine);
@@ -160,6 +163,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 (cipher_name, keyfile::read_key(key_path, args.key_size)?, format!("key file {}", key_path.display()))
             }
         };
+        key_bits = key.len() * 8;
         let cipher: Arc<dyn SectorCipher> = Arc::from(
             new_cipher(cipher_name, &key, KeyPolicy::Volume)
                 .with_context(|| format!("{key_source} cannot be used"))?,
@@ -185,9 +189,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
         &args.backing,
         &BackingOptions { size: args.size, read_only: args.read_only, direct: args.direct, sector_size },
     )?;
+    // From here on, a start that fails removes the files it created (backing, socket).
+    let mut created = CreatedFiles { backing: backing.created().then(|| args.backing.clone()), socket: None };
     let backing = luks::window(luks.as_ref(), backing, &args.backing)?;
     let pipeline = Arc::new(Pipeline::new(backing, engine));
-    let mode = if args.passthrough { "passthrough (plaintext)".to_string() } else { format!("{} {}-bit", luks.as_ref().map_or_else(|| args.cipher.clone(), luks::Volume::label), pipeline_key_bits(&args)) };
+    let mode = if args.passthrough { "passthrough (plaintext)".to_string() } else { format!("{} {key_bits}-bit", luks.as_ref().map_or_else(|| args.cipher.clone(), luks::Volume::label)) };
     let server = Server::new(
         Arc::clone(&pipeline),
         ServerConfig {
@@ -213,6 +219,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         Err(e) => tracing::warn!("cannot read or raise the open-file limit: {e}"),
     }
     let (listener, uri) = bind(&args)?;
+    created.socket = args.unix.clone();
     install_signal_handler(Arc::clone(&pipeline), args.unix.clone(), rtl.clone())?;
     if let Some(sim) = rtl {
         report_simulation_speed(sim);
@@ -226,17 +233,39 @@ pub fn run(args: Args) -> Result<ExitCode> {
         if args.direct { ", O_DIRECT" } else { "" },
         if args.read_only { ", read-only" } else { "" },
     );
-    println!("ready {uri}");
-    use std::io::Write;
-    std::io::stdout().flush()?;
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "ready {uri}").and_then(|()| out.flush()).context("cannot print the ready line on stdout")?;
+    }
+    // Started: the backing file stays whatever happens next. The socket is removed when the
+    // server stops (by the signal handler, or here should the accept loop fail).
+    created.backing = None;
     server.run(listener)?;
     Ok(ExitCode::SUCCESS)
 }
 
-fn pipeline_key_bits(args: &Args) -> usize {
-    args.key_size.unwrap_or_else(|| {
-        args.key_file.as_ref().and_then(|p| std::fs::metadata(p).ok()).map_or(0, |m| m.len() as usize * 8)
-    })
+/// Files this start created, removed when it is dropped: on a failed start, an early return drops
+/// it with both still set.
+struct CreatedFiles {
+    backing: Option<PathBuf>,
+    socket: Option<PathBuf>,
+}
+
+impl Drop for CreatedFiles {
+    fn drop(&mut self) {
+        for path in [self.backing.take(), self.socket.take()].into_iter().flatten() {
+            remove_created(&path);
+        }
+    }
+}
+
+fn remove_created(path: &Path) {
+    match std::fs::remove_file(path) {
+        Ok(()) => tracing::info!("removed {}, which this run created", path.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!("cannot remove {}, which this run created: {e}", path.display()),
+    }
 }
 
 fn bind(args: &Args) -> Result<(Listener, String)> {

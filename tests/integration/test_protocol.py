@@ -9,6 +9,7 @@ import os
 import random
 import socket
 import struct
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nbd_client as nbd
+from conftest import require_binary
 from nbd_client import NBDClient, NBDError
 from reference import xts_ref
 
@@ -127,6 +129,118 @@ def test_opt_info_go_contents(ws, sector_size, option):
             data = os.urandom(sector_size)
             c.write(sector_size, data)
             assert c.read(sector_size, sector_size) == data
+
+
+HANDSHAKE_LIMIT = 3
+
+
+def _closed_within(c: NBDClient, seconds: float) -> bool:
+    """Reads (and drops) whatever the server sends until it closes the connection; True if it
+    does within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        c.sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            if c.sock.recv(1 << 20) == b"":
+                return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except socket.timeout:
+            return False
+    return False
+
+
+@pytest.mark.parametrize("stage", ["client_flags", "option"])
+def test_handshake_deadline_cuts_a_trickling_client(ws, stage):
+    """A client that sends one byte every 0.4 s never waits long for any single read, yet must be
+    cut when the handshake's one deadline (--handshake-limit) passes; others are served
+    meanwhile and afterwards."""
+    v = Vol(ws, extra=("--handshake-limit", str(HANDSHAKE_LIMIT)))
+    trickler = NBDClient(v.uri)
+    t0 = time.monotonic()
+    if stage == "option":
+        trickler.handshake()  # greeting read, flags sent: the trickle is inside option haggling
+        payload = struct.pack(">QII", nbd.IHAVEOPT, nbd.OPT_LIST, 0) * 50
+    else:
+        trickler.recv_exact(18)  # the greeting
+        payload = struct.pack(">I", nbd.CLIENT_FLAG_FIXED_NEWSTYLE) + struct.pack(">QII", nbd.IHAVEOPT, nbd.OPT_LIST, 0) * 50
+    cut_at = None
+    served = 0
+    try:
+        for i, b in enumerate(payload):
+            try:
+                trickler.sendall(bytes([b]))
+            except OSError:
+                cut_at = time.monotonic() - t0
+                break
+            trickler.sock.settimeout(0.4)
+            try:
+                got = trickler.sock.recv(65536)
+            except socket.timeout:
+                got = None
+            except (ConnectionResetError, BrokenPipeError):
+                got = b""
+            if got == b"":
+                cut_at = time.monotonic() - t0
+                break
+            # (a reply: an option completed; the trickle goes on)
+            if i % 4 == 0:  # another client is served while the trickler is connected
+                with v.client() as c:
+                    data = os.urandom(512)
+                    c.write(512 * i, data)
+                    assert c.read(512 * i, 512) == data
+                served += 1
+            if time.monotonic() - t0 > HANDSHAKE_LIMIT + 10:
+                break
+    finally:
+        trickler.close()
+    assert cut_at is not None, f"a client trickling bytes was still connected after {time.monotonic() - t0:.1f}s"
+    assert HANDSHAKE_LIMIT - 0.5 <= cut_at <= HANDSHAKE_LIMIT + 3, f"cut after {cut_at:.1f}s (limit {HANDSHAKE_LIMIT}s)"
+    assert served >= 2
+    with v.client() as c:
+        c.write(0, b"x" * 512)
+        assert c.read(0, 512) == b"x" * 512
+    assert "handshake not finished" in v.bridge.stderr(), v.bridge.stderr()[-2000:]
+
+
+def test_handshake_deadline_cuts_a_client_that_never_reads(ws):
+    """A client that floods options and never reads the replies blocks the server's writes once
+    the socket buffers are full: the deadline covers writes too."""
+    v = Vol(ws, extra=("--handshake-limit", str(HANDSHAKE_LIMIT)))
+    c = NBDClient(v.uri)
+    c.handshake()
+    flood = struct.pack(">QII", nbd.IHAVEOPT, nbd.OPT_LIST, 0) * 200_000
+
+    def send():
+        try:
+            c.sock.settimeout(HANDSHAKE_LIMIT + 20)
+            c.sock.sendall(flood)
+        except OSError:
+            pass  # the server closed the connection
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    time.sleep(HANDSHAKE_LIMIT + 1)
+    try:
+        # the server must have given up at the deadline: what it wrote before is drained, then EOF
+        assert _closed_within(c, 5), "the server still negotiates with a client that never reads"
+    finally:
+        c.close()
+        sender.join(timeout=10)
+    with v.client() as c2:
+        c2.write(0, b"y" * 512)
+        assert c2.read(0, 512) == b"y" * 512
+
+
+def test_handshake_limit_option_checked(ws):
+    kf, _ = ws.key(64)
+    backing = ws.backing(MiB)
+    for bad in ("0", "abc", "3601"):
+        p = subprocess.run([str(require_binary()), "serve", "--backing", str(backing), "--key-file", str(kf),
+                            "--unix", str(ws.sockdir / "x.sock"), "--handshake-limit", bad],
+                           capture_output=True, timeout=20)  # fmt: skip
+        assert p.returncode == 2, (bad, p.returncode, p.stderr)
+        assert b"--handshake-limit" in p.stderr
 
 
 def test_flags_read_only_and_trim(ws):

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use crate::budget::Budget;
 use crate::connection::Connection;
-use crate::nbd::handshake::{negotiate, Outcome};
+use crate::nbd::handshake::{negotiate_within, Outcome};
 use crate::nbd::request::Rules;
 pub use crate::nbd::request::MAX_REQUEST;
 use crate::nbd::*;
@@ -22,8 +22,6 @@ use crate::pipeline::Pipeline;
 use crate::pool::{Pool, Reading};
 use crate::stream::Stream;
 
-/// A client has this long to finish the handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// An I/O pool thread without work for this long exits.
 const POOL_IDLE_EXIT: Duration = Duration::from_secs(5);
 
@@ -45,6 +43,9 @@ pub struct ServerConfig {
     /// How long the reading thread polls an empty socket after a quick request before it sleeps
     /// in `read` (zero: never polls). See `Stream::poll_for_input`.
     pub poll_max: Duration,
+    /// How long a client has for the whole handshake, from accept to the transmission phase
+    /// (one deadline, not a per-read timeout); then it is disconnected.
+    pub handshake_limit: Duration,
     /// Connections open at once (handshaking or transmitting); more are closed at accept.
     pub max_connections: usize,
     /// Threads of the I/O pool shared by every connection (started on demand).
@@ -66,6 +67,7 @@ impl ServerConfig {
             allow_discards: false,
             io_workers: 32,
             poll_max: Duration::from_nanos(32_768),
+            handshake_limit: crate::nbd::handshake::DEFAULT_HANDSHAKE_LIMIT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_io_threads: DEFAULT_MAX_IO_THREADS,
             max_inflight_bytes_per_connection: DEFAULT_MAX_INFLIGHT_BYTES_PER_CONNECTION,
@@ -190,11 +192,9 @@ impl Server {
     }
 
     fn connection(self: &Arc<Self>, id: u64, mut stream: Stream, slot: Slot) -> io::Result<()> {
-        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        if negotiate(&mut stream, &self.export)? == Outcome::Closed {
+        if negotiate_within(&mut stream, &self.export, self.config.handshake_limit)? == Outcome::Closed {
             return Ok(());
         }
-        stream.set_read_timeout(None)?;
         tracing::info!(conn = id, "client connected");
         if let Some(conn) = Connection::open(id, stream, Arc::clone(self), slot) {
             // This thread is the connection's first reader.

@@ -6,6 +6,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+use crate::nbd::handshake::SocketTimeouts;
 use crate::nbd::transmission::REQUEST_HEADER_LEN;
 
 /// One accepted socket. A connection reads and writes through `&Stream` from different threads
@@ -54,11 +55,13 @@ impl Stream {
             Stream::Unix(s) => s.shutdown(Shutdown::Both),
         };
     }
+}
 
-    pub(crate) fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+impl SocketTimeouts for Stream {
+    fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
         match self {
-            Stream::Tcp(s) => s.set_read_timeout(t),
-            Stream::Unix(s) => s.set_read_timeout(t),
+            Stream::Tcp(s) => s.set_timeouts(timeout),
+            Stream::Unix(s) => s.set_timeouts(timeout),
         }
     }
 }

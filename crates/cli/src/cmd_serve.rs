@@ -108,6 +108,11 @@ pub struct Args {
     /// cost of CPU time. 0 disables polling.
     #[arg(long, default_value_t = 32_768)]
     poll_max_ns: u64,
+    /// Seconds a client has for the whole handshake, from connecting to the start of
+    /// transmission (one deadline, however the client paces its bytes; as qemu-nbd's
+    /// --handshake-limit). A client still negotiating then is disconnected.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    handshake_limit: u64,
     /// `plain` (dm-crypt plain mode: --key-file is the raw key) or `luks` (a LUKS1/LUKS2 volume
     /// made by cryptsetup or qemu-img: its header gives the cipher, key size, sector size and data
     /// offset, and the export is its data segment; --key-file is then a passphrase file read whole
@@ -201,6 +206,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             allow_discards: args.allow_discards,
             io_workers: args.io_workers,
             poll_max: std::time::Duration::from_nanos(args.poll_max_ns),
+            handshake_limit: std::time::Duration::from_secs(args.handshake_limit),
             max_connections: args.max_connections,
             max_io_threads: args.max_io_threads,
             max_inflight_bytes_per_connection: args.max_inflight_bytes_per_connection,

@@ -1,7 +1,14 @@
 //! Fixed newstyle negotiation: greeting, client flags, then option haggling until the client
 //! picks the export (EXPORT_NAME or GO) or leaves.
+//!
+//! The whole negotiation has one deadline ([`negotiate_within`]): before every read and write the
+//! socket's timeout is set to the time left, so a client that trickles bytes, or stops reading
+//! the replies, is cut when the deadline passes, however it paces itself.
 
 use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::time::{Duration, Instant};
 
 use super::*;
 
@@ -9,6 +16,94 @@ use super::*;
 const MAX_OPTION_LEN: u32 = 16 * 1024;
 /// Larger option payloads are not even drained: the connection is dropped.
 const MAX_DRAIN_LEN: u32 = 1 << 20;
+
+/// The default for how long a client has for the whole handshake, from accept to the
+/// transmission phase (`serve --handshake-limit`).
+pub const DEFAULT_HANDSHAKE_LIMIT: Duration = Duration::from_secs(30);
+
+/// A socket whose blocking reads and writes can be given a timeout.
+pub trait SocketTimeouts {
+    /// Sets the read and the write timeout (`None`: block without limit).
+    fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()>;
+}
+
+impl SocketTimeouts for TcpStream {
+    fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
+        self.set_read_timeout(timeout)?;
+        self.set_write_timeout(timeout)
+    }
+}
+
+impl SocketTimeouts for UnixStream {
+    fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
+        self.set_read_timeout(timeout)?;
+        self.set_write_timeout(timeout)
+    }
+}
+
+/// Runs [`negotiate`] with one deadline, `limit` from now, over every read and write of the
+/// handshake. Past it the handshake fails with [`io::ErrorKind::TimedOut`]. The socket is left
+/// without timeouts when the handshake ends in time.
+pub fn negotiate_within<S: Read + Write + SocketTimeouts>(
+    stream: &mut S,
+    export: &ExportInfo,
+    limit: Duration,
+) -> io::Result<Outcome> {
+    let outcome = negotiate(&mut Deadline { stream: &mut *stream, deadline: Instant::now() + limit, limit }, export)?;
+    stream.set_timeouts(None)?;
+    Ok(outcome)
+}
+
+/// A stream whose every read and write must end by `deadline`.
+struct Deadline<'a, S> {
+    stream: &'a mut S,
+    deadline: Instant,
+    limit: Duration,
+}
+
+impl<S: SocketTimeouts> Deadline<'_, S> {
+    fn expired(&self) -> io::Error {
+        io::Error::new(io::ErrorKind::TimedOut, format!("handshake not finished within {:?}", self.limit))
+    }
+
+    /// Sets the socket's timeouts to the time left before the deadline.
+    fn arm(&self) -> io::Result<()> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(self.expired());
+        }
+        self.stream.set_timeouts(Some(left))
+    }
+
+    /// A timed-out socket call reports WouldBlock (EAGAIN); say what happened instead.
+    fn check<T>(&self, r: io::Result<T>) -> io::Result<T> {
+        match r {
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => Err(self.expired()),
+            r => r,
+        }
+    }
+}
+
+impl<S: Read + SocketTimeouts> Read for Deadline<'_, S> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.arm()?;
+        let r = self.stream.read(buf);
+        self.check(r)
+    }
+}
+
+impl<S: Write + SocketTimeouts> Write for Deadline<'_, S> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.arm()?;
+        let r = self.stream.write(buf);
+        self.check(r)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        let r = self.stream.flush();
+        self.check(r)
+    }
+}
 
 /// How negotiation ended.
 #[derive(Debug, PartialEq, Eq)]
@@ -172,6 +267,99 @@ fn read_u64<R: Read>(r: &mut R) -> io::Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn export() -> ExportInfo {
+        ExportInfo {
+            name: "x".into(),
+            description: String::new(),
+            size: 1 << 20,
+            transmission_flags: TFLAG_HAS_FLAGS,
+            min_block: 1,
+            preferred_block: 4096,
+            max_block: 1 << 25,
+        }
+    }
+
+    fn option(option: u32, data: &[u8]) -> Vec<u8> {
+        let mut v = IHAVEOPT.to_be_bytes().to_vec();
+        v.extend_from_slice(&option.to_be_bytes());
+        v.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        v.extend_from_slice(data);
+        v
+    }
+
+    /// A client that sends one byte every 50 ms (each read completes well within any per-read
+    /// timeout) is cut when the overall deadline passes.
+    #[test]
+    fn trickling_client_is_cut_at_the_deadline() {
+        let (mut server, client) = UnixStream::pair().unwrap();
+        let trickle = std::thread::spawn(move || {
+            let mut c = client;
+            let mut bytes = (CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES).to_be_bytes().to_vec();
+            for _ in 0..100 {
+                bytes.extend_from_slice(&option(OPT_LIST, &[]));
+            }
+            for b in bytes {
+                if c.write_all(&[b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let t0 = Instant::now();
+        let err = negotiate_within(&mut server, &export(), Duration::from_millis(600)).unwrap_err();
+        let took = t0.elapsed();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+        assert!(err.to_string().contains("handshake not finished"), "{err}");
+        assert!(took >= Duration::from_millis(600) && took < Duration::from_millis(1500), "{took:?}");
+        drop(server);
+        trickle.join().unwrap();
+    }
+
+    /// A client that sends options but never reads the replies blocks the server's writes once
+    /// the socket buffers are full; the deadline covers those writes too.
+    #[test]
+    fn client_that_never_reads_is_cut_at_the_deadline() {
+        let (mut server, client) = UnixStream::pair().unwrap();
+        let flood = std::thread::spawn(move || {
+            let mut c = client;
+            let mut bytes = (CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES).to_be_bytes().to_vec();
+            for _ in 0..200_000 {
+                bytes.extend_from_slice(&option(OPT_LIST, &[]));
+            }
+            let _ = c.write_all(&bytes); // fails once the server side is closed
+        });
+        let t0 = Instant::now();
+        let err = negotiate_within(&mut server, &export(), Duration::from_millis(600)).unwrap_err();
+        let took = t0.elapsed();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+        assert!(took < Duration::from_millis(1500), "{took:?}");
+        drop(server);
+        flood.join().unwrap();
+    }
+
+    /// A prompt handshake ends in transmission and leaves the socket without timeouts.
+    #[test]
+    fn handshake_in_time_clears_the_timeouts() {
+        let (mut server, client) = UnixStream::pair().unwrap();
+        let go = std::thread::spawn(move || {
+            let mut c = client;
+            let mut greeting = [0u8; 18];
+            c.read_exact(&mut greeting).unwrap();
+            c.write_all(&(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES).to_be_bytes()).unwrap();
+            let mut data = 0u32.to_be_bytes().to_vec();
+            data.extend_from_slice(&0u16.to_be_bytes());
+            c.write_all(&option(OPT_GO, &data)).unwrap();
+            let mut sink = Vec::new();
+            let _ = c.read_to_end(&mut sink);
+        });
+        let outcome = negotiate_within(&mut server, &export(), Duration::from_secs(10)).unwrap();
+        assert_eq!(outcome, Outcome::Transmission);
+        assert_eq!(server.read_timeout().unwrap(), None);
+        assert_eq!(server.write_timeout().unwrap(), None);
+        drop(server);
+        go.join().unwrap();
+    }
 
     #[test]
     fn info_request_parsing() {

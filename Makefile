@@ -42,7 +42,7 @@ Use it from another terminal:
   nbdcopy $(URI) copy.img                         # read it back (decrypted)
   mkdir -p /tmp/nbd && nbdfuse /tmp/nbd/disk $(URI) &   # expose the export as a file
   until [ -e /tmp/nbd/disk ]; do sleep 0.1; done  # wait for nbdfuse
-  dev=$$(losetup -f --show /tmp/nbd/disk) && mkfs.ext4 -b 4096 $$dev && mount $$dev /mnt
+  dev=$$(losetup -f --show /tmp/nbd/disk) && mkfs.ext4 $$dev && mount $$dev /mnt
 Same bytes as: cryptsetup open --type plain --cipher aes-xts-plain64 --key-size 512 \
   --sector-size 4096 --key-file $(DATA_DIR)/volume.key $(DATA_DIR)/volume.img NAME
 Stop with Ctrl-C (answered writes are synced first).

@@ -232,8 +232,10 @@ fn export_info(pipeline: &Pipeline, config: &ServerConfig) -> ExportInfo {
         description: config.description.clone(),
         size: pipeline.size(),
         transmission_flags: flags,
-        min_block: ss,
-        preferred_block: ss.max(4096),
+        // Any byte range is served (the pipeline widens it to whole sectors with
+        // read-modify-write), so the minimum is 1, as nbdkit's; whole sectors avoid that cost.
+        min_block: 1,
+        preferred_block: ss,
         max_block: MAX_REQUEST,
     }
 }

@@ -452,6 +452,24 @@ mod tests {
     }
 
     #[test]
+    fn a_crash_before_the_primary_copy_leaves_the_secondary() {
+        // The state after step 3 of the write order: keyslot and secondary written, primary not
+        // (its area still cleared by step 1).
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v.img");
+        let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+        f.set_len(20 << 20).unwrap();
+        format(&f, "v.img", 20 << 20, &params(2, Kdf::Pbkdf2 { hash: Hash::Sha256, iterations: 1000 }, 512, false), b"pass").unwrap();
+        f.write_all_at(&[0u8; luks2::BIN_LEN], 0).unwrap();
+        let h = crate::Header::read(&f).unwrap();
+        assert!(h.warnings()[0].contains("primary header is damaged"), "{:?}", h.warnings());
+        assert!(h.unlock(&f, b"pass", None).is_ok());
+        // After step 1 or 2 only: no header at all, never a stale one.
+        f.write_all_at(&[0u8; luks2::BIN_LEN], LUKS2_HDR_SIZE).unwrap();
+        assert!(matches!(crate::Header::read(&f), Err(VolumeError::NotLuks(_))));
+    }
+
+    #[test]
     fn bad_parameters_and_a_held_lock_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("v.img");

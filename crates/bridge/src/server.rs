@@ -37,8 +37,8 @@ pub struct ServerConfig {
     pub description: String,
     pub read_only: bool,
     pub allow_discards: bool,
-    /// The most requests one connection has running at once on the I/O pool (its queue depth
-    /// served in parallel).
+    /// The most slow requests one connection has running at once (its queue depth served in
+    /// parallel).
     pub io_workers: usize,
     /// How long the reading thread polls an empty socket after a quick request before it sleeps
     /// in `read` (zero: never polls). See `Stream::poll_for_input`.
@@ -48,7 +48,8 @@ pub struct ServerConfig {
     pub handshake_limit: Duration,
     /// Connections open at once (handshaking or transmitting); more are closed at accept.
     pub max_connections: usize,
-    /// Threads of the I/O pool shared by every connection (started on demand).
+    /// I/O pool threads idle or running requests, shared by every connection (started on
+    /// demand; threads waiting on a client's socket do not count).
     pub max_io_threads: usize,
     /// Request bytes one connection may have in flight (WRITE payloads not yet written, READ
     /// data not yet sent); at the limit its socket is not read until replies drain.

@@ -82,12 +82,13 @@ pub struct Args {
     /// Crypto threads for large requests (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// The most requests of one connection run at once (its queue depth served in parallel), on
-    /// the I/O threads that every connection shares.
+    /// The most requests of one connection running at once (its queue depth served in
+    /// parallel), on I/O threads that every connection shares.
     #[arg(long, default_value_t = 32)]
     io_workers: usize,
-    /// Most I/O threads, shared by every connection: started when a request finds none idle,
-    /// ended after 5 s without work.
+    /// Most I/O threads idle or running requests, shared by every connection (threads waiting on
+    /// a client's socket do not count): started when a request finds none idle, ended after 5 s
+    /// without work.
     #[arg(long, default_value_t = cryptbridge_bridge::server::DEFAULT_MAX_IO_THREADS)]
     max_io_threads: usize,
     /// Most connections open at once (handshaking or transmitting); further ones are closed at

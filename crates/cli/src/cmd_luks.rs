@@ -16,6 +16,7 @@ use zeroize::Zeroizing;
 use crate::passphrase;
 
 #[derive(clap::Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once from the command line
 pub enum Command {
     /// Print a LUKS1/LUKS2 header (as `cryptsetup luksDump`, without secrets) and whether
     /// `serve --type luks` can serve it.

@@ -102,7 +102,7 @@ pub fn checksum(alg: &str, binary_zeroed: &[u8], json_area: &[u8]) -> Result<Vec
 /// Both copies of a header (primary, secondary) ready to be written at 0 and at `hdr_size`.
 pub fn encode_copies(binary: &BinaryHeader, json: &Value) -> Result<(Vec<u8>, Vec<u8>)> {
     let text = serde_json::to_vec(json).map_err(|e| VolumeError::Invalid(format!("LUKS2 JSON: {e}")))?;
-    let json_len = (binary.hdr_size as usize).checked_sub(BIN_LEN).unwrap_or(0);
+    let json_len = (binary.hdr_size as usize).saturating_sub(BIN_LEN);
     if text.len() >= json_len {
         return Err(VolumeError::Invalid(format!("LUKS2 metadata of {} bytes does not fit the {json_len}-byte JSON area", text.len())));
     }
@@ -796,7 +796,8 @@ pub(crate) mod tests {
 
     #[test]
     fn unsupported_states_are_refused_before_any_key_derivation() {
-        let cases: Vec<(Box<dyn Fn(&mut Value)>, &str)> = vec![
+        type Edit = Box<dyn Fn(&mut Value)>;
+        let cases: Vec<(Edit, &str)> = vec![
             (Box::new(|j| j["config"]["requirements"] = json!({"mandatory": ["online-reencrypt-v2"]})), "reencryption is in progress"),
             (Box::new(|j| j["config"]["requirements"] = json!({"mandatory": ["future-thing"]})), "future-thing"),
             (Box::new(|j| j["segments"]["0"]["integrity"] = json!({"type": "hmac(sha256)", "journal_encryption": "none", "journal_integrity": "none"})), "dm-integrity"),

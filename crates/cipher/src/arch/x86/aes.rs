@@ -31,11 +31,13 @@ super::kernel_aesni! {
 unsafe fn expand_aesni(key: &[u8]) -> RoundKeys {
     let mut enc = [_mm_setzero_si128(); 15];
     let rounds = if key.len() == 32 { 14 } else { 10 };
-    #[inline(always)]
-    unsafe fn fold(k: __m128i) -> __m128i {
-        let k = _mm_xor_si128(k, _mm_slli_si128::<4>(k));
-        let k = _mm_xor_si128(k, _mm_slli_si128::<4>(k));
-        _mm_xor_si128(k, _mm_slli_si128::<4>(k))
+    macro_rules! fold {
+        ($k:expr) => {{
+            let k = $k;
+            let k = _mm_xor_si128(k, _mm_slli_si128::<4>(k));
+            let k = _mm_xor_si128(k, _mm_slli_si128::<4>(k));
+            _mm_xor_si128(k, _mm_slli_si128::<4>(k))
+        }};
     }
     macro_rules! assist {
         ($k:expr, $rcon:literal) => {
@@ -43,28 +45,29 @@ unsafe fn expand_aesni(key: &[u8]) -> RoundKeys {
         };
     }
     if rounds == 10 {
-        let mut k = _mm_loadu_si128(key.as_ptr().cast());
+        // SAFETY: `key` is 16 bytes here.
+        let mut k = unsafe { _mm_loadu_si128(key.as_ptr().cast()) };
         enc[0] = k;
         macro_rules! step {
             ($i:literal, $rcon:literal) => {
-                k = _mm_xor_si128(fold(k), _mm_shuffle_epi32::<0xff>(assist!(k, $rcon)));
+                k = _mm_xor_si128(fold!(k), _mm_shuffle_epi32::<0xff>(assist!(k, $rcon)));
                 enc[$i] = k;
             };
         }
         step!(1, 0x01); step!(2, 0x02); step!(3, 0x04); step!(4, 0x08); step!(5, 0x10);
         step!(6, 0x20); step!(7, 0x40); step!(8, 0x80); step!(9, 0x1b); step!(10, 0x36);
     } else {
-        let mut a = _mm_loadu_si128(key.as_ptr().cast());
-        let mut b = _mm_loadu_si128(key.as_ptr().add(16).cast());
+        // SAFETY: `key` is 32 bytes here.
+        let (mut a, mut b) = unsafe { (_mm_loadu_si128(key.as_ptr().cast()), _mm_loadu_si128(key.as_ptr().add(16).cast())) };
         enc[0] = a;
         enc[1] = b;
         macro_rules! step {
             ($i:literal, $rcon:literal) => {
-                a = _mm_xor_si128(fold(a), _mm_shuffle_epi32::<0xff>(assist!(b, $rcon)));
+                a = _mm_xor_si128(fold!(a), _mm_shuffle_epi32::<0xff>(assist!(b, $rcon)));
                 enc[2 * $i] = a;
                 // The last step (i = 7) makes round key 14 only.
                 if let Some(slot) = enc.get_mut(2 * $i + 1) {
-                    b = _mm_xor_si128(fold(b), _mm_shuffle_epi32::<0xaa>(assist!(a, 0x00)));
+                    b = _mm_xor_si128(fold!(b), _mm_shuffle_epi32::<0xaa>(assist!(a, 0x00)));
                     *slot = b;
                 }
             };
@@ -74,9 +77,12 @@ unsafe fn expand_aesni(key: &[u8]) -> RoundKeys {
     }
     let mut keys = RoundKeys { enc: [[0; 16]; 15], dec: [[0; 16]; 15], rounds };
     for r in 0..=rounds {
-        _mm_storeu_si128(keys.enc[r].as_mut_ptr().cast(), enc[r]);
         let d = if r == 0 || r == rounds { enc[rounds - r] } else { _mm_aesimc_si128(enc[rounds - r]) };
-        _mm_storeu_si128(keys.dec[r].as_mut_ptr().cast(), d);
+        // SAFETY: each destination is a 16-byte array.
+        unsafe {
+            _mm_storeu_si128(keys.enc[r].as_mut_ptr().cast(), enc[r]);
+            _mm_storeu_si128(keys.dec[r].as_mut_ptr().cast(), d);
+        }
     }
     // The __m128i copies on the stack are overwritten before return.
     enc = [_mm_setzero_si128(); 15];

@@ -28,7 +28,8 @@ pub(crate) fn clear_vector_registers() {
 #[target_feature(enable = "avx512f")]
 unsafe fn clear_avx512() {
     // vzeroall zeroes zmm0-15 whole; zmm16-31 need explicit writes.
-    core::arch::asm!(
+    // SAFETY: the asm only writes vector registers, all declared clobbered by `clobber_abi`.
+    unsafe { core::arch::asm!(
         "vzeroall",
         "vpxord xmm16, xmm16, xmm16", "vpxord xmm17, xmm17, xmm17", "vpxord xmm18, xmm18, xmm18",
         "vpxord xmm19, xmm19, xmm19", "vpxord xmm20, xmm20, xmm20", "vpxord xmm21, xmm21, xmm21",
@@ -38,23 +39,25 @@ unsafe fn clear_avx512() {
         "vpxord xmm31, xmm31, xmm31",
         clobber_abi("C"),
         options(nomem, nostack, preserves_flags),
-    );
+    ) };
 }
 
 #[target_feature(enable = "avx")]
 unsafe fn clear_avx() {
-    core::arch::asm!("vzeroall", clobber_abi("C"), options(nomem, nostack, preserves_flags));
+    // SAFETY: the asm only writes vector registers, all declared clobbered by `clobber_abi`.
+    unsafe { core::arch::asm!("vzeroall", clobber_abi("C"), options(nomem, nostack, preserves_flags)) };
 }
 
 unsafe fn clear_sse() {
-    core::arch::asm!(
+    // SAFETY: the asm only writes vector registers, all declared clobbered by `clobber_abi`.
+    unsafe { core::arch::asm!(
         "pxor xmm0, xmm0", "pxor xmm1, xmm1", "pxor xmm2, xmm2", "pxor xmm3, xmm3",
         "pxor xmm4, xmm4", "pxor xmm5, xmm5", "pxor xmm6, xmm6", "pxor xmm7, xmm7",
         "pxor xmm8, xmm8", "pxor xmm9, xmm9", "pxor xmm10, xmm10", "pxor xmm11, xmm11",
         "pxor xmm12, xmm12", "pxor xmm13, xmm13", "pxor xmm14, xmm14", "pxor xmm15, xmm15",
         clobber_abi("C"),
         options(nomem, nostack, preserves_flags),
-    );
+    ) };
 }
 
 #[cfg(test)]
@@ -114,12 +117,14 @@ mod tests {
     unsafe fn load_all(p: *const u8) {
         macro_rules! loads {
             ($($r:literal)*) => {
-                core::arch::asm!(
+                // SAFETY: reads 64 bytes at `p` (the caller's marker); writes only clobbered
+                // registers.
+                unsafe { core::arch::asm!(
                     $(concat!("vmovdqu64 zmm", $r, ", zmmword ptr [{p}]"),)*
                     p = in(reg) p,
                     clobber_abi("C"),
                     options(readonly, nostack, preserves_flags),
-                )
+                ) }
             };
         }
         loads!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31);
@@ -129,11 +134,12 @@ mod tests {
     unsafe fn store_all(p: *mut u8) {
         macro_rules! stores {
             ($($r:literal)*) => {
-                core::arch::asm!(
+                // SAFETY: writes 32 x 64 bytes at `p`, which the caller provides.
+                unsafe { core::arch::asm!(
                     $(concat!("vmovdqu64 zmmword ptr [{p} + 64 * ", $r, "], zmm", $r),)*
                     p = in(reg) p,
                     options(nostack, preserves_flags),
-                )
+                ) }
             };
         }
         stores!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31);

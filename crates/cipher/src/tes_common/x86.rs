@@ -288,14 +288,15 @@ unsafe fn ctr_regs<V: AesVec, const NR: usize, const INC32: bool, const N: usize
 }
 
 /// Counter mode over `data`: eight registers per iteration, then the remaining whole registers
-/// in groups of four, two and one, then a partial register through a stack copy.
+/// in groups of four, two and one, then a partial register.
 #[inline(always)]
 unsafe fn ctr<V: AesVec, const NR: usize, const INC32: bool>(keys: &Keys, data: &mut [u8], seed: [u8; 16]) {
     let reg = 16 * V::LANES;
     let len = data.len();
     let p = data.as_mut_ptr();
-    // SAFETY: every register processed lies inside `data` (checked by the loop bounds) or inside
-    // `tail`; inlined into a function of V's level.
+    // SAFETY: every register processed lies inside `data` (checked by the loop bounds; the
+    // last one is `rem` bytes, written block by block and byte by byte); inlined into a
+    // function of V's level.
     unsafe {
         let rk = splat_keys::<V, NR>(keys);
         let mut c = Counters::<V>::new::<INC32>(seed, rk[0]);
@@ -317,14 +318,26 @@ unsafe fn ctr<V: AesVec, const NR: usize, const INC32: bool>(keys: &Keys, data: 
             off += reg;
         }
         if off < len {
-            let n = len - off;
-            let mut tail = [0u8; 64];
-            core::ptr::copy_nonoverlapping(p.add(off), tail.as_mut_ptr(), n);
-            ctr_regs::<V, NR, INC32, 1>(&rk, &mut c, tail.as_mut_ptr());
-            core::ptr::copy_nonoverlapping(tail.as_ptr(), p.add(off), n);
-            // The copy holds output bytes and keystream beyond them.
-            tail = [0u8; 64];
-            core::hint::black_box(&tail);
+            // Fewer than LANES blocks: whole blocks through partial loads and stores, then the
+            // bytes of a last partial block from the register's next lane.
+            let rem = len - off;
+            let nb = rem / 16;
+            let mut x = [c.next::<INC32>()];
+            rounds_pinned::<V, NR, false, 1>(&rk, &mut x);
+            let q = p.add(off);
+            if nb > 0 {
+                V::load_blocks(q, nb).xor(x[0]).store_blocks(q, nb);
+            }
+            if rem > 16 * nb {
+                let mut ks = [0u8; 64];
+                x[0].store(ks.as_mut_ptr());
+                for i in 16 * nb..rem {
+                    *q.add(i) ^= ks[i];
+                }
+                // The keystream equals plaintext XOR ciphertext: do not leave it on the stack.
+                ks = [0u8; 64];
+                core::hint::black_box(&ks);
+            }
         }
     }
 }

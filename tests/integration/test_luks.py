@@ -18,8 +18,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -512,3 +514,48 @@ def test_luks_dump_text_and_refusal(ws, luks2_img):
     assert "Served as:     refused: LUKS2 requirement `cryptbridge-test-requirement`" in out, out
     p = run([require_binary(), "luks", "dump", ws.tmp / "pass"], timeout=30)
     assert p.returncode == 1 and b"no LUKS header" in p.stderr, p.stderr
+
+
+def test_passphrase_prompt_on_a_terminal_without_echo(ws):
+    """Without --key-file on a terminal: a prompt, the typed passphrase not echoed, the line's
+    newline not part of it."""
+    import pty
+    import select
+    import termios
+
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    secret = b"typed at the prompt"
+    pw = write_file(ws.tmp / "pass", secret)
+    luks_format(img, pw, "--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2)
+    sock = ws.sockdir / "tty.sock"
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: serve on the pty
+        os.execv(str(require_binary()), [str(require_binary()), "serve", "--type", "luks", "--backing", str(img), "--unix", str(sock)])
+    seen = b""
+
+    def read_until(needle: bytes, timeout: float = 30) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while needle not in seen and time.monotonic() < deadline:
+            r, _, _ = select.select([fd], [], [], 0.2)
+            if r:
+                try:
+                    seen += os.read(fd, 4096)
+                except OSError:
+                    break
+        assert needle in seen, seen
+
+    try:
+        read_until(b"Enter passphrase for")
+        # Type only once echo is off (what was typed ahead would be echoed by the tty itself).
+        deadline = time.monotonic() + 30
+        while termios.tcgetattr(fd)[3] & termios.ECHO and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not termios.tcgetattr(fd)[3] & termios.ECHO, "echo stays on at the prompt"
+        os.write(fd, secret + b"\n")
+        read_until(b"ready nbd+unix://")
+        assert secret not in seen, "the passphrase was echoed"
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+        os.close(fd)

@@ -559,3 +559,34 @@ def test_passphrase_prompt_on_a_terminal_without_echo(ws):
         os.kill(pid, signal.SIGTERM)
         os.waitpid(pid, 0)
         os.close(fd)
+
+
+def test_luks2_hctr2_volume_formatted_here(ws):
+    """A LUKS2 volume with a wide-block data cipher (aes-hctr2-plain64): cryptsetup opens its
+    keyslot (aes-xts-plain64/512, cryptsetup's keyslot cipher for such volumes), and the data on
+    disk is HCTR2 (Python reference) with dm-crypt's 32-byte plain64 tweak in 512-byte units."""
+    from reference import hctr2
+
+    need("cryptsetup")
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    p = run([require_binary(), "luks", "format", "--cipher", "aes-hctr2-plain64", "--key-size", "256", "--sector-size", "4096",
+             "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000", "--key-file", pw, img], timeout=60)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    cryptsetup("open", "--test-passphrase", "--key-file", pw, img)
+    key = volume_key(img, pw)
+    offset, sector = data_layout(img)
+    assert (len(key), sector) == (32, 4096)
+    b = serve_luks(ws, img, pw)
+    data = os.urandom(2 * sector)
+    with NBDClient(b.uri) as c:
+        c.connect()
+        c.write(3 * sector, data)
+        c.flush()
+        assert c.read(3 * sector, len(data)) == data
+    assert b.stop() == 0
+    raw = img.read_bytes()
+    for i in (3, 4):
+        tweak = (i * sector // 512).to_bytes(16, "little") + bytes(16)
+        want = hctr2.encrypt(key, tweak, data[(i - 3) * sector : (i - 2) * sector])
+        assert raw[offset + i * sector : offset + (i + 1) * sector] == want, f"sector {i}"

@@ -79,9 +79,9 @@ def ours(binary: Path, threads: int, seconds: float, level: str | None = None) -
     return obj
 
 
-def openssl_speed(alg: str, seconds: int, decrypt: bool = False, multi: int = 1) -> float:
+def openssl_speed(alg: str, seconds: float, decrypt: bool = False, multi: int = 1) -> float:
     """Returns GB/s (10^9 B/s) parsed from `openssl speed` human output ('1000s of bytes')."""
-    argv = ["openssl", "speed", "-elapsed", "-seconds", str(seconds)]
+    argv = ["openssl", "speed", "-elapsed", "-seconds", str(max(1, round(seconds)))]  # whole seconds only
     if decrypt:
         argv.append("-decrypt")
     if multi > 1:

@@ -255,7 +255,7 @@ mod tests {
         wait_for("the thread to join and wait for work", || pool.lock().sleepers == 1);
         let done = Arc::new(AtomicUsize::new(0));
         let d = done.clone();
-        assert!(pool.submit(Box::new(move |_| drop(d.fetch_add(1, SeqCst)))).is_ok());
+        assert!(pool.submit(Box::new(move |_| { d.fetch_add(1, SeqCst); })).is_ok());
         wait_for("the job", || done.load(SeqCst) == 1);
         assert_eq!(pool.threads(), 1, "the joined thread took it; none was started");
         joined.join().unwrap();
@@ -271,7 +271,7 @@ mod tests {
         wait_for("the panicked job's reading mark to go", || pool.readers.load(SeqCst) == 0);
         assert_eq!(pool.threads(), 1);
         let d = done.clone();
-        assert!(pool.submit(Box::new(move |_| drop(d.fetch_add(1, SeqCst)))).is_ok());
+        assert!(pool.submit(Box::new(move |_| { d.fetch_add(1, SeqCst); })).is_ok());
         wait_for("the second job", || done.load(SeqCst) == 1);
         assert_eq!(pool.threads(), 1, "the same thread ran it");
     }

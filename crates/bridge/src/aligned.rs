@@ -16,8 +16,9 @@ const CLASSES: usize = 32;
 /// pages requested. An O_DIRECT request is handed to the device as one segment per physically
 /// contiguous run of the buffer: a 1 MiB buffer of scattered 4 KiB pages is 256 segments, more
 /// than a virtio disk takes in one request (254 here), so the kernel splits it, and read
-/// throughput then depends on where the allocator happened to place the buffer (measured: 1.0
-/// against 1.5 GB/s for identical servers). A huge page makes it one segment every time.
+/// throughput then depends on where the allocator happened to place the buffer (identical
+/// servers differed by half; docs/bench/2026-11-23-bridge.md). A huge page makes it one segment
+/// every time.
 const HUGE_MIN: usize = 1024 * 1024;
 const HUGE_PAGE: usize = 2 * 1024 * 1024;
 

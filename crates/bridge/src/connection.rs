@@ -29,8 +29,8 @@ use crate::stream::{Inbound, Stream};
 
 /// READs from this size on an O_DIRECT backing are decrypted while their reply is sent
 /// (`Pipeline::open_into`). On a cached backing the machine is CPU-bound and splitting the
-/// decryption over the crypto pool before sending measured faster (SEQ1M Q8 page-cache reads:
-/// streamed 0.90x of split, median of 10 pairs), so those keep the split.
+/// decryption over the crypto pool before sending was faster in paired runs
+/// (docs/bench/2026-11-23-bridge.md), so those keep the split.
 const STREAMED_MIN_LEN: u32 = 256 * 1024;
 /// Requests up to this size on a cached backing count as quick (see [`is_quick`]).
 const QUICK_MAX_LEN: u32 = 16 * 1024;
@@ -413,7 +413,7 @@ impl Connection {
     /// Writes replies in order, each dropped (its buffer and permit given back) once written:
     /// runs of plain replies in one writev each, up to `BATCH_MAX_REPLIES` replies and until
     /// `BATCH_MAX_BYTES` of data are in (so a large READ's reply goes alone: several MiB in one
-    /// writev measured 0.83x the throughput of SEQ1M Q8 passthrough reads); sealed READs
+    /// writev cost large sequential reads throughput in paired runs); sealed READs
     /// decrypted a piece at a time as they go out. Should a decryption fail after its header has
     /// gone, the error closes the connection: the client must not take the rest of the stream
     /// for data.

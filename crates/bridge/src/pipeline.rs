@@ -229,9 +229,8 @@ impl Pipeline {
     // its own thread: their threads occupy the cores, and spreading one buffer over the crypto
     // pool then adds wake-ups and idle spinning. On an O_DIRECT backing a write always takes the
     // pool (when the engine finds it large enough): there the client's queue depth, not the CPU,
-    // limits throughput, so what counts is how soon each write completes. SEQ1M Q8 writes
-    // through a RAM-backed loop device, 8 alternating pairs: 0.82 x passthrough with the
-    // request's own thread, 0.89 x with the pool, at about 10 % more server CPU.
+    // limits throughput, so what counts is how soon each write completes (the pool was the
+    // faster of the two in paired runs, for a little more server CPU; docs/bench/2026-11-23-bridge.md).
     fn write_sectors(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let (_running, busy) = InFlight::enter(&self.in_flight);
         let sector = offset / self.sector_size;

@@ -26,8 +26,8 @@ impl Stream {
 
     /// Waits up to `window` for inbound bytes without sleeping. A thread that sleeps in `read`
     /// between two requests of a client that waits for each reply (queue depth 1) lets its CPU go
-    /// idle, and on a VM an idle vCPU takes tens of microseconds to wake: measured here, that
-    /// doubled the latency of a 4 KiB page-cache read. Polling for a bounded window (as qemu's
+    /// idle, and on a VM an idle vCPU takes tens of microseconds to wake, which is longer than a
+    /// 4 KiB page-cache read takes to serve. Polling for a bounded window (as qemu's
     /// iothreads do by default, `poll-max-ns`) catches the next request while the thread is still
     /// running; `yield_now` between polls leaves the CPU to the client if both share one.
     pub(crate) fn poll_for_input(&self, window: Duration) {

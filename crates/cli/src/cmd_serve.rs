@@ -105,8 +105,8 @@ pub struct Args {
     max_inflight_bytes: u64,
     /// After answering a small page-cache request, poll the socket this long (nanoseconds) for
     /// the next request before sleeping, like qemu's iothread `poll-max-ns`: waking an idle
-    /// vCPU costs tens of microseconds, so polling halves queue-depth-1 latency on VMs at the
-    /// cost of CPU time. 0 disables polling.
+    /// vCPU costs tens of microseconds, more than serving a small request, so polling cuts
+    /// queue-depth-1 latency on VMs at the cost of CPU time. 0 disables polling.
     #[arg(long, default_value_t = 32_768)]
     poll_max_ns: u64,
     /// Seconds a client has for the whole handshake, from connecting to the start of

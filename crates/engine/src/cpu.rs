@@ -9,7 +9,7 @@ use rayon::prelude::*;
 use crate::{Backend, Direction, EngineError, SectorRun};
 
 /// Below this many bytes a request runs on the calling thread: waking the pool costs more than
-/// the crypto (about 10 µs per 64 KiB at VAES speed).
+/// the crypto of a request this small at VAES speed.
 const PARALLEL_MIN_BYTES: usize = 128 * 1024;
 
 pub struct CpuBackend {

@@ -51,8 +51,9 @@ pub struct Fast {
     brw: BrwPowers,
     variant: FastHash,
     key_len: usize,
-    /// VAES and the AVX-512 BRW kernel both run here: 4096-byte units of FAST-BRW go through
-    /// the interleaved multi-unit path (`units_brw4096`).
+    /// This crate's AES and carry-less multiply kernels both run here (level `aesni` and up,
+    /// AES-128/256): 4096-byte units of FAST-BRW go through the interleaved multi-unit path
+    /// (`units_brw4096`).
     #[cfg(target_arch = "x86_64")]
     fused: bool,
 }
@@ -223,7 +224,7 @@ impl Fast {
         }
     }
 
-    /// Encrypts or decrypts a run of 4096-byte units (FAST-BRW, VAES + AVX-512 only) as a
+    /// Encrypts or decrypts a run of 4096-byte units (FAST-BRW, level `aesni` and up) as a
     /// software pipeline: unit u's counter mode runs in one loop with the BRW of unit u - 1's
     /// output and of unit u + 2's input (`x86::ctr_brw255`), so the AES and carry-less multiply
     /// units work at the same time. Per unit the arithmetic is exactly `encrypt` /

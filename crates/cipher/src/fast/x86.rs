@@ -14,15 +14,16 @@ use crate::CpuLevel;
 
 pub(super) mod asm256;
 
-/// Level-1 groups per quarter of a k = 255 BRW.
+/// Level-1 groups per quarter of a k = 255 BRW (the vaes512 kernels).
 const Q: usize = 16;
 
 /// FAST's counter mode over one 4096-byte unit's body (254 blocks: data ^= E(s ^ bin(1)) ||
 /// E(s ^ bin(2)) || ..., bin little-endian) with, in the same loop, the BRW hashes (k = 255)
-/// of up to two other bodies (254 blocks each, `last` as X_255). Each of the 16 steps
-/// encrypts 16 counter blocks (4 registers) and runs one level-1 group of each hash, so
-/// that the AES rounds and the carry-less multiplies issue side by side. With `head`, two
-/// steps also run that head's two AES calls (one round beside each round of the counter
+/// of up to two other bodies (254 blocks each, `last` as X_255). At `vaes512` each of the 16
+/// steps encrypts 16 counter blocks (4 registers) and runs one level-1 group of each hash, so
+/// that the AES rounds and the carry-less multiplies issue side by side; at `vaes256` and
+/// `aesni` (`fused_v`) the steps are eight registers and two groups of each hash. With `head`,
+/// two steps also run that head's two AES calls (one round beside each round of the counter
 /// blocks). Returns what the hashes are needed for (see `Linked`) and the head's [z, w, v].
 ///
 /// `level` is the level of the kernels (`aesni`, `vaes256` or `vaes512`).

@@ -529,9 +529,17 @@ impl AesVec for Ymm {
     }
     #[inline(always)]
     unsafe fn load_transposed(p: [*const u8; 4]) -> [Self; 4] {
-        // One 128-bit load and one insert per register.
+        // One 128-bit load and one insert per register (no closure: a closure would not be
+        // compiled with the kernel's features).
         let (a, b) = (p[0], p[1]);
-        unsafe { core::array::from_fn(|i| Ymm(_mm256_loadu2_m128i(b.add(16 * i).cast(), a.add(16 * i).cast()))) }
+        unsafe {
+            [
+                Ymm(_mm256_loadu2_m128i(b.cast(), a.cast())),
+                Ymm(_mm256_loadu2_m128i(b.add(16).cast(), a.add(16).cast())),
+                Ymm(_mm256_loadu2_m128i(b.add(32).cast(), a.add(32).cast())),
+                Ymm(_mm256_loadu2_m128i(b.add(48).cast(), a.add(48).cast())),
+            ]
+        }
     }
     #[inline(always)]
     unsafe fn pin(self) -> Self {
@@ -715,7 +723,8 @@ impl AesVec for Zmm {
     #[inline(always)]
     unsafe fn load_transposed(p: [*const u8; 4]) -> [Self; 4] {
         unsafe {
-            let [a, b, c, d] = p.map(|q| _mm512_loadu_si512(q.cast()));
+            let (a, b) = (_mm512_loadu_si512(p[0].cast()), _mm512_loadu_si512(p[1].cast()));
+            let (c, d) = (_mm512_loadu_si512(p[2].cast()), _mm512_loadu_si512(p[3].cast()));
             let u0 = _mm512_shuffle_i64x2::<0x44>(a, b);
             let u1 = _mm512_shuffle_i64x2::<0xee>(a, b);
             let u2 = _mm512_shuffle_i64x2::<0x44>(c, d);

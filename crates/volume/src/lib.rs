@@ -113,7 +113,11 @@ impl Header {
             return match u16::from_be_bytes([start[6], start[7]]) {
                 1 => Ok(Header::Luks1(luks1::Luks1Header::read(dev)?)),
                 2 => Ok(Header::Luks2(luks2::Luks2Header::read(dev)?)),
-                v => Err(VolumeError::Unsupported(format!("LUKS version {v} is not supported (only 1 and 2)"))),
+                // Another version, or a LUKS2 primary whose version field is damaged: only a valid
+                // LUKS2 secondary copy makes it a volume this code opens.
+                v => luks2::Luks2Header::read(dev)
+                    .map(Header::Luks2)
+                    .map_err(|_| VolumeError::Unsupported(format!("LUKS version {v} is not supported (only 1 and 2)"))),
             };
         }
         // No primary magic: a LUKS2 device whose primary header was overwritten still has its

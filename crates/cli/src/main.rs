@@ -95,5 +95,13 @@ fn init_logging(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    // log_internal_errors(false): a log line that cannot be written (stderr a closed pipe, e.g.
+    // `serve 2>&1 | head`) is dropped. Reported, it goes through eprintln!, which panics on that
+    // same stderr: the SIGTERM handler's thread died there and the server no longer stopped.
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .log_internal_errors(false)
+        .init();
 }

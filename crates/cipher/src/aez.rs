@@ -115,32 +115,36 @@ mod aesni {
     crate::arch::x86::kernel_aesni! {
     /// `keys.len()` AESENC rounds over every block, eight blocks interleaved.
     pub(super) unsafe fn rounds(blocks: &mut [B], keys: &[B]) {
-        let mut ks = [_mm_setzero_si128(); 10];
-        for (k, src) in ks.iter_mut().zip(keys) {
-            *k = _mm_loadu_si128(src.as_ptr().cast());
-        }
-        let ks = &ks[..keys.len()];
-        let mut chunks = blocks.chunks_exact_mut(8);
-        for c in &mut chunks {
-            let mut v = [_mm_setzero_si128(); 8];
-            for (vi, b) in v.iter_mut().zip(c.iter()) {
-                *vi = _mm_loadu_si128(b.as_ptr().cast());
+        // SAFETY: compiled for `aesni`; every load and store covers one 16-byte block of `blocks`
+        // or `keys`.
+        unsafe {
+            let mut ks = [_mm_setzero_si128(); 10];
+            for (k, src) in ks.iter_mut().zip(keys) {
+                *k = _mm_loadu_si128(src.as_ptr().cast());
             }
-            for k in ks {
-                for vi in v.iter_mut() {
-                    *vi = _mm_aesenc_si128(*vi, *k);
+            let ks = &ks[..keys.len()];
+            let mut chunks = blocks.chunks_exact_mut(8);
+            for c in &mut chunks {
+                let mut v = [_mm_setzero_si128(); 8];
+                for (vi, b) in v.iter_mut().zip(c.iter()) {
+                    *vi = _mm_loadu_si128(b.as_ptr().cast());
+                }
+                for k in ks {
+                    for vi in v.iter_mut() {
+                        *vi = _mm_aesenc_si128(*vi, *k);
+                    }
+                }
+                for (vi, b) in v.iter().zip(c.iter_mut()) {
+                    _mm_storeu_si128(b.as_mut_ptr().cast(), *vi);
                 }
             }
-            for (vi, b) in v.iter().zip(c.iter_mut()) {
-                _mm_storeu_si128(b.as_mut_ptr().cast(), *vi);
+            for b in chunks.into_remainder() {
+                let mut v = _mm_loadu_si128(b.as_ptr().cast());
+                for k in ks {
+                    v = _mm_aesenc_si128(v, *k);
+                }
+                _mm_storeu_si128(b.as_mut_ptr().cast(), v);
             }
-        }
-        for b in chunks.into_remainder() {
-            let mut v = _mm_loadu_si128(b.as_ptr().cast());
-            for k in ks {
-                v = _mm_aesenc_si128(v, *k);
-            }
-            _mm_storeu_si128(b.as_mut_ptr().cast(), v);
         }
     }
     }

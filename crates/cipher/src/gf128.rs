@@ -406,14 +406,20 @@ pub(crate) mod x86 {
 
     #[inline(always)]
     pub(crate) unsafe fn from_u128(v: u128) -> __m128i {
-        _mm_set_epi64x((v >> 64) as i64, v as i64)
+        // SAFETY: inlined into a function of level `aesni` or above (PCLMULQDQ, SSE4.1).
+        unsafe {
+            _mm_set_epi64x((v >> 64) as i64, v as i64)
+        }
     }
 
     #[inline(always)]
     pub(crate) unsafe fn to_u128(v: __m128i) -> u128 {
-        let lo = _mm_cvtsi128_si64(v) as u64;
-        let hi = _mm_extract_epi64::<1>(v) as u64;
-        u128::from(lo) | (u128::from(hi) << 64)
+        // SAFETY: inlined into a function of level `aesni` or above (PCLMULQDQ, SSE4.1).
+        unsafe {
+            let lo = _mm_cvtsi128_si64(v) as u64;
+            let hi = _mm_extract_epi64::<1>(v) as u64;
+            u128::from(lo) | (u128::from(hi) << 64)
+        }
     }
 
     /// Unreduced product accumulator: low, middle (Karatsuba-free schoolbook cross terms), high.
@@ -426,53 +432,71 @@ pub(crate) mod x86 {
 
     #[inline(always)]
     pub(crate) unsafe fn zero_wide() -> Wide {
-        Wide { lo: _mm_setzero_si128(), mid: _mm_setzero_si128(), hi: _mm_setzero_si128() }
+        // SAFETY: inlined into a function of level `aesni` or above (PCLMULQDQ, SSE4.1).
+        unsafe {
+            Wide { lo: _mm_setzero_si128(), mid: _mm_setzero_si128(), hi: _mm_setzero_si128() }
+        }
     }
 
     /// w += a * b (unreduced).
     #[inline(always)]
     pub(crate) unsafe fn mul_acc(w: &mut Wide, a: __m128i, b: __m128i) {
-        w.lo = _mm_xor_si128(w.lo, _mm_clmulepi64_si128::<0x00>(a, b));
-        w.hi = _mm_xor_si128(w.hi, _mm_clmulepi64_si128::<0x11>(a, b));
-        w.mid = _mm_xor_si128(w.mid, _mm_clmulepi64_si128::<0x01>(a, b));
-        w.mid = _mm_xor_si128(w.mid, _mm_clmulepi64_si128::<0x10>(a, b));
+        // SAFETY: inlined into a function of level `aesni` or above (PCLMULQDQ, SSE4.1).
+        unsafe {
+            w.lo = _mm_xor_si128(w.lo, _mm_clmulepi64_si128::<0x00>(a, b));
+            w.hi = _mm_xor_si128(w.hi, _mm_clmulepi64_si128::<0x11>(a, b));
+            w.mid = _mm_xor_si128(w.mid, _mm_clmulepi64_si128::<0x01>(a, b));
+            w.mid = _mm_xor_si128(w.mid, _mm_clmulepi64_si128::<0x10>(a, b));
+        }
     }
 
     /// Folds the middle terms in: returns (low 128 bits, high 128 bits).
     #[inline(always)]
     pub(crate) unsafe fn split(w: Wide) -> (__m128i, __m128i) {
-        (_mm_xor_si128(w.lo, _mm_slli_si128::<8>(w.mid)), _mm_xor_si128(w.hi, _mm_srli_si128::<8>(w.mid)))
+        // SAFETY: inlined into a function of level `aesni` or above (PCLMULQDQ, SSE4.1).
+        unsafe {
+            (_mm_xor_si128(w.lo, _mm_slli_si128::<8>(w.mid)), _mm_xor_si128(w.hi, _mm_srli_si128::<8>(w.mid)))
+        }
     }
 
     /// Modulo x^128 + x^7 + x^2 + x + 1.
     #[inline(always)]
     pub(crate) unsafe fn reduce_le(lo: __m128i, hi: __m128i) -> __m128i {
-        let c = _mm_set_epi64x(0, LE_C as i64);
-        let t0 = _mm_clmulepi64_si128::<0x00>(hi, c); // h0 * 0x87
-        let t1 = _mm_clmulepi64_si128::<0x01>(hi, c); // h1 * 0x87, at x^64
-        let over = _mm_clmulepi64_si128::<0x01>(t1, c); // bits 128..134 of t1*x^64, folded again
-        let r = _mm_xor_si128(lo, t0);
-        let r = _mm_xor_si128(r, _mm_slli_si128::<8>(t1));
-        _mm_xor_si128(r, over)
+        // SAFETY: inlined into a function of level `aesni` or above (PCLMULQDQ, SSE4.1).
+        unsafe {
+            let c = _mm_set_epi64x(0, LE_C as i64);
+            let t0 = _mm_clmulepi64_si128::<0x00>(hi, c); // h0 * 0x87
+            let t1 = _mm_clmulepi64_si128::<0x01>(hi, c); // h1 * 0x87, at x^64
+            let over = _mm_clmulepi64_si128::<0x01>(t1, c); // bits 128..134 of t1*x^64, folded again
+            let r = _mm_xor_si128(lo, t0);
+            let r = _mm_xor_si128(r, _mm_slli_si128::<8>(t1));
+            _mm_xor_si128(r, over)
+        }
     }
 
     /// POLYVAL's Montgomery reduction (see `super::reduce_polyval`).
     #[inline(always)]
     pub(crate) unsafe fn reduce_polyval(lo: __m128i, hi: __m128i) -> __m128i {
-        let c = _mm_set_epi64x(POLYVAL_C as i64, POLYVAL_C as i64);
-        let t = _mm_clmulepi64_si128::<0x00>(lo, c); // c0 * C
-        let lo = _mm_xor_si128(_mm_shuffle_epi32::<0x4e>(lo), t); // [c1 ^ t_lo, c0 ^ t_hi]
-        let u = _mm_clmulepi64_si128::<0x00>(lo, c); // c1' * C
-        let lo = _mm_xor_si128(_mm_shuffle_epi32::<0x4e>(lo), u);
-        _mm_xor_si128(hi, lo)
+        // SAFETY: inlined into a function of level `aesni` or above (PCLMULQDQ, SSE4.1).
+        unsafe {
+            let c = _mm_set_epi64x(POLYVAL_C as i64, POLYVAL_C as i64);
+            let t = _mm_clmulepi64_si128::<0x00>(lo, c); // c0 * C
+            let lo = _mm_xor_si128(_mm_shuffle_epi32::<0x4e>(lo), t); // [c1 ^ t_lo, c0 ^ t_hi]
+            let u = _mm_clmulepi64_si128::<0x00>(lo, c); // c1' * C
+            let lo = _mm_xor_si128(_mm_shuffle_epi32::<0x4e>(lo), u);
+            _mm_xor_si128(hi, lo)
+        }
     }
 
     #[inline(always)]
     pub(crate) unsafe fn reduce(field: Field, w: Wide) -> __m128i {
-        let (lo, hi) = split(w);
-        match field {
-            Field::Le => reduce_le(lo, hi),
-            Field::Polyval | Field::Ghash => reduce_polyval(lo, hi),
+        // SAFETY: inlined into a function of level `aesni` or above (PCLMULQDQ, SSE4.1).
+        unsafe {
+            let (lo, hi) = split(w);
+            match field {
+                Field::Le => reduce_le(lo, hi),
+                Field::Polyval | Field::Ghash => reduce_polyval(lo, hi),
+            }
         }
     }
 
@@ -500,23 +524,32 @@ pub(crate) mod x86 {
     impl Wide4 {
         #[inline(always)]
         unsafe fn zero() -> Self {
-            let z = _mm512_setzero_si512();
-            Wide4 { lo: z, mid: z, hi: z }
+            // SAFETY: inlined into a function of level `vaes512`.
+            unsafe {
+                let z = _mm512_setzero_si512();
+                Wide4 { lo: z, mid: z, hi: z }
+            }
         }
 
         #[inline(always)]
         unsafe fn xor(self, o: Self) -> Self {
-            Wide4 { lo: _mm512_xor_si512(self.lo, o.lo), mid: _mm512_xor_si512(self.mid, o.mid), hi: _mm512_xor_si512(self.hi, o.hi) }
+            // SAFETY: inlined into a function of level `vaes512`.
+            unsafe {
+                Wide4 { lo: _mm512_xor_si512(self.lo, o.lo), mid: _mm512_xor_si512(self.mid, o.mid), hi: _mm512_xor_si512(self.hi, o.hi) }
+            }
         }
     }
 
     /// a * b lane-wise, unreduced (schoolbook: four carry-less multiplies).
     #[inline(always)]
     unsafe fn clmul4(a: __m512i, b: __m512i) -> Wide4 {
-        Wide4 {
-            lo: _mm512_clmulepi64_epi128::<0x00>(a, b),
-            mid: _mm512_xor_si512(_mm512_clmulepi64_epi128::<0x01>(a, b), _mm512_clmulepi64_epi128::<0x10>(a, b)),
-            hi: _mm512_clmulepi64_epi128::<0x11>(a, b),
+        // SAFETY: inlined into a function of level `vaes512`.
+        unsafe {
+            Wide4 {
+                lo: _mm512_clmulepi64_epi128::<0x00>(a, b),
+                mid: _mm512_xor_si512(_mm512_clmulepi64_epi128::<0x01>(a, b), _mm512_clmulepi64_epi128::<0x10>(a, b)),
+                hi: _mm512_clmulepi64_epi128::<0x11>(a, b),
+            }
         }
     }
 
@@ -528,12 +561,15 @@ pub(crate) mod x86 {
     /// to u = g c (71 bits) at x^0. Result: (l0 + u0) + (l1 + m0 + t0 + u1) x^64.
     #[inline(always)]
     unsafe fn reduce4_le(w: Wide4) -> __m512i {
-        let c = _mm512_set1_epi64(LE_C as i64);
-        let t = _mm512_clmulepi64_epi128::<0x01>(w.hi, c); // h1 * c
-        let m = _mm512_xor_si512(w.mid, t); // qword 0: m0 ^ t0, qword 1: m1 ^ t1
-        let g = _mm512_xor_si512(_mm512_bslli_epi128::<8>(w.hi), m); // qword 1: h0 ^ m1 ^ t1
-        let u = _mm512_clmulepi64_epi128::<0x01>(g, c); // g * c
-        _mm512_ternarylogic_epi64::<0x96>(w.lo, u, _mm512_bslli_epi128::<8>(m))
+        // SAFETY: inlined into a function of level `vaes512`.
+        unsafe {
+            let c = _mm512_set1_epi64(LE_C as i64);
+            let t = _mm512_clmulepi64_epi128::<0x01>(w.hi, c); // h1 * c
+            let m = _mm512_xor_si512(w.mid, t); // qword 0: m0 ^ t0, qword 1: m1 ^ t1
+            let g = _mm512_xor_si512(_mm512_bslli_epi128::<8>(w.hi), m); // qword 1: h0 ^ m1 ^ t1
+            let u = _mm512_clmulepi64_epi128::<0x01>(g, c); // g * c
+            _mm512_ternarylogic_epi64::<0x96>(w.lo, u, _mm512_bslli_epi128::<8>(m))
+        }
     }
 
     kernel_vaes512! {
@@ -571,11 +607,14 @@ pub(crate) mod x86 {
 
     #[inline(always)]
     unsafe fn brw_le_quarters<const Q: usize>(p: &[u128; 17], body: &[u8], last: u128) -> u128 {
-        let mut h = BrwQuarters::<Q>::new(p, body, last);
-        for q in 0..Q {
-            h.group(q);
+        // SAFETY: inlined into a function of level `vaes512`.
+        unsafe {
+            let mut h = BrwQuarters::<Q>::new(p, body, last);
+            for q in 0..Q {
+                h.group(q);
+            }
+            h.finish(p)
         }
-        h.finish(p)
     }
 
     /// The state of one group between the phases of [`BrwQuarters::group`].
@@ -588,7 +627,10 @@ pub(crate) mod x86 {
     impl GroupState {
         #[inline(always)]
         pub(crate) unsafe fn zero() -> Self {
-            GroupState { z: Wide4::zero(), v: _mm512_setzero_si512(), x4: _mm512_setzero_si512() }
+            // SAFETY: inlined into a function of level `vaes512`.
+            unsafe {
+                GroupState { z: Wide4::zero(), v: _mm512_setzero_si512(), x4: _mm512_setzero_si512() }
+            }
         }
     }
 
@@ -622,19 +664,22 @@ pub(crate) mod x86 {
         /// `body` = X_1..X_{k-1} (k - 1 = 16Q - 2 blocks), `last` = X_k.
         #[inline(always)]
         pub(crate) unsafe fn new(p: &'a [u128; 17], body: &'a [u8], last: u128) -> Self {
-            assert!(body.len() == 16 * (16 * Q - 2), "BrwQuarters: body is not k - 1 blocks");
-            assert!(Q.is_power_of_two() && Q <= 16, "BrwQuarters: Q is not 1, 2, 4, 8 or 16");
-            let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
-            let zero = _mm512_setzero_si512();
-            Self {
-                body,
-                p,
-                last: from_u128(last),
-                t1: bc(p[0]),
-                t2: bc(p[1]),
-                pending: [Wide4::zero(); 4],
-                root: zero,
-                xlast: zero,
+            // SAFETY: inlined into a function of level `vaes512`.
+            unsafe {
+                assert!(body.len() == 16 * (16 * Q - 2), "BrwQuarters: body is not k - 1 blocks");
+                assert!(Q.is_power_of_two() && Q <= 16, "BrwQuarters: Q is not 1, 2, 4, 8 or 16");
+                let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
+                let zero = _mm512_setzero_si512();
+                Self {
+                    body,
+                    p,
+                    last: from_u128(last),
+                    t1: bc(p[0]),
+                    t2: bc(p[1]),
+                    pending: [Wide4::zero(); 4],
+                    root: zero,
+                    xlast: zero,
+                }
             }
         }
 
@@ -642,81 +687,97 @@ pub(crate) mod x86 {
         /// quarter j, and the levels above it that group q completes.
         #[inline(always)]
         pub(crate) unsafe fn group(&mut self, q: usize) {
-            let s = self.group_load(q);
-            let s = self.group_reduce(q, s);
-            self.group_store(q, s);
+            // SAFETY: inlined into a function of level `vaes512`.
+            unsafe {
+                let s = self.group_load(q);
+                let s = self.group_reduce(q, s);
+                self.group_store(q, s);
+            }
         }
 
         /// `group` in three dependent phases that a caller can spread between other work:
         /// loads, transpose and the level-1 product.
         #[inline(always)]
         pub(crate) unsafe fn group_load(&mut self, q: usize) -> GroupState {
-            debug_assert!(q < Q);
-            let bp = self.body.as_ptr();
-            // SAFETY: group q of quarter j is blocks 4Qj + 4q .. + 3, inside `body` (16Q - 2
-            // blocks, checked in `new`) except for the last group of quarter 3 (blocks 16Q - 4
-            // .. 16Q - 1), of which only the first two are loaded (mask); X_k goes into lane 2.
-            let a = _mm512_loadu_si512(bp.add(64 * q).cast());
-            let b = _mm512_loadu_si512(bp.add(64 * (Q + q)).cast());
-            let c = _mm512_loadu_si512(bp.add(64 * (2 * Q + q)).cast());
-            let d = if q + 1 == Q {
-                let two = _mm512_maskz_loadu_epi64(0x0f, bp.add(64 * (3 * Q + q)).cast());
-                _mm512_mask_broadcast_i32x4(two, 0x0f00, self.last)
-            } else {
-                _mm512_loadu_si512(bp.add(64 * (3 * Q + q)).cast())
-            };
-            let u0 = _mm512_shuffle_i64x2::<0x44>(a, b);
-            let u1 = _mm512_shuffle_i64x2::<0xee>(a, b);
-            let u2 = _mm512_shuffle_i64x2::<0x44>(c, d);
-            let u3 = _mm512_shuffle_i64x2::<0xee>(c, d);
-            let x1 = _mm512_shuffle_i64x2::<0x88>(u0, u2);
-            let x2 = _mm512_shuffle_i64x2::<0xdd>(u0, u2);
-            let x3 = _mm512_shuffle_i64x2::<0x88>(u1, u3);
-            let x4 = _mm512_shuffle_i64x2::<0xdd>(u1, u3);
-            let mut z = clmul4(_mm512_xor_si512(self.t1, x1), _mm512_xor_si512(self.t2, x2));
-            z.lo = _mm512_xor_si512(z.lo, x3);
-            GroupState { z, v: x4, x4 }
+            // SAFETY: inlined into a function of level `vaes512`. The loads stay inside `body` (see
+            // below).
+            unsafe {
+                debug_assert!(q < Q);
+                let bp = self.body.as_ptr();
+                // SAFETY: group q of quarter j is blocks 4Qj + 4q .. + 3, inside `body` (16Q - 2
+                // blocks, checked in `new`) except for the last group of quarter 3 (blocks 16Q - 4
+                // .. 16Q - 1), of which only the first two are loaded (mask); X_k goes into lane 2.
+                let a = _mm512_loadu_si512(bp.add(64 * q).cast());
+                let b = _mm512_loadu_si512(bp.add(64 * (Q + q)).cast());
+                let c = _mm512_loadu_si512(bp.add(64 * (2 * Q + q)).cast());
+                let d = if q + 1 == Q {
+                    let two = _mm512_maskz_loadu_epi64(0x0f, bp.add(64 * (3 * Q + q)).cast());
+                    _mm512_mask_broadcast_i32x4(two, 0x0f00, self.last)
+                } else {
+                    _mm512_loadu_si512(bp.add(64 * (3 * Q + q)).cast())
+                };
+                let u0 = _mm512_shuffle_i64x2::<0x44>(a, b);
+                let u1 = _mm512_shuffle_i64x2::<0xee>(a, b);
+                let u2 = _mm512_shuffle_i64x2::<0x44>(c, d);
+                let u3 = _mm512_shuffle_i64x2::<0xee>(c, d);
+                let x1 = _mm512_shuffle_i64x2::<0x88>(u0, u2);
+                let x2 = _mm512_shuffle_i64x2::<0xdd>(u0, u2);
+                let x3 = _mm512_shuffle_i64x2::<0x88>(u1, u3);
+                let x4 = _mm512_shuffle_i64x2::<0xdd>(u1, u3);
+                let mut z = clmul4(_mm512_xor_si512(self.t1, x1), _mm512_xor_si512(self.t2, x2));
+                z.lo = _mm512_xor_si512(z.lo, x3);
+                GroupState { z, v: x4, x4 }
+            }
         }
 
         /// Phase 2: joins the left siblings' products (group q's value is a right child at the
         /// levels of q's low one bits) and reduces.
         #[inline(always)]
         pub(crate) unsafe fn group_reduce(&mut self, q: usize, mut s: GroupState) -> GroupState {
-            let mut l = 0;
-            while (q >> l) & 1 == 1 {
-                s.z = s.z.xor(self.pending[l]);
-                l += 1;
+            // SAFETY: inlined into a function of level `vaes512`.
+            unsafe {
+                let mut l = 0;
+                while (q >> l) & 1 == 1 {
+                    s.z = s.z.xor(self.pending[l]);
+                    l += 1;
+                }
+                s.v = reduce4_le(s.z);
+                s
             }
-            s.v = reduce4_le(s.z);
-            s
         }
 
         /// Phase 3: a left child waits as its product with the parent's multiplier; group Q - 1
         /// keeps the quarter trees.
         #[inline(always)]
         pub(crate) unsafe fn group_store(&mut self, q: usize, s: GroupState) {
-            if q + 1 == Q {
-                self.root = s.v;
-                self.xlast = s.x4;
-            } else {
-                // A left child at level l + 1 (l = number of low one bits of q): its parent
-                // multiplies it by tau^(2^(l+2)) ^ x4.
-                let l = q.trailing_ones() as usize;
-                let m = _mm512_xor_si512(_mm512_broadcast_i32x4(from_u128(self.p[l + 2])), s.x4);
-                self.pending[l] = clmul4(s.v, m);
+            // SAFETY: inlined into a function of level `vaes512`.
+            unsafe {
+                if q + 1 == Q {
+                    self.root = s.v;
+                    self.xlast = s.x4;
+                } else {
+                    // A left child at level l + 1 (l = number of low one bits of q): its parent
+                    // multiplies it by tau^(2^(l+2)) ^ x4.
+                    let l = q.trailing_ones() as usize;
+                    let m = _mm512_xor_si512(_mm512_broadcast_i32x4(from_u128(self.p[l + 2])), s.x4);
+                    self.pending[l] = clmul4(s.v, m);
+                }
             }
         }
 
         /// The two levels across the lanes (after `group` for every q); clears the state.
         #[inline(always)]
         pub(crate) unsafe fn finish(&mut self, p: &[u128; 17]) -> u128 {
-            let out = quarters_finish::<Q>(p, self.root, self.xlast);
-            // Do not leave data-dependent values (plaintext blocks) on the stack.
-            self.pending = [Wide4::zero(); 4];
-            self.root = _mm512_setzero_si512();
-            self.xlast = _mm512_setzero_si512();
-            core::hint::black_box((&self.pending, &self.root, &self.xlast));
-            out
+            // SAFETY: inlined into a function of level `vaes512`.
+            unsafe {
+                let out = quarters_finish::<Q>(p, self.root, self.xlast);
+                // Do not leave data-dependent values (plaintext blocks) on the stack.
+                self.pending = [Wide4::zero(); 4];
+                self.root = _mm512_setzero_si512();
+                self.xlast = _mm512_setzero_si512();
+                core::hint::black_box((&self.pending, &self.root, &self.xlast));
+                out
+            }
         }
     }
 
@@ -725,17 +786,20 @@ pub(crate) mod x86 {
     /// the zero X_16Q). Also the end of FAST's assembly kernel, which keeps the same layout.
     #[inline(always)]
     pub(crate) unsafe fn quarters_finish<const Q: usize>(p: &[u128; 17], v: __m512i, f: __m512i) -> u128 {
-        let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
-        let e = 2 + Q.trailing_zeros() as usize; // 4Q = 2^e
-        // t = 4Q: lanes 0 and 2 get v0 (tau^4Q ^ X_4Q) ^ v1 and v2 (tau^4Q ^ X_12Q) ^ v3
-        // (lanes 1 and 3 compute unused values).
-        let mut w = clmul4(v, _mm512_xor_si512(bc(p[e]), f));
-        w.lo = _mm512_xor_si512(w.lo, _mm512_shuffle_i64x2::<0xb1>(v, v)); // v1, v0, v3, v2
-        let w = reduce4_le(w);
-        // t = 8Q: lane 0 gets w0 (tau^8Q ^ X_8Q) ^ w1.
-        let mut r = clmul4(w, _mm512_xor_si512(bc(p[e + 1]), _mm512_shuffle_i64x2::<0x01>(f, f)));
-        r.lo = _mm512_xor_si512(r.lo, _mm512_shuffle_i64x2::<0x02>(w, w));
-        to_u128(_mm512_castsi512_si128(reduce4_le(r)))
+        // SAFETY: inlined into a function of level `vaes512`.
+        unsafe {
+            let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
+            let e = 2 + Q.trailing_zeros() as usize; // 4Q = 2^e
+            // t = 4Q: lanes 0 and 2 get v0 (tau^4Q ^ X_4Q) ^ v1 and v2 (tau^4Q ^ X_12Q) ^ v3
+            // (lanes 1 and 3 compute unused values).
+            let mut w = clmul4(v, _mm512_xor_si512(bc(p[e]), f));
+            w.lo = _mm512_xor_si512(w.lo, _mm512_shuffle_i64x2::<0xb1>(v, v)); // v1, v0, v3, v2
+            let w = reduce4_le(w);
+            // t = 8Q: lane 0 gets w0 (tau^8Q ^ X_8Q) ^ w1.
+            let mut r = clmul4(w, _mm512_xor_si512(bc(p[e + 1]), _mm512_shuffle_i64x2::<0x01>(f, f)));
+            r.lo = _mm512_xor_si512(r.lo, _mm512_shuffle_i64x2::<0x02>(w, w));
+            to_u128(_mm512_castsi512_si128(reduce4_le(r)))
+        }
     }
 
     /// `quarters_finish` for two hashes at once, (A, B), followed by the products by
@@ -754,35 +818,38 @@ pub(crate) mod x86 {
         second: u128,
         s: u128,
     ) -> ([u128; 4], u128) {
-        let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
-        let e = 2 + Q.trailing_zeros() as usize; // 4Q = 2^e
-        // t = 4Q: [A0, A2, B0, B2] (tau^4Q ^ [A's X_4Q, X_12Q, B's X_4Q, X_12Q]) ^ [A1, A3, B1, B3].
-        let v = _mm512_shuffle_i64x2::<0x88>(va, vb);
-        let f = _mm512_shuffle_i64x2::<0x88>(fa, fb);
-        let mut w = clmul4(v, _mm512_xor_si512(bc(p[e]), f));
-        w.lo = _mm512_xor_si512(w.lo, _mm512_shuffle_i64x2::<0xdd>(va, vb));
-        let w = reduce4_le(w);
-        // t = 8Q: lanes 0 and 2 (A, B) get w0 (tau^8Q ^ X_8Q) ^ w2: w is already in place, X_8Q
-        // is lane 1 of fa and fb, w2 is lane 1 and 3 of w. Lane 1 gets tau * second (its
-        // operands replace w1, which lane 0 has taken, and the multiplier; the masked XOR
-        // leaves it a plain product); lane 3 computes an unused value.
-        let f = _mm512_shuffle_i64x2::<0x11>(fa, fb);
-        let mult = _mm512_mask_broadcast_i32x4(_mm512_xor_si512(bc(p[e + 1]), f), 0x00f0, from_u128(p[0]));
-        let mut r = clmul4(_mm512_mask_broadcast_i32x4(w, 0x00f0, from_u128(second)), mult);
-        r.lo = _mm512_mask_xor_epi64(r.lo, 0x33, r.lo, _mm512_shuffle_i64x2::<0x31>(w, w));
-        let r = reduce4_le(r);
-        // The constants' products: [A, B, B, s] m.
-        let x = _mm512_mask_broadcast_i32x4(_mm512_shuffle_i64x2::<0x28>(r, r), 0xf000, from_u128(s));
-        let c = reduce4_le(clmul4(x, m));
-        let lane = |v: __m512i, i: usize| -> u128 {
-            to_u128(match i {
-                0 => _mm512_castsi512_si128(v),
-                1 => _mm512_extracti32x4_epi32::<1>(v),
-                2 => _mm512_extracti32x4_epi32::<2>(v),
-                _ => _mm512_extracti32x4_epi32::<3>(v),
-            })
-        };
-        ([lane(c, 0), lane(c, 1), lane(c, 2), lane(c, 3)], lane(r, 1))
+        // SAFETY: inlined into a function of level `vaes512`.
+        unsafe {
+            let bc = |v: u128| _mm512_broadcast_i32x4(from_u128(v));
+            let e = 2 + Q.trailing_zeros() as usize; // 4Q = 2^e
+            // t = 4Q: [A0, A2, B0, B2] (tau^4Q ^ [A's X_4Q, X_12Q, B's X_4Q, X_12Q]) ^ [A1, A3, B1, B3].
+            let v = _mm512_shuffle_i64x2::<0x88>(va, vb);
+            let f = _mm512_shuffle_i64x2::<0x88>(fa, fb);
+            let mut w = clmul4(v, _mm512_xor_si512(bc(p[e]), f));
+            w.lo = _mm512_xor_si512(w.lo, _mm512_shuffle_i64x2::<0xdd>(va, vb));
+            let w = reduce4_le(w);
+            // t = 8Q: lanes 0 and 2 (A, B) get w0 (tau^8Q ^ X_8Q) ^ w2: w is already in place, X_8Q
+            // is lane 1 of fa and fb, w2 is lane 1 and 3 of w. Lane 1 gets tau * second (its
+            // operands replace w1, which lane 0 has taken, and the multiplier; the masked XOR
+            // leaves it a plain product); lane 3 computes an unused value.
+            let f = _mm512_shuffle_i64x2::<0x11>(fa, fb);
+            let mult = _mm512_mask_broadcast_i32x4(_mm512_xor_si512(bc(p[e + 1]), f), 0x00f0, from_u128(p[0]));
+            let mut r = clmul4(_mm512_mask_broadcast_i32x4(w, 0x00f0, from_u128(second)), mult);
+            r.lo = _mm512_mask_xor_epi64(r.lo, 0x33, r.lo, _mm512_shuffle_i64x2::<0x31>(w, w));
+            let r = reduce4_le(r);
+            // The constants' products: [A, B, B, s] m.
+            let x = _mm512_mask_broadcast_i32x4(_mm512_shuffle_i64x2::<0x28>(r, r), 0xf000, from_u128(s));
+            let c = reduce4_le(clmul4(x, m));
+            let lane = |v: __m512i, i: usize| -> u128 {
+                to_u128(match i {
+                    0 => _mm512_castsi512_si128(v),
+                    1 => _mm512_extracti32x4_epi32::<1>(v),
+                    2 => _mm512_extracti32x4_epi32::<2>(v),
+                    _ => _mm512_extracti32x4_epi32::<3>(v),
+                })
+            };
+            ([lane(c, 0), lane(c, 1), lane(c, 2), lane(c, 3)], lane(r, 1))
+        }
     }
 
     // ---- Written once over the vector trait, compiled per level ---------------------------------

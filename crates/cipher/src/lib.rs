@@ -6,17 +6,11 @@
 pub mod adiantum;
 mod aes_any;
 pub mod arch;
-// Not yet converted to `unsafe_op_in_unsafe_fn` (the workspace denies it): these modules' SIMD
-// kernels still rely on the whole `unsafe fn` body being an unsafe context. Each conversion
-// removes its line here.
-#[allow(unsafe_op_in_unsafe_fn)]
 pub mod aez;
 pub mod ecb;
 pub mod eme2;
 mod error;
-#[allow(unsafe_op_in_unsafe_fn)] // see `aez`
 pub mod fast;
-#[allow(unsafe_op_in_unsafe_fn)] // see `aez`
 mod gf128;
 pub mod hctr2;
 pub mod registry;

@@ -331,8 +331,8 @@ unsafe fn ctr<V: AesVec, const NR: usize, const INC32: bool>(keys: &Keys, data: 
             if rem > 16 * nb {
                 let mut ks = [0u8; 64];
                 x[0].store(ks.as_mut_ptr());
-                for i in 16 * nb..rem {
-                    *q.add(i) ^= ks[i];
+                for (i, k) in ks.iter().enumerate().take(rem).skip(16 * nb) {
+                    *q.add(i) ^= k;
                 }
                 // The keystream equals plaintext XOR ciphertext: do not leave it on the stack.
                 ks = [0u8; 64];

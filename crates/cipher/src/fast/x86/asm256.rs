@@ -476,134 +476,138 @@ pub(in super::super) unsafe fn fused(
     head: Option<Head>,
     link: Link,
 ) -> (Linked, Option<[u128; 3]>) {
-    const BODY: usize = 16 * 254;
-    assert!(rk.rounds == 14, "asm256: not an AES-256 schedule");
-    assert!(data.len() == BODY && a.0.len() == BODY && b.0.len() == BODY, "asm256: not 4096-byte sector bodies");
-    let bc = |v: __m128i| _mm512_broadcast_i32x4(v);
-    let k0 = _mm_loadu_si128(rk.enc[0].as_ptr().cast());
-    // Plain values (not an array wiped through a reference, which LLVM would reload from
-    // the stack before every step); the asm at the end clears their registers.
-    let k: [__m512i; 14] = core::array::from_fn(|r| bc(_mm_loadu_si128(rk.enc[r + 1].as_ptr().cast())));
-    let sk0 = _mm512_xor_si512(bc(from_u128(s)), bc(k0));
-    let (dp, ap, bp) = (data.as_mut_ptr(), a.0.as_ptr(), b.0.as_ptr());
-    let ctr = CTR.0.as_ptr();
-    let kc: *const Consts = &scratch.consts;
-    let [pa, pb]: [*mut Pending; 2] = {
-        let [x, y] = &mut scratch.pend;
-        [x, y]
-    };
-    macro_rules! run {
-        // The last step takes quarter 3's lines in zmm7 and zmm13 and gives the quarter
-        // trees in registers (see `step!(root ..)`); the others load the lines.
-        ($q:expr, root, nohead; $($extra:tt)*) => {
-            run!(@ $q, root, nohead; [] in("zmm17") _mm512_setzero_si512(), $($extra)*)
+    // SAFETY: compiled for `vaes512`; the lengths are checked at the top and every memory access is
+    // noted at its step.
+    unsafe {
+        const BODY: usize = 16 * 254;
+        assert!(rk.rounds == 14, "asm256: not an AES-256 schedule");
+        assert!(data.len() == BODY && a.0.len() == BODY && b.0.len() == BODY, "asm256: not 4096-byte sector bodies");
+        let bc = |v: __m128i| _mm512_broadcast_i32x4(v);
+        let k0 = _mm_loadu_si128(rk.enc[0].as_ptr().cast());
+        // Plain values (not an array wiped through a reference, which LLVM would reload from
+        // the stack before every step); the asm at the end clears their registers.
+        let k: [__m512i; 14] = core::array::from_fn(|r| bc(_mm_loadu_si128(rk.enc[r + 1].as_ptr().cast())));
+        let sk0 = _mm512_xor_si512(bc(from_u128(s)), bc(k0));
+        let (dp, ap, bp) = (data.as_mut_ptr(), a.0.as_ptr(), b.0.as_ptr());
+        let ctr = CTR.0.as_ptr();
+        let kc: *const Consts = &scratch.consts;
+        let [pa, pb]: [*mut Pending; 2] = {
+            let [x, y] = &mut scratch.pend;
+            [x, y]
         };
-        ($q:expr, $t:tt, nohead; $($extra:tt)*) => {
-            run!(lines $q, $t, nohead; in("zmm17") _mm512_setzero_si512(), $($extra)*)
+        macro_rules! run {
+            // The last step takes quarter 3's lines in zmm7 and zmm13 and gives the quarter
+            // trees in registers (see `step!(root ..)`); the others load the lines.
+            ($q:expr, root, nohead; $($extra:tt)*) => {
+                run!(@ $q, root, nohead; [] in("zmm17") _mm512_setzero_si512(), $($extra)*)
+            };
+            ($q:expr, $t:tt, nohead; $($extra:tt)*) => {
+                run!(lines $q, $t, nohead; in("zmm17") _mm512_setzero_si512(), $($extra)*)
+            };
+            ($q:expr, $t:tt, head; $($extra:tt)*) => {
+                run!(lines $q, $t, head; $($extra)*)
+            };
+            (lines $q:expr, $t:tt, $h:tt; $($extra:tt)*) => {
+                run!(@ $q, $t, $h; [
+                    ha3 = in(reg) ap.add(64 * (3 * Q + $q)),
+                    hb3 = in(reg) bp.add(64 * (3 * Q + $q)),
+                ] $($extra)*
+                    out("zmm4") _, out("zmm7") _, out("zmm9") _, out("zmm10") _, out("zmm13") _, out("zmm15") _,
+                )
+            };
+            (@ $q:expr, $t:tt, $h:tt; [$($lines:tt)*] $($extra:tt)*) => {
+                // SAFETY: step q reads 256 bytes of counters at CTR + 256q and of data at
+                // 256q (and writes the data back; the last step only 32 bytes of its last
+                // 64), 64 bytes of each hash body at 64 (jQ + q) for quarters j = 0, 1, 2, 3
+                // (quarter 3 but in the last step, which takes it in registers; all inside
+                // the 254-block bodies, checked above), reads `Consts` and reads and writes
+                // `Pending` at the offsets their layouts document. Every register it writes is
+                // an output.
+                step!($t $h;
+                    ctr = in(reg) ctr.add(32 * $q),
+                    d = in(reg) dp.add(256 * $q),
+                    ha = in(reg) ap.add(64 * $q),
+                    hb = in(reg) bp.add(64 * $q),
+                    $($lines)*
+                    kc = in(reg) kc,
+                    pa = in(reg) pa,
+                    pb = in(reg) pb,
+                    in("zmm16") sk0,
+                    in("zmm18") k[0], in("zmm19") k[1], in("zmm20") k[2], in("zmm21") k[3],
+                    in("zmm22") k[4], in("zmm23") k[5], in("zmm24") k[6], in("zmm25") k[7],
+                    in("zmm26") k[8], in("zmm27") k[9], in("zmm28") k[10], in("zmm29") k[11],
+                    in("zmm30") k[12], in("zmm31") k[13],
+                    $($extra)*
+                )
+            };
+        }
+        // The head of the next unit (see `Head`; its y and z came from an earlier call's
+        // finish): its two serial AES calls beside the counter blocks of steps 4 and 6, one
+        // round beside each round, each call a step or more after its input is due.
+        run!(0, 0, nohead;);
+        run!(1, 1, nohead;);
+        run!(2, 0, nohead;);
+        run!(3, 2, nohead;);
+        let head_out = match head {
+            Some(Head { y, z }) => {
+                let mut f = _mm_xor_si128(from_u128(z), k0);
+                run!(4, 0, head; inout("xmm17") f,);
+                let w = y ^ to_u128(f);
+                let mut f = _mm_xor_si128(from_u128(w), k0);
+                run!(5, 1, nohead;);
+                run!(6, 0, head; inout("xmm17") f,);
+                Some([z, w, z ^ to_u128(f)])
+            }
+            None => {
+                run!(4, 0, nohead;);
+                run!(5, 1, nohead;);
+                run!(6, 0, nohead;);
+                None
+            }
         };
-        ($q:expr, $t:tt, head; $($extra:tt)*) => {
-            run!(lines $q, $t, head; $($extra)*)
+        run!(7, 3, nohead;);
+        run!(8, 0, nohead;);
+        run!(9, 1, nohead;);
+        run!(10, 0, nohead;);
+        run!(11, 2, nohead;);
+        run!(12, 0, nohead;);
+        run!(13, 1, nohead;);
+        run!(14, 0, nohead;);
+        // Set here rather than at the start: blocks 252 and 253 of hash A's body are the
+        // previous unit's output, stored just before this call, and reading them at once
+        // would wait for those stores. Passed in registers, as the quarter trees come out:
+        // through memory, each would be a 512-bit store read back at once.
+        let line = |body: &[u8], last: u128| {
+            let two = _mm512_maskz_loadu_epi64(0x0f, body.as_ptr().add(16 * 252).cast());
+            _mm512_mask_broadcast_i32x4(two, 0x0f00, from_u128(last))
         };
-        (lines $q:expr, $t:tt, $h:tt; $($extra:tt)*) => {
-            run!(@ $q, $t, $h; [
-                ha3 = in(reg) ap.add(64 * (3 * Q + $q)),
-                hb3 = in(reg) bp.add(64 * (3 * Q + $q)),
-            ] $($extra)*
-                out("zmm4") _, out("zmm7") _, out("zmm9") _, out("zmm10") _, out("zmm13") _, out("zmm15") _,
-            )
-        };
-        (@ $q:expr, $t:tt, $h:tt; [$($lines:tt)*] $($extra:tt)*) => {
-            // SAFETY: step q reads 256 bytes of counters at CTR + 256q and of data at
-            // 256q (and writes the data back; the last step only 32 bytes of its last
-            // 64), 64 bytes of each hash body at 64 (jQ + q) for quarters j = 0, 1, 2, 3
-            // (quarter 3 but in the last step, which takes it in registers; all inside
-            // the 254-block bodies, checked above), reads `Consts` and reads and writes
-            // `Pending` at the offsets their layouts document. Every register it writes is
-            // an output.
-            step!($t $h;
-                ctr = in(reg) ctr.add(32 * $q),
-                d = in(reg) dp.add(256 * $q),
-                ha = in(reg) ap.add(64 * $q),
-                hb = in(reg) bp.add(64 * $q),
-                $($lines)*
-                kc = in(reg) kc,
-                pa = in(reg) pa,
-                pb = in(reg) pb,
-                in("zmm16") sk0,
-                in("zmm18") k[0], in("zmm19") k[1], in("zmm20") k[2], in("zmm21") k[3],
-                in("zmm22") k[4], in("zmm23") k[5], in("zmm24") k[6], in("zmm25") k[7],
-                in("zmm26") k[8], in("zmm27") k[9], in("zmm28") k[10], in("zmm29") k[11],
-                in("zmm30") k[12], in("zmm31") k[13],
-                $($extra)*
-            )
-        };
+        let (line_a, line_b) = (line(a.0, a.1), line(b.0, b.1));
+        let (va, fa, vb, fb): (__m512i, __m512i, __m512i, __m512i);
+        run!(15, root, nohead;
+            inout("zmm7") line_a => _, inout("zmm13") line_b => _,
+            out("zmm4") va, out("zmm9") fa, out("zmm10") vb, out("zmm15") fb,
+        );
+        let mult = _mm512_load_si512(scratch.mult.0.as_ptr().cast());
+        let roots = [va, fa, vb, fb];
+        let (c, tau_second) = quarters_finish2_mul::<Q>(&scratch.p, roots, mult, link.second, link.s);
+        let y = link.second ^ c[1];
+        let out = Linked { tail: [c[0], c[3]], head: [y, link.first ^ tau_second ^ c[2]] };
+        // Do not leave the round keys (or the head's block) in registers.
+        // SAFETY: only clears registers, declared as clobbered.
+        asm!(
+            "vpxord xmm16, xmm16, xmm16",
+            "vmovdqa64 zmm17, zmm16", "vmovdqa64 zmm18, zmm16", "vmovdqa64 zmm19, zmm16",
+            "vmovdqa64 zmm20, zmm16", "vmovdqa64 zmm21, zmm16", "vmovdqa64 zmm22, zmm16",
+            "vmovdqa64 zmm23, zmm16", "vmovdqa64 zmm24, zmm16", "vmovdqa64 zmm25, zmm16",
+            "vmovdqa64 zmm26, zmm16", "vmovdqa64 zmm27, zmm16", "vmovdqa64 zmm28, zmm16",
+            "vmovdqa64 zmm29, zmm16", "vmovdqa64 zmm30, zmm16", "vmovdqa64 zmm31, zmm16",
+            out("zmm16") _, out("zmm17") _, out("zmm18") _, out("zmm19") _, out("zmm20") _,
+            out("zmm21") _, out("zmm22") _, out("zmm23") _, out("zmm24") _, out("zmm25") _,
+            out("zmm26") _, out("zmm27") _, out("zmm28") _, out("zmm29") _, out("zmm30") _,
+            out("zmm31") _,
+            options(nomem, nostack, preserves_flags),
+        );
+        (out, head_out)
     }
-    // The head of the next unit (see `Head`; its y and z came from an earlier call's
-    // finish): its two serial AES calls beside the counter blocks of steps 4 and 6, one
-    // round beside each round, each call a step or more after its input is due.
-    run!(0, 0, nohead;);
-    run!(1, 1, nohead;);
-    run!(2, 0, nohead;);
-    run!(3, 2, nohead;);
-    let head_out = match head {
-        Some(Head { y, z }) => {
-            let mut f = _mm_xor_si128(from_u128(z), k0);
-            run!(4, 0, head; inout("xmm17") f,);
-            let w = y ^ to_u128(f);
-            let mut f = _mm_xor_si128(from_u128(w), k0);
-            run!(5, 1, nohead;);
-            run!(6, 0, head; inout("xmm17") f,);
-            Some([z, w, z ^ to_u128(f)])
-        }
-        None => {
-            run!(4, 0, nohead;);
-            run!(5, 1, nohead;);
-            run!(6, 0, nohead;);
-            None
-        }
-    };
-    run!(7, 3, nohead;);
-    run!(8, 0, nohead;);
-    run!(9, 1, nohead;);
-    run!(10, 0, nohead;);
-    run!(11, 2, nohead;);
-    run!(12, 0, nohead;);
-    run!(13, 1, nohead;);
-    run!(14, 0, nohead;);
-    // Set here rather than at the start: blocks 252 and 253 of hash A's body are the
-    // previous unit's output, stored just before this call, and reading them at once
-    // would wait for those stores. Passed in registers, as the quarter trees come out:
-    // through memory, each would be a 512-bit store read back at once.
-    let line = |body: &[u8], last: u128| {
-        let two = _mm512_maskz_loadu_epi64(0x0f, body.as_ptr().add(16 * 252).cast());
-        _mm512_mask_broadcast_i32x4(two, 0x0f00, from_u128(last))
-    };
-    let (line_a, line_b) = (line(a.0, a.1), line(b.0, b.1));
-    let (va, fa, vb, fb): (__m512i, __m512i, __m512i, __m512i);
-    run!(15, root, nohead;
-        inout("zmm7") line_a => _, inout("zmm13") line_b => _,
-        out("zmm4") va, out("zmm9") fa, out("zmm10") vb, out("zmm15") fb,
-    );
-    let mult = _mm512_load_si512(scratch.mult.0.as_ptr().cast());
-    let roots = [va, fa, vb, fb];
-    let (c, tau_second) = quarters_finish2_mul::<Q>(&scratch.p, roots, mult, link.second, link.s);
-    let y = link.second ^ c[1];
-    let out = Linked { tail: [c[0], c[3]], head: [y, link.first ^ tau_second ^ c[2]] };
-    // Do not leave the round keys (or the head's block) in registers.
-    // SAFETY: only clears registers, declared as clobbered.
-    asm!(
-        "vpxord xmm16, xmm16, xmm16",
-        "vmovdqa64 zmm17, zmm16", "vmovdqa64 zmm18, zmm16", "vmovdqa64 zmm19, zmm16",
-        "vmovdqa64 zmm20, zmm16", "vmovdqa64 zmm21, zmm16", "vmovdqa64 zmm22, zmm16",
-        "vmovdqa64 zmm23, zmm16", "vmovdqa64 zmm24, zmm16", "vmovdqa64 zmm25, zmm16",
-        "vmovdqa64 zmm26, zmm16", "vmovdqa64 zmm27, zmm16", "vmovdqa64 zmm28, zmm16",
-        "vmovdqa64 zmm29, zmm16", "vmovdqa64 zmm30, zmm16", "vmovdqa64 zmm31, zmm16",
-        out("zmm16") _, out("zmm17") _, out("zmm18") _, out("zmm19") _, out("zmm20") _,
-        out("zmm21") _, out("zmm22") _, out("zmm23") _, out("zmm24") _, out("zmm25") _,
-        out("zmm26") _, out("zmm27") _, out("zmm28") _, out("zmm29") _, out("zmm30") _,
-        out("zmm31") _,
-        options(nomem, nostack, preserves_flags),
-    );
-    (out, head_out)
 }
 }

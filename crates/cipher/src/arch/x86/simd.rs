@@ -19,8 +19,6 @@ use core::arch::x86_64::*;
 pub(crate) trait AesVec: Copy {
     /// 16-byte blocks per register.
     const LANES: usize;
-    /// The level whose features the methods use.
-    const LEVEL: crate::CpuLevel;
 
     unsafe fn zero() -> Self;
     /// Loads `LANES` blocks from `p` (unaligned).
@@ -114,20 +112,8 @@ unsafe fn poly<V: AesVec>() -> V {
     unsafe { V::splat(_mm_set_epi64x(0, 0x87)) }
 }
 
-/// Multiplies each lane (an XTS tweak, little-endian) by x^k, k <= 56: shift left by k, fold the
-/// k bits leaving each lane back with one carry-less multiply by 0x87.
-#[inline(always)]
-pub(crate) unsafe fn mul_x<V: AesVec>(v: V, k: u32) -> V {
-    // SAFETY: inlined into a function of V's level (module contract).
-    unsafe {
-        let shifted = v.qword_shl(k);
-        let carries = v.qword_shr(64 - k); // k = 0 shifts everything out: x^0 is exact
-        V::xor3(shifted, carries.lane_shl8(), carries.clmul_hi_lo(poly::<V>()))
-    }
-}
-
-/// Multiplies lane l by x^(base + l), base + LANES - 1 <= 56 (as [`mul_x`], with a count per
-/// lane).
+/// Multiplies lane l (an XTS tweak, little-endian) by x^(base + l), base + LANES - 1 <= 56:
+/// shift left, fold the bits leaving each lane back with one carry-less multiply by 0x87.
 #[inline(always)]
 pub(crate) unsafe fn mul_x_lanes<V: AesVec>(v: V, base: u32) -> V {
     // SAFETY: inlined into a function of V's level (module contract).
@@ -198,7 +184,6 @@ pub(crate) struct Zmm(__m512i);
 
 impl AesVec for Xmm {
     const LANES: usize = 1;
-    const LEVEL: crate::CpuLevel = crate::CpuLevel::Aesni;
 
     #[inline(always)]
     unsafe fn zero() -> Self {
@@ -364,7 +349,6 @@ impl AesVec for Xmm {
 
 impl AesVec for Ymm {
     const LANES: usize = 2;
-    const LEVEL: crate::CpuLevel = crate::CpuLevel::Vaes256;
 
     #[inline(always)]
     unsafe fn zero() -> Self {
@@ -562,7 +546,6 @@ impl AesVec for Ymm {
 
 impl AesVec for Zmm {
     const LANES: usize = 4;
-    const LEVEL: crate::CpuLevel = crate::CpuLevel::Vaes512;
 
     #[inline(always)]
     unsafe fn zero() -> Self {

@@ -1452,7 +1452,9 @@ mod tes_tests {
             assert_eq!(PolyHash::new(Field::Le, &tau.to_le_bytes(), CpuLevel::Portable).brw_le(&p, &body, x[k - 1]), None);
             for &level in levels.iter().filter(|l| **l != CpuLevel::Portable) {
                 let ph = PolyHash::new(Field::Le, &tau.to_le_bytes(), level);
-                assert_eq!(ph.brw_le(&p, &body, x[k - 1]), Some(want), "k = {k}, level {level}");
+                // BRW kernels exist on x86-64 only; elsewhere the caller's portable BRW runs.
+                let expect = if cfg!(target_arch = "x86_64") { Some(want) } else { None };
+                assert_eq!(ph.brw_le(&p, &body, x[k - 1]), expect, "k = {k}, level {level}");
             }
         }
     }

@@ -9,7 +9,7 @@ mod common;
 mod tes;
 mod xts;
 
-use cryptbridge_cipher::CpuLevel;
+use cryptbridge_cipher::{CpuLevel, SectorCipher};
 use libtest_mimic::{Arguments, Failed, Trial};
 
 /// A check run at one level: returns an error message on failure (panics also fail).
@@ -55,6 +55,28 @@ impl Rng {
     pub fn bytes(&mut self, n: usize) -> Vec<u8> {
         (0..n).map(|_| self.next() as u8).collect()
     }
+}
+
+/// `fast`'s multi-unit call over `data`, and beside it `portable` called unit by unit with the
+/// tweaks first + i * step (wrapping): the two results a unit-run check compares.
+pub fn run_and_unit_by_unit(
+    fast: &dyn SectorCipher,
+    portable: &dyn SectorCipher,
+    (first, step, unit_len): (u64, u64, usize),
+    data: &[u8],
+    decrypt: bool,
+) -> Result<(Vec<u8>, Vec<u8>), Failed> {
+    let (mut run, mut expect) = (data.to_vec(), data.to_vec());
+    if decrypt {
+        fast.decrypt_units(first, step, unit_len, &mut run)?;
+    } else {
+        fast.encrypt_units(first, step, unit_len, &mut run)?;
+    }
+    for (i, unit) in expect.chunks_exact_mut(unit_len).enumerate() {
+        let n = first.wrapping_add(step.wrapping_mul(i as u64));
+        if decrypt { portable.decrypt_unit(n, unit)? } else { portable.encrypt_unit(n, unit)? }
+    }
+    Ok((run, expect))
 }
 
 /// `Err` with `msg` unless `cond`.

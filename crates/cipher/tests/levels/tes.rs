@@ -14,7 +14,7 @@ use cryptbridge_cipher::{CpuLevel, SectorCipher};
 use libtest_mimic::Failed;
 use serde_json::Value;
 
-use crate::{ensure, Check, Rng};
+use crate::{ensure, run_and_unit_by_unit, Check, Rng};
 
 pub const CASES: &[(&str, Check)] = &[
     ("eme2_vectors", eme2_vectors),
@@ -241,16 +241,7 @@ fn unit_runs(level: CpuLevel) -> Result<(), Failed> {
         let (fast, portable) = (make(name, &key, level)?, make(name, &key, CpuLevel::Portable)?);
         let data = rng.bytes(units * unit_len);
         for decrypt in [false, true] {
-            let (mut run, mut expect) = (data.clone(), data.clone());
-            if decrypt {
-                fast.decrypt_units(first, step, unit_len, &mut run)?;
-            } else {
-                fast.encrypt_units(first, step, unit_len, &mut run)?;
-            }
-            for (i, unit) in expect.chunks_exact_mut(unit_len).enumerate() {
-                let n = first.wrapping_add(step.wrapping_mul(i as u64));
-                if decrypt { portable.decrypt_unit(n, unit)? } else { portable.encrypt_unit(n, unit)? }
-            }
+            let (run, expect) = run_and_unit_by_unit(&*fast, &*portable, (first, step, unit_len), &data, decrypt)?;
             ensure(run == expect, || format!("{name} case {case}: {units} units of {unit_len}, first {first}, step {step}, key {klen}, decrypt {decrypt}"))?;
         }
     }

@@ -8,7 +8,7 @@ use cryptbridge_cipher::{unit_tweak, CpuLevel, SectorCipher};
 use libtest_mimic::Failed;
 
 use crate::common::xts::{botan_vectors, wycheproof_vectors};
-use crate::{ensure, Check, Rng};
+use crate::{ensure, run_and_unit_by_unit, Check, Rng};
 
 pub const CASES: &[(&str, Check)] = &[
     ("xts_vectors", vectors),
@@ -73,20 +73,7 @@ fn unit_runs(level: CpuLevel) -> Result<(), Failed> {
         let decrypt = case % 2 == 1;
         let (fast, portable) = (Xts::with_level(&key, level)?, Xts::with_level(&key, CpuLevel::Portable)?);
         let data = rng.bytes(units * unit_len);
-        let (mut run, mut expect) = (data.clone(), data);
-        if decrypt {
-            fast.decrypt_units(first, step, unit_len, &mut run)?;
-        } else {
-            fast.encrypt_units(first, step, unit_len, &mut run)?;
-        }
-        for (i, unit) in expect.chunks_exact_mut(unit_len).enumerate() {
-            let n = first.wrapping_add(step.wrapping_mul(i as u64));
-            if decrypt {
-                portable.decrypt(&unit_tweak(n), unit)?;
-            } else {
-                portable.encrypt(&unit_tweak(n), unit)?;
-            }
-        }
+        let (run, expect) = run_and_unit_by_unit(&fast, &portable, (first, step, unit_len), &data, decrypt)?;
         ensure(run == expect, || format!("case {case}: {units} units of {unit_len}, first {first}, step {step}, key {klen}, decrypt {decrypt}"))?;
     }
     Ok(())

@@ -140,14 +140,13 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Encrypts and writes `data` at `offset`; `data` may be overwritten with ciphertext.
+    /// Encrypts and writes `data` at `offset`; `data` may be overwritten with ciphertext. With
+    /// `fua` the write is durable when this returns (the backing store's FUA write: an upstream
+    /// export gets NBD_CMD_FLAG_FUA rather than a flush of everything).
     pub fn write(&self, offset: u64, data: &mut [u8], fua: bool) -> io::Result<()> {
         let (start, end) = self.span(offset, data.len() as u64);
-        {
-            let _guard = self.locks.lock(start, end);
-            self.write_locked(offset, data)?;
-        }
-        self.fua(fua)
+        let _guard = self.locks.lock(start, end);
+        self.write_locked(offset, data, fua)
     }
 
     /// Makes `[offset, offset + len)` read back as zeros: in an encrypted export that means
@@ -162,7 +161,7 @@ impl Pipeline {
                 let piece_end = ((pos / ZERO_CHUNK + 1) * ZERO_CHUNK).min(stop);
                 let mut zeros = self.pool.get((piece_end - pos) as usize)?;
                 zeros.fill(0);
-                self.write_locked(pos, &mut zeros)?;
+                self.write_locked(pos, &mut zeros, false)?;
                 pos = piece_end;
             }
         }
@@ -197,13 +196,13 @@ impl Pipeline {
 
     /// Writes `data` at `offset`, widening to whole sectors with read-modify-write. The caller
     /// holds the range lock for the widened span.
-    fn write_locked(&self, offset: u64, data: &mut [u8]) -> io::Result<()> {
+    fn write_locked(&self, offset: u64, data: &mut [u8], fua: bool) -> io::Result<()> {
         let ss = self.sector_size;
         let (start, end) = self.span(offset, data.len() as u64);
         let aligned = start == offset && end == offset + data.len() as u64;
         let direct_ok = !self.backing.is_direct() || (data.as_ptr() as usize).is_multiple_of(ALIGN);
         if aligned && direct_ok {
-            return self.write_sectors(start, data);
+            return self.write_sectors(start, data, fua);
         }
         let mut buf = self.pool.get((end - start) as usize)?;
         let head_partial = offset != start;
@@ -217,7 +216,7 @@ impl Pipeline {
         }
         let at = (offset - start) as usize;
         buf[at..at + data.len()].copy_from_slice(data);
-        self.write_sectors(start, &mut buf)
+        self.write_sectors(start, &mut buf, fua)
     }
 
     fn read_sectors(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
@@ -231,12 +230,16 @@ impl Pipeline {
     // pool (when the engine finds it large enough): there the client's queue depth, not the CPU,
     // limits throughput, so what counts is how soon each write completes (the pool was the
     // faster of the two in paired runs, for a little more server CPU; docs/bench/2026-11-23-bridge.md).
-    fn write_sectors(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+    fn write_sectors(&self, offset: u64, buf: &mut [u8], fua: bool) -> io::Result<()> {
         let (_running, busy) = InFlight::enter(&self.in_flight);
         let sector = offset / self.sector_size;
         let own_thread = busy && !self.backing.is_direct();
         let done = if own_thread { self.engine.encrypt_here(sector, buf) } else { self.engine.encrypt(sector, buf) };
         done.map_err(io::Error::other)?;
-        self.backing.write_at(buf, offset)
+        if fua {
+            self.backing.write_fua_at(buf, offset)
+        } else {
+            self.backing.write_at(buf, offset)
+        }
     }
 }

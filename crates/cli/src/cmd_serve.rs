@@ -8,6 +8,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use cryptbridge_bridge::backing::RemoteOptions;
+use cryptbridge_bridge::nbd::uri::{self, NbdUri};
 use cryptbridge_bridge::{raise_open_file_limit, Backing, BackingOptions, Listener, Pipeline, Server, ServerConfig};
 use cryptbridge_cipher::registry::KeyPolicy;
 use cryptbridge_cipher::{new_cipher, SectorCipher};
@@ -33,9 +35,19 @@ pub enum VolumeType {
 When ready, prints `ready <NBD URI>` on stdout.")]
 pub struct Args {
     /// Backing file or block device (a file is created sparse at --size, mode 0600, when
-    /// missing; it is removed again if the server then fails to start).
-    #[arg(long)]
+    /// missing; it is removed again if the server then fails to start); or an upstream NBD
+    /// export, nbd://HOST[:PORT][/EXPORT] or nbd+unix:///EXPORT?socket=PATH, which then holds
+    /// only ciphertext (see docs/network.md).
+    #[arg(long, value_name = "PATH|URI")]
     backing: PathBuf,
+    /// With an NBD URI as --backing: connections to the upstream (default 4 when it advertises
+    /// multi-conn, else 1; more than 1 needs multi-conn).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
+    backing_connections: Option<u64>,
+    /// With an NBD URI as --backing: seconds requests may wait for the upstream's reply before
+    /// the connection is taken as lost (and reconnected; requests resent, then EIO).
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    backing_timeout: u64,
     /// Size of a new backing file: bytes, or a number with K/M/G/T (binary units).
     #[arg(long, value_parser = size::parse_size)]
     size: Option<u64>,
@@ -133,6 +145,33 @@ pub struct Args {
     engine: String,
 }
 
+/// A usage error (exit status 2, as clap's own).
+fn usage(msg: String) -> ! {
+    clap::Error::raw(clap::error::ErrorKind::ArgumentConflict, format!("{msg}\n")).exit()
+}
+
+/// `--backing` as an NBD URI, with the options that go with one checked; `None` for a path.
+fn remote_backing(args: &Args) -> Result<Option<NbdUri>> {
+    let spec = args.backing.to_str().filter(|s| uri::is_nbd_uri(s));
+    let Some(spec) = spec else {
+        if args.backing_connections.is_some() {
+            usage("--backing-connections needs an NBD URI as --backing".into());
+        }
+        return Ok(None);
+    };
+    let uri = uri::parse(spec).unwrap_or_else(|e| usage(format!("--backing: {e}")));
+    if args.direct {
+        usage("--direct applies to a file or device, not to an NBD export as --backing".into());
+    }
+    if args.volume_type == VolumeType::Luks && args.header.is_none() {
+        usage("--type luks with an NBD export as --backing needs the header in a local file (--header FILE)".into());
+    }
+    if uri.tls {
+        bail!("--backing {spec}: nbds:// (TLS to the upstream) is not supported yet; use nbd:// over a trusted network or a Unix socket");
+    }
+    Ok(Some(uri))
+}
+
 fn parse_sector_size(s: &str) -> Result<usize, String> {
     match s {
         "512" => Ok(512),
@@ -148,6 +187,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.max_inflight_bytes_per_connection == 0 || args.max_inflight_bytes == 0 {
         bail!("--max-inflight-bytes-per-connection and --max-inflight-bytes must be more than 0");
     }
+    let remote = remote_backing(&args)?;
     // --type luks: the header decides cipher, key, sector size and data area (cmd_serve/luks.rs).
     let mut luks = luks::open(&args)?;
     let sector_size = luks.as_ref().map_or(args.sector_size, luks::Volume::sector_size);
@@ -191,10 +231,25 @@ pub fn run(args: Args) -> Result<ExitCode> {
         };
         Engine::new(backend, layout)
     };
-    let backing = Backing::open(
-        &args.backing,
-        &BackingOptions { size: args.size, read_only: args.read_only, direct: args.direct, sector_size },
-    )?;
+    let backing_opts = BackingOptions { size: args.size, read_only: args.read_only, direct: args.direct, sector_size };
+    let backing = match &remote {
+        Some(uri) => {
+            let opts = RemoteOptions {
+                connections: args.backing_connections.map(|n| n as usize),
+                reply_timeout: std::time::Duration::from_secs(args.backing_timeout),
+                ..RemoteOptions::default()
+            };
+            Backing::connect(uri, &backing_opts, &opts)?
+        }
+        None => Backing::open(&args.backing, &backing_opts)?,
+    };
+    // A read-only upstream makes a read-only export; TRIM only where the upstream takes it.
+    let read_only = args.read_only || backing.upstream().is_some_and(|e| e.read_only());
+    let mut allow_discards = args.allow_discards;
+    if allow_discards && backing.upstream().is_some_and(|e| !e.can_trim()) {
+        tracing::warn!("the upstream does not take TRIM: --allow-discards has no effect");
+        allow_discards = false;
+    }
     // From here on, a start that fails removes the files it created (backing, socket).
     let mut created = CreatedFiles { backing: backing.created().then(|| args.backing.clone()), socket: None };
     let backing = luks::window(luks.as_ref(), backing, &args.backing)?;
@@ -203,8 +258,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let server = Server::new(
         Arc::clone(&pipeline),
         ServerConfig {
-            read_only: args.read_only,
-            allow_discards: args.allow_discards,
+            read_only,
+            allow_discards,
             io_workers: args.io_workers,
             poll_max: std::time::Duration::from_nanos(args.poll_max_ns),
             handshake_limit: std::time::Duration::from_secs(args.handshake_limit),
@@ -238,7 +293,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         sector_size,
         mode,
         if args.direct { ", O_DIRECT" } else { "" },
-        if args.read_only { ", read-only" } else { "" },
+        if read_only { ", read-only" } else { "" },
     );
     {
         use std::io::Write;

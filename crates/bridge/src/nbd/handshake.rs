@@ -49,13 +49,23 @@ pub fn negotiate_within<S: Read + Write + SocketTimeouts>(
     export: &ExportInfo,
     limit: Duration,
 ) -> io::Result<Outcome> {
-    let outcome = negotiate(&mut Deadline { stream: &mut *stream, deadline: Instant::now() + limit, limit }, export)?;
+    within(stream, limit, |s| negotiate(s, export))
+}
+
+/// Runs `f` with one deadline, `limit` from now, over every read and write it makes on
+/// `stream` (either end of a handshake); the socket is left without timeouts when `f` succeeds.
+pub(crate) fn within<S: Read + Write + SocketTimeouts, T>(
+    stream: &mut S,
+    limit: Duration,
+    f: impl FnOnce(&mut Deadline<'_, S>) -> io::Result<T>,
+) -> io::Result<T> {
+    let result = f(&mut Deadline { stream: &mut *stream, deadline: Instant::now() + limit, limit })?;
     stream.set_timeouts(None)?;
-    Ok(outcome)
+    Ok(result)
 }
 
 /// A stream whose every read and write must end by `deadline`.
-struct Deadline<'a, S> {
+pub(crate) struct Deadline<'a, S> {
     stream: &'a mut S,
     deadline: Instant,
     limit: Duration,
@@ -154,13 +164,7 @@ pub fn negotiate<S: Read + Write>(stream: &mut S, export: &ExportInfo) -> io::Re
                     tracing::warn!("client asked for unknown export {:?}; closing", String::from_utf8_lossy(&data));
                     return Ok(Outcome::Closed);
                 }
-                let mut msg = Vec::with_capacity(134);
-                msg.extend_from_slice(&export.size.to_be_bytes());
-                msg.extend_from_slice(&export.transmission_flags.to_be_bytes());
-                if !no_zeroes {
-                    msg.extend_from_slice(&[0u8; 124]);
-                }
-                stream.write_all(&msg)?;
+                stream.write_all(&export_name_reply(export.size, export.transmission_flags, no_zeroes))?;
                 stream.flush()?;
                 return Ok(Outcome::Transmission);
             }
@@ -200,6 +204,108 @@ pub fn negotiate<S: Read + Write>(stream: &mut S, export: &ExportInfo) -> io::Re
     }
 }
 
+/// The server's answer to NBD_OPT_EXPORT_NAME: size, transmission flags and, unless the client
+/// set NO_ZEROES, 124 zero bytes.
+pub fn export_name_reply(size: u64, flags: u16, no_zeroes: bool) -> Vec<u8> {
+    let mut msg = Vec::with_capacity(134);
+    msg.extend_from_slice(&size.to_be_bytes());
+    msg.extend_from_slice(&flags.to_be_bytes());
+    if !no_zeroes {
+        msg.extend_from_slice(&[0u8; EXPORT_NAME_ZEROES]);
+    }
+    msg
+}
+
+/// Zero bytes after an EXPORT_NAME answer when NO_ZEROES is not in force.
+pub const EXPORT_NAME_ZEROES: usize = 124;
+
+/// A client's option: IHAVEOPT, option, length, data.
+pub fn option_request(option: u32, data: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(16 + data.len());
+    v.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    v.extend_from_slice(&option.to_be_bytes());
+    v.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    v.extend_from_slice(data);
+    v
+}
+
+/// NBD_OPT_INFO/GO data, the inverse of [`parse_info_request`].
+pub fn info_request(name: &[u8], requests: &[u16]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(6 + name.len() + 2 * requests.len());
+    v.extend_from_slice(&(name.len() as u32).to_be_bytes());
+    v.extend_from_slice(name);
+    v.extend_from_slice(&(requests.len() as u16).to_be_bytes());
+    for r in requests {
+        v.extend_from_slice(&r.to_be_bytes());
+    }
+    v
+}
+
+/// Size of an option reply header: magic, option, reply type, length.
+pub const OPTION_REPLY_HEADER_LEN: usize = 20;
+
+pub fn option_reply_header(option: u32, kind: u32, len: u32) -> [u8; OPTION_REPLY_HEADER_LEN] {
+    let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
+    h[0..8].copy_from_slice(&OPTION_REPLY_MAGIC.to_be_bytes());
+    h[8..12].copy_from_slice(&option.to_be_bytes());
+    h[12..16].copy_from_slice(&kind.to_be_bytes());
+    h[16..20].copy_from_slice(&len.to_be_bytes());
+    h
+}
+
+/// Decodes an option reply header: `(option, reply type, length)`; a wrong magic is an
+/// `InvalidData` error.
+pub fn parse_option_reply_header(h: &[u8; OPTION_REPLY_HEADER_LEN]) -> io::Result<(u32, u32, u32)> {
+    let magic = u64::from_be_bytes(h[0..8].try_into().unwrap());
+    if magic != OPTION_REPLY_MAGIC {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("bad option reply magic {magic:#018x}")));
+    }
+    let word = |at: usize| u32::from_be_bytes(h[at..at + 4].try_into().unwrap());
+    Ok((word(8), word(12), word(16)))
+}
+
+/// One NBD_REP_INFO payload, as a client decodes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Info {
+    Export { size: u64, flags: u16 },
+    BlockSize { min: u32, preferred: u32, max: u32 },
+    /// A type this side does not use (name, description, later additions).
+    Other(u16),
+}
+
+pub fn info_export(size: u64, flags: u16) -> Vec<u8> {
+    let mut info = INFO_EXPORT.to_be_bytes().to_vec();
+    info.extend_from_slice(&size.to_be_bytes());
+    info.extend_from_slice(&flags.to_be_bytes());
+    info
+}
+
+pub fn info_block_size(min: u32, preferred: u32, max: u32) -> Vec<u8> {
+    let mut info = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+    for v in [min, preferred, max] {
+        info.extend_from_slice(&v.to_be_bytes());
+    }
+    info
+}
+
+/// Decodes an NBD_REP_INFO payload, the inverse of [`info_export`] and [`info_block_size`]; a
+/// known type with the wrong length is an `InvalidData` error.
+pub fn parse_info(data: &[u8]) -> io::Result<Info> {
+    let bad = |what| io::Error::new(io::ErrorKind::InvalidData, format!("malformed {what} information ({} bytes)", data.len()));
+    let kind = u16::from_be_bytes(data.get(..2).ok_or_else(|| bad("NBD_REP_INFO"))?.try_into().unwrap());
+    let word = |at: usize| u32::from_be_bytes(data[at..at + 4].try_into().unwrap());
+    match kind {
+        INFO_EXPORT if data.len() == 12 => Ok(Info::Export {
+            size: u64::from_be_bytes(data[2..10].try_into().unwrap()),
+            flags: u16::from_be_bytes([data[10], data[11]]),
+        }),
+        INFO_EXPORT => Err(bad("NBD_INFO_EXPORT")),
+        INFO_BLOCK_SIZE if data.len() == 14 => Ok(Info::BlockSize { min: word(2), preferred: word(6), max: word(10) }),
+        INFO_BLOCK_SIZE => Err(bad("NBD_INFO_BLOCK_SIZE")),
+        other => Ok(Info::Other(other)),
+    }
+}
+
 /// NBD_OPT_INFO/GO data: u32 name length, name, u16 count, count x u16 info types.
 fn parse_info_request(data: &[u8]) -> Result<(&[u8], Vec<u16>), &'static str> {
     let malformed = "malformed NBD_OPT_INFO/GO request";
@@ -215,19 +321,10 @@ fn parse_info_request(data: &[u8]) -> Result<(&[u8], Vec<u16>), &'static str> {
 }
 
 fn send_info<W: Write>(w: &mut W, option: u32, export: &ExportInfo, requests: &[u16]) -> io::Result<()> {
-    let mut info = Vec::new();
-    info.extend_from_slice(&INFO_EXPORT.to_be_bytes());
-    info.extend_from_slice(&export.size.to_be_bytes());
-    info.extend_from_slice(&export.transmission_flags.to_be_bytes());
-    reply(w, option, REP_INFO, &info)?;
+    reply(w, option, REP_INFO, &info_export(export.size, export.transmission_flags))?;
     // Block sizes go out unrequested too: the protocol allows it, and clients that honour them
     // avoid the read-modify-write path entirely.
-    let mut sizes = Vec::new();
-    sizes.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
-    for v in [export.min_block, export.preferred_block, export.max_block] {
-        sizes.extend_from_slice(&v.to_be_bytes());
-    }
-    reply(w, option, REP_INFO, &sizes)?;
+    reply(w, option, REP_INFO, &info_block_size(export.min_block, export.preferred_block, export.max_block))?;
     if requests.contains(&INFO_NAME) {
         let mut name = INFO_NAME.to_be_bytes().to_vec();
         name.extend_from_slice(export.name.as_bytes());
@@ -242,23 +339,20 @@ fn send_info<W: Write>(w: &mut W, option: u32, export: &ExportInfo, requests: &[
 }
 
 fn reply<W: Write>(w: &mut W, option: u32, kind: u32, data: &[u8]) -> io::Result<()> {
-    let mut msg = Vec::with_capacity(20 + data.len());
-    msg.extend_from_slice(&OPTION_REPLY_MAGIC.to_be_bytes());
-    msg.extend_from_slice(&option.to_be_bytes());
-    msg.extend_from_slice(&kind.to_be_bytes());
-    msg.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    let mut msg = Vec::with_capacity(OPTION_REPLY_HEADER_LEN + data.len());
+    msg.extend_from_slice(&option_reply_header(option, kind, data.len() as u32));
     msg.extend_from_slice(data);
     w.write_all(&msg)?;
     w.flush()
 }
 
-fn read_u32<R: Read>(r: &mut R) -> io::Result<u32> {
+pub(crate) fn read_u32<R: Read>(r: &mut R) -> io::Result<u32> {
     let mut b = [0u8; 4];
     r.read_exact(&mut b)?;
     Ok(u32::from_be_bytes(b))
 }
 
-fn read_u64<R: Read>(r: &mut R) -> io::Result<u64> {
+pub(crate) fn read_u64<R: Read>(r: &mut R) -> io::Result<u64> {
     let mut b = [0u8; 8];
     r.read_exact(&mut b)?;
     Ok(u64::from_be_bytes(b))
@@ -281,11 +375,26 @@ mod tests {
     }
 
     fn option(option: u32, data: &[u8]) -> Vec<u8> {
-        let mut v = IHAVEOPT.to_be_bytes().to_vec();
-        v.extend_from_slice(&option.to_be_bytes());
-        v.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        v.extend_from_slice(data);
-        v
+        option_request(option, data)
+    }
+
+    #[test]
+    fn info_and_option_frames_round_trip() {
+        assert_eq!(parse_info(&info_export(1 << 40, 0x1234)).unwrap(), Info::Export { size: 1 << 40, flags: 0x1234 });
+        assert_eq!(parse_info(&info_block_size(512, 4096, 1 << 25)).unwrap(), Info::BlockSize { min: 512, preferred: 4096, max: 1 << 25 });
+        assert_eq!(parse_info(&[0, 1, b'x']).unwrap(), Info::Other(INFO_NAME));
+        assert!(parse_info(&info_export(1, 1)[..11]).is_err());
+        assert!(parse_info(&info_block_size(1, 1, 1)[..13]).is_err());
+        assert!(parse_info(&[0]).is_err());
+        let go = info_request(b"vol", &[INFO_BLOCK_SIZE]);
+        let (name, reqs) = parse_info_request(&go).unwrap();
+        assert_eq!((name, reqs), (&b"vol"[..], vec![INFO_BLOCK_SIZE]));
+        assert_eq!(parse_option_reply_header(&option_reply_header(OPT_GO, REP_ERR_UNKNOWN, 7)).unwrap(), (OPT_GO, REP_ERR_UNKNOWN, 7));
+        let mut bad = option_reply_header(OPT_GO, REP_ACK, 0);
+        bad[3] ^= 0x40;
+        assert!(parse_option_reply_header(&bad).is_err());
+        assert_eq!(export_name_reply(5, 1, false).len(), 10 + EXPORT_NAME_ZEROES);
+        assert_eq!(export_name_reply(5, 1, true).len(), 10);
     }
 
     /// A client that sends one byte every 50 ms (each read completes well within any per-read

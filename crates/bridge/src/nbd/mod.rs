@@ -1,14 +1,19 @@
 //! The NBD wire protocol (fixed newstyle handshake, simple replies), as in the NetworkBlockDevice
 //! project's doc/proto.md: the handshake, request framing ([`transmission`]) and what a request
 //! may ask ([`request`]: validation and the errno mapping). The server schedules; it does not
-//! interpret the protocol.
+//! interpret the protocol. [`client`] is the other end, for an upstream export as the backing
+//! store ([`uri`]: how one is named), built on the same framing and errno mapping.
 
+pub mod client;
 pub mod handshake;
 pub mod request;
 pub mod transmission;
+pub mod uri;
 
 pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943; // "NBDMAGIC"
 pub const IHAVEOPT: u64 = 0x4948_4156_454f_5054; // "IHAVEOPT"
+/// What an oldstyle server sends where a newstyle one sends IHAVEOPT.
+pub const OLDSTYLE_MAGIC: u64 = 0x0000_4202_8186_1253;
 pub const OPTION_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
@@ -31,9 +36,14 @@ pub const OPT_GO: u32 = 7;
 pub const REP_ACK: u32 = 1;
 pub const REP_SERVER: u32 = 2;
 pub const REP_INFO: u32 = 3;
+pub const REP_ERR: u32 = 1 << 31;
 pub const REP_ERR_UNSUP: u32 = (1 << 31) | 1;
+pub const REP_ERR_POLICY: u32 = (1 << 31) | 2;
 pub const REP_ERR_INVALID: u32 = (1 << 31) | 3;
+pub const REP_ERR_TLS_REQD: u32 = (1 << 31) | 5;
 pub const REP_ERR_UNKNOWN: u32 = (1 << 31) | 6;
+pub const REP_ERR_SHUTDOWN: u32 = (1 << 31) | 7;
+pub const REP_ERR_BLOCK_SIZE_REQD: u32 = (1 << 31) | 8;
 pub const REP_ERR_TOO_BIG: u32 = (1 << 31) | 9;
 
 // NBD_INFO types.
@@ -69,7 +79,9 @@ pub const EIO: u32 = 5;
 pub const ENOMEM: u32 = 12;
 pub const EINVAL: u32 = 22;
 pub const ENOSPC: u32 = 28;
+pub const EOVERFLOW: u32 = 75;
 pub const ENOTSUP: u32 = 95;
+pub const ESHUTDOWN: u32 = 108;
 
 /// Everything the handshake tells a client about the one export.
 #[derive(Debug, Clone)]

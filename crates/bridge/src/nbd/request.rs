@@ -96,6 +96,24 @@ pub fn errno_of(e: &io::Error) -> u32 {
     }
 }
 
+/// The I/O error for an errno an upstream NBD server answered with: the same number, so that
+/// [`errno_of`] hands the bridge's client what the upstream said. The wire values are Linux's;
+/// ENOTSUP is EOPNOTSUPP there. A value outside the protocol's set is EIO (proto.md: a client
+/// SHOULD treat an unexpected value as EIO).
+pub fn io_error_of(errno: u32) -> io::Error {
+    let os = match errno {
+        EPERM => libc::EPERM,
+        ENOMEM => libc::ENOMEM,
+        EINVAL => libc::EINVAL,
+        ENOSPC => libc::ENOSPC,
+        EOVERFLOW => libc::EOVERFLOW,
+        ENOTSUP => libc::EOPNOTSUPP,
+        ESHUTDOWN => libc::ESHUTDOWN,
+        _ => libc::EIO,
+    };
+    io::Error::from_raw_os_error(os)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,6 +209,12 @@ mod tests {
             assert_eq!(errno_of(&os(e)), want, "os error {e}");
         }
         assert_eq!(errno_of(&io::Error::other("engine failure")), EIO, "errors without an errno are EIO");
+        // An upstream's errno comes back out as the same errno.
+        for e in [EPERM, EIO, ENOMEM, EINVAL, ENOSPC, ENOTSUP] {
+            assert_eq!(errno_of(&io_error_of(e)), e, "upstream errno {e}");
+        }
+        assert_eq!(io_error_of(ESHUTDOWN).raw_os_error(), Some(libc::ESHUTDOWN));
+        assert_eq!(io_error_of(12345).raw_os_error(), Some(libc::EIO), "unknown upstream errno");
         // The wire values are Linux's, fixed by the protocol.
         assert_eq!((EPERM, EIO, ENOMEM, EINVAL, ENOSPC, ENOTSUP), (1, 5, 12, 22, 28, 95));
     }

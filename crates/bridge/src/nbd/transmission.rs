@@ -1,4 +1,6 @@
-//! Transmission phase framing: 28-byte requests in, 16-byte simple replies (plus read data) out.
+//! Transmission phase framing: 28-byte requests in, 16-byte simple replies (plus read data) out;
+//! and the same two frames the other way round for the client of an upstream export
+//! ([`encode_request`], [`parse_reply_header`]).
 
 use std::io::{self, IoSlice, Read, Write};
 
@@ -48,9 +50,35 @@ pub fn parse_request(h: &[u8; REQUEST_HEADER_LEN]) -> io::Result<Request> {
     })
 }
 
+/// Encodes a request header, the inverse of [`parse_request`].
+pub fn encode_request(r: &Request) -> [u8; REQUEST_HEADER_LEN] {
+    let mut h = [0u8; REQUEST_HEADER_LEN];
+    h[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
+    h[4..6].copy_from_slice(&r.flags.to_be_bytes());
+    h[6..8].copy_from_slice(&r.command.to_be_bytes());
+    h[8..16].copy_from_slice(&r.handle.to_be_bytes());
+    h[16..24].copy_from_slice(&r.offset.to_be_bytes());
+    h[24..28].copy_from_slice(&r.length.to_be_bytes());
+    h
+}
+
+/// Size of a simple reply header on the wire.
+pub const REPLY_HEADER_LEN: usize = 16;
+
+/// Decodes a simple reply header, the inverse of [`reply_header`]: `(handle, error)`. Any other
+/// magic (a structured reply, which is never negotiated, or garbage) is an `InvalidData` error.
+pub fn parse_reply_header(h: &[u8; REPLY_HEADER_LEN]) -> io::Result<(u64, u32)> {
+    let magic = u32::from_be_bytes(h[0..4].try_into().unwrap());
+    if magic != SIMPLE_REPLY_MAGIC {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("bad reply magic {magic:#010x}")));
+    }
+    let error = u32::from_be_bytes(h[4..8].try_into().unwrap());
+    Ok((u64::from_be_bytes(h[8..16].try_into().unwrap()), error))
+}
+
 /// The 16-byte header of a simple reply.
-pub fn reply_header(handle: u64, error: u32) -> [u8; 16] {
-    let mut header = [0u8; 16];
+pub fn reply_header(handle: u64, error: u32) -> [u8; REPLY_HEADER_LEN] {
+    let mut header = [0u8; REPLY_HEADER_LEN];
     header[0..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
     header[4..8].copy_from_slice(&error.to_be_bytes());
     header[8..16].copy_from_slice(&handle.to_be_bytes());
@@ -130,6 +158,7 @@ mod tests {
         h[4..6].copy_from_slice(&3u16.to_be_bytes());
         let r = parse_request(h[..].try_into().unwrap()).unwrap();
         assert_eq!(r, Request { flags: 3, command: super::super::CMD_WRITE_ZEROES, handle: 7, offset: 4096, length: 0x0102_0304 });
+        assert_eq!(encode_request(&r)[..], h[..], "encoding is the inverse of decoding");
         h[0] ^= 1;
         let e = parse_request(h[..].try_into().unwrap()).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidData);
@@ -159,5 +188,13 @@ mod tests {
         assert_eq!(w.0, [&a[..], &data[..], &b[..]].concat());
         assert_eq!(&b[..4], &SIMPLE_REPLY_MAGIC.to_be_bytes());
         assert_eq!(&b[4..8], &5u32.to_be_bytes());
+    }
+
+    #[test]
+    fn reply_header_decoding() {
+        assert_eq!(parse_reply_header(&reply_header(0x0102_0304_0506_0708, 28)).unwrap(), (0x0102_0304_0506_0708, 28));
+        let mut structured = reply_header(1, 0);
+        structured[0..4].copy_from_slice(&0x668e_33efu32.to_be_bytes());
+        assert_eq!(parse_reply_header(&structured).unwrap_err().kind(), io::ErrorKind::InvalidData);
     }
 }

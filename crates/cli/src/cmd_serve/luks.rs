@@ -11,7 +11,7 @@ use cryptbridge_engine::SectorLayout;
 use cryptbridge_volume::{DataSegment, Header, VolumeError};
 use zeroize::Zeroizing;
 
-use super::{Args, VolumeType};
+use super::{usage, Args, VolumeType};
 use crate::passphrase;
 
 /// An opened LUKS volume, until the engine takes its key.
@@ -49,11 +49,6 @@ impl Volume {
     pub fn label(&self) -> String {
         format!("LUKS{} {}", self.version, self.segment.cipher)
     }
-}
-
-/// A usage error (exit status 2, as clap's own).
-fn usage(msg: String) -> ! {
-    clap::Error::raw(clap::error::ErrorKind::ArgumentConflict, format!("{msg}\n")).exit()
 }
 
 /// Opens the volume for `--type luks` (checking the option combinations of either type).

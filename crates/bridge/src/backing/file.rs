@@ -1,4 +1,4 @@
-//! The backing store: a regular file (created sparse when missing) or a block device, accessed
+//! A regular file (created sparse when missing) or a block device as the backing store, accessed
 //! with positioned I/O so that many requests can run at once.
 //!
 //! A file created here gets mode 0600 (it holds the ciphertext and, by its changes, which sectors
@@ -9,57 +9,23 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use thiserror::Error;
+use super::{check_aligned, BackingError, BackingOptions};
 
-#[derive(Debug, Clone)]
-pub struct BackingOptions {
-    /// Size for a file that does not exist yet; checked against one that does.
-    pub size: Option<u64>,
-    pub read_only: bool,
-    /// O_DIRECT: bypass the page cache, as an inline bridge in front of a disk would.
-    pub direct: bool,
-    pub sector_size: usize,
-}
-
-#[derive(Debug, Error)]
-pub enum BackingError {
-    #[error("backing {path} does not exist; give --size to create it")]
-    MissingNoSize { path: PathBuf },
-    #[error("backing {path} is {actual} bytes but --size asks for {wanted}; refusing to resize existing data")]
-    SizeMismatch { path: PathBuf, actual: u64, wanted: u64 },
-    #[error("size {size} is not a multiple of the {sector_size}-byte sector size")]
-    UnalignedSize { size: u64, sector_size: usize },
-    #[error("backing {path} is smaller than one {sector_size}-byte sector")]
-    TooSmall { path: PathBuf, sector_size: usize },
-    #[error("data area of {len} bytes at offset {offset} does not fit the {size}-byte backing store in whole {sector_size}-byte sectors")]
-    BadWindow { offset: u64, len: u64, size: u64, sector_size: usize },
-    #[error("backing {path} is neither a regular file nor a block device")]
-    NotFileOrDevice { path: PathBuf },
-    // The io::Error is part of the message, not a `source`, so that error chains print it once.
-    #[error("backing {path}: O_DIRECT I/O with {sector_size}-byte sectors failed ({error}); the device may need larger alignment (try --sector-size 4096) or the filesystem may not support O_DIRECT")]
-    DirectUnsupported { path: PathBuf, sector_size: usize, error: io::Error },
-    #[error("backing {path}: {error}")]
-    Io { path: PathBuf, error: io::Error },
-}
-
-pub struct Backing {
+pub(super) struct FileBacking {
     file: File,
     size: u64,
     is_block_device: bool,
     direct: bool,
-    /// Where the export starts in the file or device: a volume's data offset (a LUKS header
-    /// comes first), 0 for a plain volume. Every offset below is relative to it.
-    offset: u64,
-    /// Whether [`Backing::open`] created the file.
+    /// Whether [`FileBacking::open`] created the file.
     created: bool,
 }
 
-/// Mode of a backing file created by [`Backing::open`] (before the umask, which can only narrow it).
+/// Mode of a backing file created by [`FileBacking::open`] (before the umask, which can only narrow it).
 pub const CREATED_FILE_MODE: u32 = 0o600;
 
-impl Backing {
+impl FileBacking {
     /// Opens `path`, creating it (mode 0600, sparse, `opts.size` bytes) when it does not exist.
     /// On an error after creating it, the file is removed before the error is returned.
     pub fn open(path: &Path, opts: &BackingOptions) -> Result<Self, BackingError> {
@@ -119,7 +85,7 @@ impl Backing {
         if size != actual {
             tracing::warn!("backing {} is {actual} bytes; exporting the first {size} (whole sectors)", path.display());
         }
-        let backing = Self { file, offset: 0, size, is_block_device, direct: opts.direct, created: false };
+        let backing = Self { file, size, is_block_device, direct: opts.direct, created: false };
         if opts.direct {
             backing.probe_direct(path, opts.sector_size)?;
         }
@@ -139,21 +105,7 @@ impl Backing {
         self.size
     }
 
-    /// Narrows the export to `len` bytes starting `offset` bytes into the file or device: the
-    /// data area of a volume whose header comes first (LUKS). Both must be multiples of the
-    /// sector size (so O_DIRECT stays aligned) and lie within what was opened.
-    pub fn with_window(mut self, offset: u64, len: u64, sector_size: usize) -> Result<Self, BackingError> {
-        let ss = sector_size as u64;
-        let fits = offset.checked_add(len).is_some_and(|end| end <= self.size);
-        if len == 0 || !offset.is_multiple_of(ss) || !len.is_multiple_of(ss) || !fits {
-            return Err(BackingError::BadWindow { offset, len, size: self.size, sector_size });
-        }
-        self.offset = offset;
-        self.size = len;
-        Ok(self)
-    }
-
-    /// Whether [`Backing::open`] created the file (it did not exist before).
+    /// Whether [`FileBacking::open`] created the file (it did not exist before).
     pub fn created(&self) -> bool {
         self.created
     }
@@ -163,11 +115,11 @@ impl Backing {
     }
 
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.file.read_exact_at(buf, self.offset + offset)
+        self.file.read_exact_at(buf, offset)
     }
 
     pub fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        self.file.write_all_at(buf, self.offset + offset)
+        self.file.write_all_at(buf, offset)
     }
 
     /// Makes every completed write durable (fdatasync).
@@ -177,7 +129,6 @@ impl Backing {
 
     /// Deallocates `[offset, offset + len)`: punches a hole in a file, discards on a device.
     pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
-        let offset = self.offset + offset;
         let fd = self.file.as_raw_fd();
         if self.is_block_device {
             let range: [u64; 2] = [offset, len];
@@ -200,10 +151,3 @@ impl Backing {
 
 /// _IO(0x12, 119) from linux/fs.h.
 const BLKDISCARD: libc::c_ulong = 0x1277;
-
-fn check_aligned(size: u64, sector_size: usize) -> Result<(), BackingError> {
-    if size == 0 || !size.is_multiple_of(sector_size as u64) {
-        return Err(BackingError::UnalignedSize { size, sector_size });
-    }
-    Ok(())
-}

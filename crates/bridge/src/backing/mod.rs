@@ -1,0 +1,188 @@
+//! The backing store, where ciphertext goes: a regular file or block device ([`file`]), or an
+//! export of an upstream NBD server ([`nbd`]: nbdkit, qemu-nbd, rbd-nbd, another host). The
+//! pipeline sees one [`Backing`] with positioned reads and writes in whole sectors, a flush and
+//! a discard, relative to the export's window (a LUKS data segment, or all of it).
+
+mod file;
+mod nbd;
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+pub use file::CREATED_FILE_MODE;
+pub use crate::nbd::client::ClientOptions as RemoteOptions;
+
+use crate::nbd::client::Export;
+use crate::nbd::uri::NbdUri;
+
+#[derive(Debug, Clone)]
+pub struct BackingOptions {
+    /// Size for a file that does not exist yet; checked against one that does (and against an
+    /// upstream export's size).
+    pub size: Option<u64>,
+    pub read_only: bool,
+    /// O_DIRECT: bypass the page cache, as an inline bridge in front of a disk would.
+    pub direct: bool,
+    pub sector_size: usize,
+}
+
+#[derive(Debug, Error)]
+pub enum BackingError {
+    #[error("backing {path} does not exist; give --size to create it")]
+    MissingNoSize { path: PathBuf },
+    #[error("backing {path} is {actual} bytes but --size asks for {wanted}; refusing to resize existing data")]
+    SizeMismatch { path: PathBuf, actual: u64, wanted: u64 },
+    #[error("size {size} is not a multiple of the {sector_size}-byte sector size")]
+    UnalignedSize { size: u64, sector_size: usize },
+    #[error("backing {path} is smaller than one {sector_size}-byte sector")]
+    TooSmall { path: PathBuf, sector_size: usize },
+    #[error("data area of {len} bytes at offset {offset} does not fit the {size}-byte backing store in whole {sector_size}-byte sectors")]
+    BadWindow { offset: u64, len: u64, size: u64, sector_size: usize },
+    #[error("backing {path} is neither a regular file nor a block device")]
+    NotFileOrDevice { path: PathBuf },
+    // The io::Error is part of the message, not a `source`, so that error chains print it once.
+    #[error("backing {path}: O_DIRECT I/O with {sector_size}-byte sectors failed ({error}); the device may need larger alignment (try --sector-size 4096) or the filesystem may not support O_DIRECT")]
+    DirectUnsupported { path: PathBuf, sector_size: usize, error: io::Error },
+    #[error("backing {path}: {error}")]
+    Io { path: PathBuf, error: io::Error },
+    /// Connecting to or negotiating with the upstream failed.
+    #[error("{error}")]
+    Remote { error: io::Error },
+    /// The upstream export cannot hold this volume as asked.
+    #[error("upstream {uri}: {why}")]
+    RemoteGeometry { uri: String, why: String },
+}
+
+enum Store {
+    File(file::FileBacking),
+    Nbd(nbd::NbdBacking),
+}
+
+pub struct Backing {
+    store: Store,
+    /// Where the export starts in the store: a volume's data offset (a LUKS header comes
+    /// first), 0 for a plain volume. Every offset below is relative to it.
+    offset: u64,
+    size: u64,
+}
+
+impl Backing {
+    /// Opens the file or block device `path`, creating a file (mode 0600, sparse, `opts.size`
+    /// bytes) when it does not exist. On an error after creating it, the file is removed before
+    /// the error is returned.
+    pub fn open(path: &Path, opts: &BackingOptions) -> Result<Self, BackingError> {
+        let f = file::FileBacking::open(path, opts)?;
+        Ok(Self { size: f.size(), store: Store::File(f), offset: 0 })
+    }
+
+    /// Connects to the upstream export `uri` (see [`crate::nbd::client`]), whose size and block
+    /// sizes must suit `opts`.
+    pub fn connect(uri: &NbdUri, opts: &BackingOptions, remote: &RemoteOptions) -> Result<Self, BackingError> {
+        let n = nbd::NbdBacking::connect(uri, opts, remote)?;
+        Ok(Self { size: n.size(), store: Store::Nbd(n), offset: 0 })
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The upstream export's properties, for an NBD backing.
+    pub fn upstream(&self) -> Option<&Export> {
+        match &self.store {
+            Store::Nbd(n) => Some(n.export()),
+            Store::File(_) => None,
+        }
+    }
+
+    /// Connections to the upstream, for an NBD backing.
+    pub fn upstream_connections(&self) -> Option<usize> {
+        match &self.store {
+            Store::Nbd(n) => Some(n.connections()),
+            Store::File(_) => None,
+        }
+    }
+
+    /// Narrows the export to `len` bytes starting `offset` bytes into the store: the data area
+    /// of a volume whose header comes first (LUKS). Both must be multiples of the sector size (so
+    /// O_DIRECT stays aligned) and lie within what was opened.
+    pub fn with_window(mut self, offset: u64, len: u64, sector_size: usize) -> Result<Self, BackingError> {
+        let ss = sector_size as u64;
+        let fits = offset.checked_add(len).is_some_and(|end| end <= self.size);
+        if len == 0 || !offset.is_multiple_of(ss) || !len.is_multiple_of(ss) || !fits {
+            return Err(BackingError::BadWindow { offset, len, size: self.size, sector_size });
+        }
+        self.offset = offset;
+        self.size = len;
+        Ok(self)
+    }
+
+    /// Whether [`Backing::open`] created the file (it did not exist before).
+    pub fn created(&self) -> bool {
+        match &self.store {
+            Store::File(f) => f.created(),
+            Store::Nbd(_) => false,
+        }
+    }
+
+    /// Whether every request waits for the device rather than the page cache: O_DIRECT, or a
+    /// remote export (a network round trip). The connection scheduling treats such requests as
+    /// slow (run on I/O threads, never inline on the reading thread).
+    pub fn is_direct(&self) -> bool {
+        match &self.store {
+            Store::File(f) => f.is_direct(),
+            Store::Nbd(_) => true,
+        }
+    }
+
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        match &self.store {
+            Store::File(f) => f.read_at(buf, self.offset + offset),
+            Store::Nbd(n) => n.read_at(buf, self.offset + offset),
+        }
+    }
+
+    pub fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        match &self.store {
+            Store::File(f) => f.write_at(buf, self.offset + offset),
+            Store::Nbd(n) => n.write_at(buf, self.offset + offset, false),
+        }
+    }
+
+    /// Writes `buf` and makes it durable before returning (a client's FUA write): NBD FUA
+    /// where the upstream has it, otherwise the write and then a flush.
+    pub fn write_fua_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        match &self.store {
+            Store::File(f) => {
+                f.write_at(buf, self.offset + offset)?;
+                f.flush()
+            }
+            Store::Nbd(n) => n.write_at(buf, self.offset + offset, true),
+        }
+    }
+
+    /// Makes every completed write durable (fdatasync; FLUSH on every upstream connection).
+    pub fn flush(&self) -> io::Result<()> {
+        match &self.store {
+            Store::File(f) => f.flush(),
+            Store::Nbd(n) => n.flush(),
+        }
+    }
+
+    /// Deallocates `[offset, offset + len)`: punches a hole in a file, discards on a device,
+    /// passes TRIM to an upstream that takes it.
+    pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        match &self.store {
+            Store::File(f) => f.discard(self.offset + offset, len),
+            Store::Nbd(n) => n.discard(self.offset + offset, len),
+        }
+    }
+}
+
+fn check_aligned(size: u64, sector_size: usize) -> Result<(), BackingError> {
+    if size == 0 || !size.is_multiple_of(sector_size as u64) {
+        return Err(BackingError::UnalignedSize { size, sector_size });
+    }
+    Ok(())
+}

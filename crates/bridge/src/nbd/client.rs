@@ -1,0 +1,838 @@
+//! The client end of NBD: an upstream export (nbdkit, qemu-nbd, rbd-nbd, another bridge) as the
+//! bridge's backing store, so the upstream only ever holds ciphertext.
+//!
+//! [`Client`] is called synchronously from many I/O threads at once. Each upstream connection
+//! pipelines: a caller takes the connection's writer lock only to send its request, then waits
+//! on its own completion slot; one reader thread per connection matches replies to slots by
+//! handle, in whatever order they come, and reads a READ's data straight into the caller's
+//! buffer. Several connections are opened when the upstream advertises NBD_FLAG_CAN_MULTI_CONN
+//! (its caches are then coherent across connections and a FLUSH on any one covers them all).
+//!
+//! Failures: an upstream errno is handed on as the same errno. A lost connection (closed, reset,
+//! a protocol violation, no reply within the reply timeout) fails every request in flight on it
+//! as "lost"; their callers reconnect (a new handshake, which must find the same export) and
+//! resend them, with a bounded back-off, then give up with EIO. Resending is safe: reads have no
+//! effect, and a write is idempotent while the caller holds it (the pipeline's range lock keeps
+//! any other write to those sectors out until this one is answered). A write is acknowledged
+//! only once the upstream has acknowledged it. Writes the upstream acknowledged but had not yet
+//! flushed when a connection was lost may be gone if the upstream restarted: the next FLUSH then
+//! fails with EIO, once, so that a client that relies on FLUSH learns of it.
+
+use std::collections::HashMap;
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::handshake::{
+    info_request, option_request, parse_info, parse_option_reply_header, read_u64, within, Info, SocketTimeouts,
+    EXPORT_NAME_ZEROES, OPTION_REPLY_HEADER_LEN,
+};
+use super::request::io_error_of;
+use super::transmission::{encode_request, parse_reply_header, write_all_vectored, Request, REPLY_HEADER_LEN};
+use super::uri::{Address, NbdUri};
+use super::*;
+
+/// Largest READ or WRITE sent when the upstream advertises no maximum (proto.md: a client
+/// desiring interoperability limits itself to 32 MiB).
+pub const DEFAULT_MAX_REQUEST: u32 = 32 << 20;
+/// Largest option reply accepted during the handshake; larger ones end it (a sane server's are
+/// a few dozen bytes).
+const MAX_OPTION_REPLY: u32 = 64 * 1024;
+/// Connections to an upstream that allows several, unless told otherwise.
+pub const DEFAULT_CONNECTIONS: usize = 4;
+/// A failed connection attempt is not repeated sooner than this, whichever caller asks.
+const RECONNECT_GAP: Duration = Duration::from_millis(50);
+
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Connections to open; `None`: [`DEFAULT_CONNECTIONS`] if the upstream allows several, else 1.
+    pub connections: Option<usize>,
+    /// Connecting plus the whole handshake must end within this.
+    pub handshake_limit: Duration,
+    /// A connection on which requests wait this long without a byte of reply is taken as lost.
+    pub reply_timeout: Duration,
+    /// Pauses before each resend of requests lost with a connection; their number is the retry
+    /// budget, after which the request fails with EIO.
+    pub retry_delays: Vec<Duration>,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        Self {
+            connections: None,
+            handshake_limit: Duration::from_secs(10),
+            reply_timeout: Duration::from_secs(30),
+            // Five attempts over about ten seconds: enough for an upstream that restarts.
+            retry_delays: [100, 500, 1500, 3000, 5000].into_iter().map(Duration::from_millis).collect(),
+        }
+    }
+}
+
+/// What the handshake says about the upstream export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Export {
+    pub size: u64,
+    pub flags: u16,
+    pub min_block: u32,
+    pub preferred_block: u32,
+    pub max_block: u32,
+}
+
+impl Export {
+    fn has(&self, flag: u16) -> bool {
+        self.flags & TFLAG_HAS_FLAGS != 0 && self.flags & flag != 0
+    }
+    pub fn read_only(&self) -> bool {
+        self.has(TFLAG_READ_ONLY)
+    }
+    pub fn can_flush(&self) -> bool {
+        self.has(TFLAG_SEND_FLUSH)
+    }
+    pub fn can_fua(&self) -> bool {
+        self.has(TFLAG_SEND_FUA)
+    }
+    pub fn can_trim(&self) -> bool {
+        self.has(TFLAG_SEND_TRIM)
+    }
+    pub fn can_multi_conn(&self) -> bool {
+        self.has(TFLAG_CAN_MULTI_CONN)
+    }
+
+    /// Largest READ or WRITE to send: the advertised maximum (at most 32 MiB), whole minimum blocks.
+    pub fn max_request(&self) -> u32 {
+        let max = self.max_block.min(DEFAULT_MAX_REQUEST);
+        max / self.min_block * self.min_block
+    }
+}
+
+fn protocol_error(msg: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg.into())
+}
+
+/// Fixed newstyle negotiation from the client's side: NBD_OPT_GO asking for block sizes, or
+/// NBD_OPT_EXPORT_NAME for a server that does not know GO (or is not fixed newstyle).
+pub fn handshake<S: Read + Write>(s: &mut S, export_name: &str) -> io::Result<Export> {
+    let magic = read_u64(s)?;
+    if magic != NBDMAGIC {
+        return Err(protocol_error(format!("not an NBD server (greeting magic {magic:#018x})")));
+    }
+    let style = read_u64(s)?;
+    if style == OLDSTYLE_MAGIC {
+        return Err(protocol_error("the server speaks the oldstyle protocol, which has no export names; newstyle is required"));
+    }
+    if style != IHAVEOPT {
+        return Err(protocol_error(format!("not an NBD newstyle server (magic {style:#018x})")));
+    }
+    let mut b = [0u8; 2];
+    s.read_exact(&mut b)?;
+    let server_flags = u16::from_be_bytes(b);
+    let fixed = server_flags & FLAG_FIXED_NEWSTYLE != 0;
+    let no_zeroes = server_flags & FLAG_NO_ZEROES != 0;
+    let mut client_flags = 0;
+    if fixed {
+        client_flags |= CLIENT_FIXED_NEWSTYLE;
+    }
+    if no_zeroes {
+        client_flags |= CLIENT_NO_ZEROES;
+    }
+    s.write_all(&client_flags.to_be_bytes())?;
+    let name = export_name.as_bytes();
+    if fixed {
+        s.write_all(&option_request(OPT_GO, &info_request(name, &[INFO_BLOCK_SIZE])))?;
+        s.flush()?;
+        if let Some(export) = go_replies(s, export_name)? {
+            return Ok(export);
+        }
+    }
+    // EXPORT_NAME: no block sizes; a server without the export just closes the connection.
+    s.write_all(&option_request(OPT_EXPORT_NAME, name))?;
+    s.flush()?;
+    let mut reply = [0u8; 10];
+    s.read_exact(&mut reply).map_err(|e| match e.kind() {
+        io::ErrorKind::UnexpectedEof => io::Error::new(e.kind(), format!("the server closed the connection: no export named {export_name:?}?")),
+        _ => e,
+    })?;
+    if !no_zeroes {
+        s.read_exact(&mut [0u8; EXPORT_NAME_ZEROES])?;
+    }
+    let size = u64::from_be_bytes(reply[..8].try_into().unwrap());
+    let flags = u16::from_be_bytes([reply[8], reply[9]]);
+    Ok(Export { size, flags, min_block: 1, preferred_block: 4096, max_block: DEFAULT_MAX_REQUEST })
+}
+
+/// Reads the replies to NBD_OPT_GO: the export, or `None` when the server does not support GO
+/// (the caller falls back to EXPORT_NAME).
+fn go_replies<S: Read>(s: &mut S, export_name: &str) -> io::Result<Option<Export>> {
+    let (mut export, mut sizes) = (None, None);
+    loop {
+        let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
+        s.read_exact(&mut h)?;
+        let (option, kind, len) = parse_option_reply_header(&h)?;
+        if option != OPT_GO {
+            return Err(protocol_error(format!("reply to option {option} while NBD_OPT_GO was asked")));
+        }
+        if len > MAX_OPTION_REPLY {
+            return Err(protocol_error(format!("option reply of {len} bytes")));
+        }
+        let mut data = vec![0u8; len as usize];
+        s.read_exact(&mut data)?;
+        let text = || String::from_utf8_lossy(&data).into_owned();
+        match kind {
+            REP_INFO => match parse_info(&data)? {
+                Info::Export { size, flags } => export = Some((size, flags)),
+                Info::BlockSize { min, preferred, max } => sizes = Some((min, preferred, max)),
+                Info::Other(_) => {}
+            },
+            REP_ACK => {
+                let (size, flags) = export.ok_or_else(|| protocol_error("NBD_OPT_GO acknowledged without NBD_INFO_EXPORT"))?;
+                let (min_block, preferred_block, max_block) = sizes.unwrap_or((1, 4096, DEFAULT_MAX_REQUEST));
+                check_block_sizes(min_block, preferred_block, max_block)?;
+                return Ok(Some(Export { size, flags, min_block, preferred_block, max_block }));
+            }
+            REP_ERR_UNSUP => return Ok(None),
+            REP_ERR_UNKNOWN => return Err(io::Error::new(io::ErrorKind::NotFound, format!("the server has no export named {export_name:?} ({})", text()))),
+            REP_ERR_TLS_REQD => return Err(io::Error::new(io::ErrorKind::PermissionDenied, format!("the server requires TLS ({}); use nbds://", text()))),
+            REP_ERR_POLICY => return Err(io::Error::new(io::ErrorKind::PermissionDenied, format!("the server refused the export by policy ({})", text()))),
+            kind if kind & REP_ERR != 0 => return Err(protocol_error(format!("the server refused NBD_OPT_GO (error {:#x}: {})", kind, text()))),
+            kind => return Err(protocol_error(format!("unexpected option reply type {kind} to NBD_OPT_GO"))),
+        }
+    }
+}
+
+/// proto.md's block size constraints: powers of two, min at most 64 KiB, preferred at least min,
+/// max a multiple of min (or "no limit").
+fn check_block_sizes(min: u32, preferred: u32, max: u32) -> io::Result<()> {
+    let ok = min.is_power_of_two()
+        && min <= 64 * 1024
+        && preferred.is_power_of_two()
+        && preferred >= min
+        && max >= min
+        && (max == u32::MAX || max.is_multiple_of(min));
+    if ok {
+        Ok(())
+    } else {
+        Err(protocol_error(format!("the server advertised invalid block sizes (minimum {min}, preferred {preferred}, maximum {max})")))
+    }
+}
+
+/// A socket to the upstream.
+enum Sock {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Sock {
+    fn connect(address: &Address, timeout: Duration) -> io::Result<Sock> {
+        match address {
+            Address::Unix(path) => Ok(Sock::Unix(UnixStream::connect(path)?)),
+            Address::Tcp { host, port } => {
+                let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{host} has no address"));
+                for addr in (host.as_str(), *port).to_socket_addrs()? {
+                    match TcpStream::connect_timeout(&addr, timeout) {
+                        Ok(s) => {
+                            let _ = s.set_nodelay(true); // requests are written whole, one writev each
+                            return Ok(Sock::Tcp(s));
+                        }
+                        Err(e) => last = e,
+                    }
+                }
+                Err(last)
+            }
+        }
+    }
+
+    fn try_clone(&self) -> io::Result<Sock> {
+        Ok(match self {
+            Sock::Tcp(s) => Sock::Tcp(s.try_clone()?),
+            Sock::Unix(s) => Sock::Unix(s.try_clone()?),
+        })
+    }
+
+    fn shutdown(&self) {
+        // A socket already shut down or reset fails here; it is closed either way.
+        let _ = match self {
+            Sock::Tcp(s) => s.shutdown(Shutdown::Both),
+            Sock::Unix(s) => s.shutdown(Shutdown::Both),
+        };
+    }
+
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Sock::Tcp(s) => s.set_read_timeout(t),
+            Sock::Unix(s) => s.set_read_timeout(t),
+        }
+    }
+}
+
+impl SocketTimeouts for Sock {
+    fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Sock::Tcp(s) => s.set_timeouts(timeout),
+            Sock::Unix(s) => s.set_timeouts(timeout),
+        }
+    }
+}
+
+impl Read for &Sock {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Sock::Tcp(s) => (&*s).read(buf),
+            Sock::Unix(s) => (&*s).read(buf),
+        }
+    }
+}
+
+impl Write for &Sock {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Sock::Tcp(s) => (&*s).write(buf),
+            Sock::Unix(s) => (&*s).write(buf),
+        }
+    }
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Sock::Tcp(s) => (&*s).write_vectored(bufs),
+            Sock::Unix(s) => (&*s).write_vectored(bufs),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Read for Sock {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        (&*self).read(buf)
+    }
+}
+
+impl Write for Sock {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        (&*self).write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Connects and negotiates, all within `limit`.
+fn open_socket(uri: &NbdUri, limit: Duration) -> io::Result<(Sock, Export)> {
+    if uri.tls {
+        return Err(io::Error::new(io::ErrorKind::Unsupported, "nbds:// (TLS to the upstream) is not supported yet"));
+    }
+    let mut sock = Sock::connect(&uri.address, limit)?;
+    let export = within(&mut sock, limit, |s| handshake(s, &uri.export))?;
+    Ok((sock, export))
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Done,
+    /// The upstream answered with this errno.
+    Errno(u32),
+    /// The connection was lost before the reply came: resend.
+    Lost,
+}
+
+/// Where a READ's data goes: the caller's buffer.
+#[derive(Clone, Copy)]
+struct ReadInto {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the pointer is only dereferenced by the connection's reader thread, into a buffer that
+// the submitting thread lends exclusively for as long as it waits on the slot (see `Slot`).
+unsafe impl Send for ReadInto {}
+// SAFETY: as for Send; a shared `ReadInto` is never dereferenced by two threads (only the thread
+// that removed the slot from the pending map writes through it).
+unsafe impl Sync for ReadInto {}
+
+/// One request in flight: its completion, and where its data goes.
+///
+/// The buffer invariant: a slot with `read` is created by a caller that holds `&mut` of that
+/// buffer and does not return (nor touch the buffer) until `wait` has seen an outcome. The reader
+/// thread writes into it only after removing the slot from the pending map and before completing
+/// it, and every slot that was put into the map is completed exactly once: by the reader on its
+/// reply, or as `Lost` when the connection dies (`Live::die` empties the map under the same lock
+/// that admits slots), or by `Completion`'s drop should the reader stop half way.
+struct Slot {
+    outcome: Mutex<Option<Outcome>>,
+    ready: Condvar,
+    read: Option<ReadInto>,
+    /// A WRITE, TRIM or WRITE_ZEROES: its acknowledgement counts in `Live::acked_writes`.
+    write: bool,
+    sent: Instant,
+}
+
+impl Slot {
+    fn complete(&self, outcome: Outcome) {
+        *self.outcome.lock().unwrap_or_else(|e| e.into_inner()) = Some(outcome);
+        self.ready.notify_one();
+    }
+
+    fn wait(&self) -> Outcome {
+        let mut o = self.outcome.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(outcome) = *o {
+                return outcome;
+            }
+            o = self.ready.wait(o).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Completes its slot as `Lost` unless completed otherwise first.
+struct Completion(Option<Arc<Slot>>);
+
+impl Completion {
+    fn finish(mut self, outcome: Outcome) {
+        if let Some(slot) = self.0.take() {
+            slot.complete(outcome);
+        }
+    }
+}
+
+impl Drop for Completion {
+    fn drop(&mut self) {
+        if let Some(slot) = self.0.take() {
+            slot.complete(Outcome::Lost);
+        }
+    }
+}
+
+#[derive(Default)]
+struct Pending {
+    slots: HashMap<u64, Arc<Slot>>,
+    /// The connection is gone: nothing more is admitted.
+    dead: bool,
+}
+
+/// One live upstream connection.
+struct Live {
+    index: usize,
+    writer: Mutex<Sock>,
+    pending: Mutex<Pending>,
+    next_handle: AtomicU64,
+    /// Writes acknowledged on this connection, and how many of them a FLUSH has covered.
+    acked_writes: AtomicU64,
+    flushed_writes: AtomicU64,
+    /// Set when the client is dropped: the end of the connection is expected.
+    closing: AtomicBool,
+    /// The client's "writes may have been lost" flag, reported by the next FLUSH.
+    maybe_lost: Arc<AtomicBool>,
+}
+
+impl Live {
+    fn lock_pending(&self) -> MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn is_dead(&self) -> bool {
+        self.lock_pending().dead
+    }
+
+    /// Ends the connection: every request in flight is completed as lost.
+    fn die(&self, why: &str) {
+        let slots = {
+            let mut p = self.lock_pending();
+            if p.dead {
+                return;
+            }
+            p.dead = true;
+            std::mem::take(&mut p.slots)
+        };
+        self.writer.lock().unwrap_or_else(|e| e.into_inner()).shutdown();
+        let unflushed = self.acked_writes.load(Ordering::SeqCst) > self.flushed_writes.load(Ordering::SeqCst);
+        if unflushed {
+            self.maybe_lost.store(true, Ordering::SeqCst);
+        }
+        if !self.closing.load(Ordering::SeqCst) {
+            tracing::warn!(
+                upstream_conn = self.index,
+                in_flight = slots.len(),
+                "upstream connection lost: {why}{}",
+                if unflushed { " (with writes not yet flushed: the next FLUSH reports EIO)" } else { "" }
+            );
+        }
+        for slot in slots.into_values() {
+            slot.complete(Outcome::Lost);
+        }
+    }
+
+    /// The reader thread: replies to slots, until the connection fails.
+    fn read_replies(self: Arc<Self>, sock: Sock, reply_timeout: Duration) {
+        let why = match self.reply_loop(&sock, reply_timeout) {
+            Ok(()) => "closed".to_string(),
+            Err(e) => e.to_string(),
+        };
+        self.die(&why);
+    }
+
+    fn reply_loop(&self, sock: &Sock, reply_timeout: Duration) -> io::Result<()> {
+        // Reads wake at least this often to check for requests waiting too long.
+        sock.set_read_timeout(Some(reply_timeout.clamp(Duration::from_millis(10), Duration::from_secs(1))))?;
+        let mut progress = Instant::now();
+        loop {
+            let mut h = [0u8; REPLY_HEADER_LEN];
+            if !self.read_full(sock, &mut h, true, &mut progress, reply_timeout)? {
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the upstream closed the connection"));
+            }
+            let (handle, error) = parse_reply_header(&h)?;
+            let slot = self
+                .lock_pending()
+                .slots
+                .remove(&handle)
+                .ok_or_else(|| protocol_error(format!("reply for handle {handle:#x}, which is not in flight")))?;
+            let completion = Completion(Some(Arc::clone(&slot)));
+            if let (0, Some(into)) = (error, slot.read) {
+                // SAFETY: see `Slot`: the caller lent this buffer exclusively and waits for the
+                // completion, which happens only after this write (or when `completion` drops).
+                let buf = unsafe { std::slice::from_raw_parts_mut(into.ptr, into.len) };
+                if !self.read_full(sock, buf, false, &mut progress, reply_timeout)? {
+                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the upstream closed the connection inside a read reply"));
+                }
+            }
+            if error == 0 && slot.write {
+                // Counted before the caller hears of it, for the lost-writes check in `die`.
+                self.acked_writes.fetch_add(1, Ordering::SeqCst);
+            }
+            completion.finish(if error == 0 { Outcome::Done } else { Outcome::Errno(error) });
+        }
+    }
+
+    /// Fills `buf`. `Ok(false)`: a clean end of stream before the first byte, when
+    /// `between_replies`. Fails when requests have waited `reply_timeout` without a byte.
+    fn read_full(&self, mut sock: &Sock, buf: &mut [u8], between_replies: bool, progress: &mut Instant, reply_timeout: Duration) -> io::Result<bool> {
+        let mut got = 0;
+        while got < buf.len() {
+            match sock.read(&mut buf[got..]) {
+                Ok(0) if got == 0 && between_replies => return Ok(false),
+                Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the upstream closed the connection inside a reply")),
+                Ok(n) => {
+                    got += n;
+                    *progress = Instant::now();
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                    // Waiting since the later of the last byte and the oldest request in flight.
+                    let oldest = if got == 0 && between_replies { self.lock_pending().slots.values().map(|s| s.sent).min() } else { Some(*progress) };
+                    if let Some(sent) = oldest {
+                        if (*progress).max(sent).elapsed() >= reply_timeout {
+                            return Err(io::Error::new(io::ErrorKind::TimedOut, format!("no reply from the upstream for {reply_timeout:?}")));
+                        }
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Sends one request; the returned slot completes with its outcome (`Lost` if the connection
+    /// is or goes down).
+    fn send(&self, request: &mut Request, payload: &[u8], read: Option<ReadInto>) -> Arc<Slot> {
+        let write = matches!(request.command, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
+        let slot = Arc::new(Slot { outcome: Mutex::new(None), ready: Condvar::new(), read, write, sent: Instant::now() });
+        request.handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut p = self.lock_pending();
+            if p.dead {
+                slot.complete(Outcome::Lost);
+                return slot;
+            }
+            p.slots.insert(request.handle, Arc::clone(&slot));
+        }
+        let header = encode_request(request);
+        let sent = {
+            let w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+            write_all_vectored(&mut &*w, &mut [IoSlice::new(&header), IoSlice::new(payload)])
+        };
+        if let Err(e) = sent {
+            // Completes this slot (and every other in flight) as lost.
+            self.die(&format!("sending a request failed: {e}"));
+        }
+        slot
+    }
+}
+
+/// One of the client's connections, reconnected on demand.
+struct Conn {
+    index: usize,
+    state: Mutex<ConnState>,
+}
+
+#[derive(Default)]
+struct ConnState {
+    live: Option<Arc<Live>>,
+    last_failure: Option<Instant>,
+}
+
+/// A request for [`Client::run`].
+struct Op<'a> {
+    /// Connection to send it on (a FLUSH goes to each); `None`: any.
+    conn: Option<usize>,
+    command: u16,
+    flags: u16,
+    offset: u64,
+    length: u32,
+    payload: &'a [u8],
+    read: Option<ReadInto>,
+}
+
+/// A pipelined, reconnecting client of one upstream export (see the module comment).
+pub struct Client {
+    uri: NbdUri,
+    opts: ClientOptions,
+    export: Export,
+    conns: Vec<Conn>,
+    next: AtomicUsize,
+    maybe_lost: Arc<AtomicBool>,
+}
+
+impl Client {
+    /// Connects to the upstream and negotiates its export, opening every connection now (so a
+    /// wrong URI fails at start-up, not on the first request).
+    pub fn connect(uri: &NbdUri, opts: ClientOptions) -> io::Result<Client> {
+        let (sock, export) = open_socket(uri, opts.handshake_limit).map_err(|e| annotate(uri, e))?;
+        let wanted = opts.connections.unwrap_or(if export.can_multi_conn() { DEFAULT_CONNECTIONS } else { 1 }).max(1);
+        let count = if wanted > 1 && !export.can_multi_conn() {
+            tracing::warn!("the upstream {uri} does not advertise multi-conn; using one connection, not {wanted}");
+            1
+        } else {
+            wanted
+        };
+        let mut client = Client {
+            uri: uri.clone(),
+            opts,
+            export,
+            conns: (0..count).map(|index| Conn { index, state: Mutex::default() }).collect(),
+            next: AtomicUsize::new(0),
+            maybe_lost: Arc::default(),
+        };
+        let first = client.start_live(0, sock)?;
+        client.conns[0].state.get_mut().unwrap_or_else(|e| e.into_inner()).live = Some(first);
+        for i in 1..count {
+            let live = client.reconnect(i).map_err(|e| annotate(uri, e))?;
+            client.conns[i].state.get_mut().unwrap_or_else(|e| e.into_inner()).live = Some(live);
+        }
+        Ok(client)
+    }
+
+    pub fn export(&self) -> &Export {
+        &self.export
+    }
+
+    pub fn connections(&self) -> usize {
+        self.conns.len()
+    }
+
+    pub fn uri(&self) -> &NbdUri {
+        &self.uri
+    }
+
+    fn start_live(&self, index: usize, sock: Sock) -> io::Result<Arc<Live>> {
+        let reader = sock.try_clone()?;
+        let live = Arc::new(Live {
+            index,
+            writer: Mutex::new(sock),
+            pending: Mutex::default(),
+            next_handle: AtomicU64::new(1),
+            acked_writes: AtomicU64::new(0),
+            flushed_writes: AtomicU64::new(0),
+            closing: AtomicBool::new(false),
+            maybe_lost: Arc::clone(&self.maybe_lost),
+        });
+        let for_reader = Arc::clone(&live);
+        let timeout = self.opts.reply_timeout;
+        std::thread::Builder::new()
+            .name(format!("nbd-upstream-{index}"))
+            .spawn(move || for_reader.read_replies(reader, timeout))?;
+        Ok(live)
+    }
+
+    /// A new connection `index`, which must find the export as it was.
+    fn reconnect(&self, index: usize) -> io::Result<Arc<Live>> {
+        let (sock, export) = open_socket(&self.uri, self.opts.handshake_limit)?;
+        let same = export.size == self.export.size
+            && export.read_only() == self.export.read_only()
+            && export.min_block == self.export.min_block
+            && export.max_block >= self.export.max_block;
+        if !same {
+            return Err(protocol_error(format!("the upstream export changed (was {:?}, now {:?}); not using it", self.export, export)));
+        }
+        self.start_live(index, sock)
+    }
+
+    /// Connection `index`, reconnected when it is down (`None`: still down).
+    fn live(&self, index: usize) -> Option<Arc<Live>> {
+        let conn = &self.conns[index];
+        let mut st = conn.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(live) = &st.live {
+            if !live.is_dead() {
+                return Some(Arc::clone(live));
+            }
+        }
+        if st.last_failure.is_some_and(|t| t.elapsed() < RECONNECT_GAP) {
+            return None;
+        }
+        match self.reconnect(conn.index) {
+            Ok(live) => {
+                tracing::info!(upstream_conn = conn.index, "reconnected to the upstream {}", self.uri);
+                st.live = Some(Arc::clone(&live));
+                st.last_failure = None;
+                Some(live)
+            }
+            Err(e) => {
+                tracing::warn!(upstream_conn = conn.index, "cannot reconnect to the upstream {}: {e}", self.uri);
+                st.last_failure = Some(Instant::now());
+                None
+            }
+        }
+    }
+
+    /// Runs `ops` (all in flight at once), resending those lost with a connection until the
+    /// retry budget is spent. The first upstream errno wins; every op has ended when this returns.
+    fn run(&self, ops: Vec<Op<'_>>) -> io::Result<()> {
+        let mut todo = ops;
+        for attempt in 0.. {
+            let mut waiting = Vec::with_capacity(todo.len());
+            let mut lost = Vec::new();
+            for op in todo {
+                let index = op.conn.unwrap_or_else(|| self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len());
+                match self.live(index) {
+                    Some(live) => {
+                        let mut request = Request { flags: op.flags, command: op.command, handle: 0, offset: op.offset, length: op.length };
+                        let flushed_upto = live.acked_writes.load(Ordering::SeqCst);
+                        let slot = live.send(&mut request, op.payload, op.read);
+                        waiting.push((op, slot, live, flushed_upto));
+                    }
+                    None => lost.push(op),
+                }
+            }
+            let mut errno = None;
+            for (op, slot, live, flushed_upto) in waiting {
+                match slot.wait() {
+                    Outcome::Done => {
+                        if op.command == CMD_FLUSH {
+                            live.flushed_writes.fetch_max(flushed_upto, Ordering::SeqCst);
+                        }
+                    }
+                    // The server is going away: as good as a lost connection.
+                    Outcome::Errno(ESHUTDOWN) | Outcome::Lost => lost.push(op),
+                    Outcome::Errno(e) => {
+                        errno.get_or_insert(e);
+                    }
+                }
+            }
+            if let Some(e) = errno {
+                return Err(io_error_of(e));
+            }
+            if lost.is_empty() {
+                return Ok(());
+            }
+            let Some(delay) = self.opts.retry_delays.get(attempt) else {
+                tracing::error!("upstream {}: {} requests still unanswered after {attempt} retries; failing them with EIO", self.uri, lost.len());
+                return Err(io::Error::from_raw_os_error(libc::EIO));
+            };
+            std::thread::sleep(*delay);
+            todo = lost;
+        }
+        unreachable!("the retry loop returns")
+    }
+
+    /// Splits `[offset, offset + len)` at the upstream's maximum request size.
+    fn pieces(&self, offset: u64, len: usize) -> impl Iterator<Item = (u64, usize, usize)> {
+        let max = self.export.max_request() as usize;
+        (0..len).step_by(max.max(1)).map(move |at| (offset + at as u64, at, max.min(len - at)))
+    }
+
+    /// Reads `buf.len()` bytes at `offset` (split at the upstream maximum, the pieces in flight
+    /// at once).
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let base = buf.as_mut_ptr();
+        let ops = self
+            .pieces(offset, buf.len())
+            .map(|(off, at, len)| Op {
+                conn: None,
+                command: CMD_READ,
+                flags: 0,
+                offset: off,
+                length: len as u32,
+                payload: &[],
+                // In bounds: `at + len <= buf.len()`; the pieces do not overlap.
+                read: Some(ReadInto { ptr: base.wrapping_add(at), len }),
+            })
+            .collect();
+        // `buf` stays borrowed mutably until `run` returns, after every op has completed.
+        self.run(ops)
+    }
+
+    /// Writes `buf` at `offset`; with `fua`, durable before this returns (NBD_CMD_FLAG_FUA, or a
+    /// FLUSH after the write where the upstream has no FUA).
+    pub fn write(&self, offset: u64, buf: &[u8], fua: bool) -> io::Result<()> {
+        let flags = if fua && self.export.can_fua() { CMD_FLAG_FUA } else { 0 };
+        let ops = self
+            .pieces(offset, buf.len())
+            .map(|(off, at, len)| Op { conn: None, command: CMD_WRITE, flags, offset: off, length: len as u32, payload: &buf[at..at + len], read: None })
+            .collect();
+        self.run(ops)?;
+        if fua && !self.export.can_fua() {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Makes every write acknowledged so far durable: a FLUSH on every connection. Fails with
+    /// EIO (once) if a connection was lost with acknowledged writes not yet flushed.
+    pub fn flush(&self) -> io::Result<()> {
+        if self.export.can_flush() {
+            let ops = (0..self.conns.len())
+                .map(|i| Op { conn: Some(i), command: CMD_FLUSH, flags: 0, offset: 0, length: 0, payload: &[], read: None })
+                .collect();
+            self.run(ops)?;
+        }
+        if self.maybe_lost.swap(false, Ordering::SeqCst) {
+            tracing::error!("upstream {}: a connection was lost after writes it acknowledged and before a flush; they may be gone", self.uri);
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        Ok(())
+    }
+
+    /// Passes a discard on (split in pieces of at most 1 GiB); ENOTSUP if the upstream has no TRIM.
+    pub fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+        if !self.export.can_trim() {
+            return Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP));
+        }
+        const PIECE: u64 = 1 << 30;
+        let ops = (0..len)
+            .step_by(PIECE as usize)
+            .map(|at| Op { conn: None, command: CMD_TRIM, flags: 0, offset: offset + at, length: PIECE.min(len - at) as u32, payload: &[], read: None })
+            .collect();
+        self.run(ops)
+    }
+}
+
+impl Drop for Client {
+    /// Says goodbye on each connection (NBD_CMD_DISC); the reader threads end with the sockets.
+    fn drop(&mut self) {
+        for conn in &self.conns {
+            let st = conn.state.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(live) = &st.live {
+                live.closing.store(true, Ordering::SeqCst);
+                let disc = encode_request(&Request { flags: 0, command: CMD_DISC, handle: 0, offset: 0, length: 0 });
+                let w = live.writer.lock().unwrap_or_else(|e| e.into_inner());
+                let _ = (&*w).write_all(&disc); // the upstream may be gone already
+                w.shutdown();
+            }
+        }
+    }
+}
+
+fn annotate(uri: &NbdUri, e: io::Error) -> io::Error {
+    io::Error::new(e.kind(), format!("upstream {uri}: {e}"))
+}

@@ -9,7 +9,9 @@ use anyhow::{bail, Context, Result};
 use cryptbridge_volume::format::{self, FormatParams, MIN_ARGON2_TIME, MIN_PBKDF2_ITERATIONS};
 use cryptbridge_volume::hash::Hash;
 use cryptbridge_volume::kdf::{Argon2Variant, Kdf};
-use cryptbridge_volume::{luks1, luks2, DataSegment, Header, ReadAt};
+use cryptbridge_volume::format::DeviceLock;
+use cryptbridge_volume::keyslots::{self, HeaderDevice, NewKeyslot};
+use cryptbridge_volume::{luks1, luks2, DataSegment, Header, ReadAt, Unlocked, VolumeError};
 use serde_json::{json, Value};
 use zeroize::Zeroizing;
 
@@ -24,6 +26,96 @@ pub enum Command {
     /// Create a LUKS2 (default) or LUKS1 volume on an existing file or device, as
     /// `cryptsetup luksFormat` (same option names). Everything on it is lost.
     Format(FormatArgs),
+    /// Add a passphrase in a new keyslot (as `cryptsetup luksAddKey DEVICE [NEW_KEY_FILE]`): an
+    /// existing passphrase (--key-file or asked for) opens the volume key, the new one (the key
+    /// file argument, or asked for twice) protects a copy of it.
+    #[command(alias = "luksAddKey")]
+    AddKey(AddKeyArgs),
+    /// Remove the keyslot a passphrase opens (as `cryptsetup luksRemoveKey DEVICE [KEY_FILE]`).
+    /// The last keyslot only after a confirmation or with --batch-mode.
+    #[command(alias = "luksRemoveKey")]
+    RemoveKey(RemoveKeyArgs),
+    /// Wipe keyslot KEY_SLOT (as `cryptsetup luksKillSlot DEVICE KEY_SLOT`), after checking a
+    /// remaining passphrase (skipped with --batch-mode and no --key-file). The last keyslot only
+    /// after a confirmation or with --batch-mode.
+    #[command(alias = "luksKillSlot")]
+    KillSlot(KillSlotArgs),
+    /// Replace a passphrase (as `cryptsetup luksChangeKey DEVICE [NEW_KEY_FILE]`): the new keyslot
+    /// is written before the old one is wiped. With --key-slot the keyslot keeps its number.
+    #[command(alias = "luksChangeKey")]
+    ChangeKey(ChangeKeyArgs),
+}
+
+/// What the keyslot commands share.
+#[derive(clap::Args)]
+pub struct KeyslotCommon {
+    /// The volume (with --header: its data device, which is not opened).
+    device: PathBuf,
+    /// The volume's detached header file (as cryptsetup's --header); the keyslots live there.
+    #[arg(long)]
+    header: Option<PathBuf>,
+    /// Passphrase file of an existing keyslot, read whole as bytes (`-`: standard input); without
+    /// it, asked for on the terminal.
+    #[arg(short = 'd', long)]
+    key_file: Option<PathBuf>,
+    /// Do not ask for confirmation (needed to remove the last keyslot without a terminal).
+    #[arg(short = 'q', long)]
+    batch_mode: bool,
+}
+
+#[derive(clap::Args)]
+pub struct AddKeyArgs {
+    #[command(flatten)]
+    common: KeyslotCommon,
+    /// File holding the new passphrase, read whole (`-`: standard input); without it, asked for
+    /// twice on the terminal.
+    new_key_file: Option<PathBuf>,
+    /// The same as NEW_KEY_FILE (cryptsetup 2.5+ spelling).
+    #[arg(long, conflicts_with = "new_key_file")]
+    new_keyfile: Option<PathBuf>,
+    /// Keyslot for the new passphrase (default: the lowest free one); with --new-key-slot, the
+    /// keyslot the existing passphrase is tried on.
+    #[arg(short = 'S', long)]
+    key_slot: Option<u32>,
+    /// Keyslot for the new passphrase (then --key-slot selects the existing one).
+    #[arg(long)]
+    new_key_slot: Option<u32>,
+    #[command(flatten)]
+    kdf: KdfArgs,
+}
+
+#[derive(clap::Args)]
+pub struct RemoveKeyArgs {
+    #[command(flatten)]
+    common: KeyslotCommon,
+    /// File holding the passphrase to remove, read whole (the same as --key-file).
+    remove_key_file: Option<PathBuf>,
+    /// Only the passphrase of this keyslot is removed.
+    #[arg(short = 'S', long)]
+    key_slot: Option<u32>,
+}
+
+#[derive(clap::Args)]
+pub struct KillSlotArgs {
+    #[command(flatten)]
+    common: KeyslotCommon,
+    /// The keyslot to wipe.
+    kill_slot: u32,
+}
+
+#[derive(clap::Args)]
+pub struct ChangeKeyArgs {
+    #[command(flatten)]
+    common: KeyslotCommon,
+    /// File holding the new passphrase, read whole (`-`: standard input); without it, asked for
+    /// twice on the terminal.
+    new_key_file: Option<PathBuf>,
+    /// Change this keyslot's passphrase, keeping its number (default: any keyslot the passphrase
+    /// opens; the new one goes to the lowest free keyslot).
+    #[arg(short = 'S', long)]
+    key_slot: Option<u32>,
+    #[command(flatten)]
+    kdf: KdfArgs,
 }
 
 #[derive(clap::Args)]
@@ -52,25 +144,8 @@ pub struct FormatArgs {
     /// Encryption sector size (LUKS2: 512, 1024, 2048 or 4096; LUKS1: 512).
     #[arg(long, default_value_t = 512)]
     sector_size: usize,
-    /// Keyslot KDF: argon2id (LUKS2 default), argon2i or pbkdf2 (LUKS1's only one).
-    #[arg(long, value_parser = ["argon2id", "argon2i", "pbkdf2"])]
-    pbkdf: Option<String>,
-    /// Argon2 memory in KiB (default: 1 GiB, at most half the machine's memory).
-    #[arg(long)]
-    pbkdf_memory: Option<u32>,
-    /// Argon2 threads (default: the CPUs, at most 4).
-    #[arg(long)]
-    pbkdf_parallel: Option<u32>,
-    /// Milliseconds one unlock should take: the KDF is benchmarked to it.
-    #[arg(long, default_value_t = 2000)]
-    iter_time: u64,
-    /// Skip the benchmark: PBKDF2 iterations (at least 1000), or Argon2 passes (at least 4).
-    /// Also makes the volume key digest use the minimum, 1000 iterations.
-    #[arg(long)]
-    pbkdf_force_iterations: Option<u32>,
-    /// Hash for PBKDF2, the anti-forensic splitter and the volume key digest.
-    #[arg(long, default_value = "sha256")]
-    hash: String,
+    #[command(flatten)]
+    kdf: KdfArgs,
     /// Passphrase file, read whole as bytes (`-`: standard input); without it, asked for twice on
     /// the terminal.
     #[arg(long)]
@@ -90,10 +165,38 @@ pub struct FormatArgs {
     batch_mode: bool,
 }
 
+/// The KDF of a new keyslot, with cryptsetup's option names and defaults.
+#[derive(clap::Args)]
+pub struct KdfArgs {
+    /// Keyslot KDF: argon2id (LUKS2 default), argon2i or pbkdf2 (LUKS1's only one).
+    #[arg(long, value_parser = ["argon2id", "argon2i", "pbkdf2"])]
+    pbkdf: Option<String>,
+    /// Argon2 memory in KiB (default: 1 GiB, at most half the machine's memory).
+    #[arg(long)]
+    pbkdf_memory: Option<u32>,
+    /// Argon2 threads (default: the CPUs, at most 4).
+    #[arg(long)]
+    pbkdf_parallel: Option<u32>,
+    /// Milliseconds one unlock should take: the KDF is benchmarked to it.
+    #[arg(short = 'i', long, default_value_t = 2000)]
+    iter_time: u64,
+    /// Skip the benchmark: PBKDF2 iterations (at least 1000), or Argon2 passes (at least 4).
+    #[arg(long)]
+    pbkdf_force_iterations: Option<u32>,
+    /// Hash for PBKDF2 and the anti-forensic splitter (LUKS1: the header's hash is used; luks
+    /// format: also the volume key digest's).
+    #[arg(long, default_value = "sha256")]
+    hash: String,
+}
+
 pub fn run(cmd: Command) -> Result<ExitCode> {
     match cmd {
         Command::Dump(a) => dump(a),
         Command::Format(a) => format_volume(a),
+        Command::AddKey(a) => add_key(a),
+        Command::RemoveKey(a) => remove_key(a),
+        Command::KillSlot(a) => kill_slot(a),
+        Command::ChangeKey(a) => change_key(a),
     }
 }
 
@@ -264,31 +367,15 @@ fn text_luks2(h: &luks2::Luks2Header, out: &mut String) {
     }
 }
 
-/// Half the machine's memory in KiB, from /proc/meminfo (None where unreadable).
-fn half_memory_kib() -> Option<u32> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    u32::try_from(kib / 2).ok()
-}
-
-fn format_volume(a: FormatArgs) -> Result<ExitCode> {
-    let version: u8 = if a.luks_type == "luks1" { 1 } else { 2 };
-    if a.key_size == 0 || !a.key_size.is_multiple_of(8) {
-        bail!("--key-size {}: a whole number of bytes in bits, e.g. 256 or 512", a.key_size);
-    }
-    let hash = Hash::from_name(&a.hash)?;
+/// The KDF of a new keyslot from the options, benchmarked unless --pbkdf-force-iterations.
+fn pick_kdf(version: u8, a: &KdfArgs, hash: Hash, key_bytes: usize) -> Result<Kdf> {
     let kind = a.pbkdf.clone().unwrap_or_else(|| if version == 1 { "pbkdf2" } else { "argon2id" }.to_string());
     if version == 1 && kind != "pbkdf2" {
-        bail!("LUKS1 keyslots use pbkdf2; --pbkdf {kind} needs --type luks2");
+        bail!("LUKS1 keyslots use pbkdf2; --pbkdf {kind} needs a LUKS2 volume");
     }
-    if version == 1 && a.sector_size != 512 {
-        bail!("LUKS1 has 512-byte sectors; --sector-size {} needs --type luks2", a.sector_size);
-    }
-    let key_bytes = a.key_size / 8;
     let parallel = a.pbkdf_parallel.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(4) as u32));
     let memory = a.pbkdf_memory.unwrap_or_else(|| half_memory_kib().map_or(1 << 20, |h| h.min(1 << 20)));
-    let kdf = match a.pbkdf_force_iterations {
+    Ok(match a.pbkdf_force_iterations {
         Some(n) if kind == "pbkdf2" => {
             if n < MIN_PBKDF2_ITERATIONS {
                 bail!("--pbkdf-force-iterations {n}: PBKDF2 needs at least {MIN_PBKDF2_ITERATIONS}");
@@ -303,8 +390,29 @@ fn format_volume(a: FormatArgs) -> Result<ExitCode> {
             Kdf::Argon2 { variant, time: n, memory_kib: memory, parallel }
         }
         None => format::benchmark(&kind, hash, a.iter_time, memory, parallel, key_bytes)?,
-    };
-    let digest_iterations = if a.pbkdf_force_iterations.is_some() { MIN_PBKDF2_ITERATIONS } else { format::digest_iterations(hash, key_bytes) };
+    })
+}
+
+/// Half the machine's memory in KiB, from /proc/meminfo (None where unreadable).
+fn half_memory_kib() -> Option<u32> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    u32::try_from(kib / 2).ok()
+}
+
+fn format_volume(a: FormatArgs) -> Result<ExitCode> {
+    let version: u8 = if a.luks_type == "luks1" { 1 } else { 2 };
+    if a.key_size == 0 || !a.key_size.is_multiple_of(8) {
+        bail!("--key-size {}: a whole number of bytes in bits, e.g. 256 or 512", a.key_size);
+    }
+    let hash = Hash::from_name(&a.kdf.hash)?;
+    if version == 1 && a.sector_size != 512 {
+        bail!("LUKS1 has 512-byte sectors; --sector-size {} needs --type luks2", a.sector_size);
+    }
+    let key_bytes = a.key_size / 8;
+    let kdf = pick_kdf(version, &a.kdf, hash, key_bytes)?;
+    let digest_iterations = if a.kdf.pbkdf_force_iterations.is_some() { MIN_PBKDF2_ITERATIONS } else { format::digest_iterations(hash, key_bytes) };
     let params = FormatParams {
         version,
         cipher: a.cipher.clone(),
@@ -359,6 +467,203 @@ fn read_new_passphrase(key_file: Option<&std::path::Path>, name: &str) -> Result
         return passphrase::read(key_file, "");
     }
     let first = passphrase::read(None, &format!("Enter passphrase for {name}: "))?;
+    let again = passphrase::read(None, "Verify passphrase: ")?;
+    if first != again {
+        bail!("passphrases do not match");
+    }
+    if first.is_empty() {
+        bail!("an empty passphrase is refused");
+    }
+    Ok(first)
+}
+
+/// The header file of a keyslot command, opened for writing and locked (`flock`, as cryptsetup
+/// locks image files) from the header read to the last write.
+struct LockedHeader {
+    file: std::fs::File,
+    name: String,
+    detached: bool,
+    header: Header,
+}
+
+impl LockedHeader {
+    fn open(c: &KeyslotCommon) -> Result<Self> {
+        let path = c.header.as_ref().unwrap_or(&c.device);
+        let name = path.display().to_string();
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(path).with_context(|| format!("cannot open {name} for writing"))?;
+        let lock = DeviceLock::exclusive(&file, &name)?;
+        // The lock belongs to the open file description and is released when `file` closes:
+        // the guard must not unlock it earlier.
+        std::mem::forget(lock);
+        let header = Header::read(&file).with_context(|| name.clone())?;
+        if c.header.is_none() {
+            if let Ok(seg) = header.data_segment() {
+                if seg.offset == 0 {
+                    bail!("{name}: the data segment starts at offset 0 (a detached-header volume?); give --header FILE");
+                }
+            }
+        }
+        // What cannot be served is not changed either (reencryption, integrity, unknown
+        // requirements): refused before any passphrase is asked for.
+        header.data_segment().with_context(|| format!("{name}: its keyslots are not changed"))?;
+        Ok(LockedHeader { file, name, detached: c.header.is_some(), header })
+    }
+
+    fn dev(&self) -> HeaderDevice<'_> {
+        HeaderDevice { file: &self.file, name: &self.name, detached: self.detached }
+    }
+
+    /// Unlocks with `pass` (every keyslot, or `slot`).
+    fn unlock(&self, pass: &[u8], slot: Option<u32>) -> Result<Unlocked> {
+        self.header.unlock(&self.file, pass, slot).map_err(|e| match e {
+            VolumeError::WrongPassphrase(_) | VolumeError::NoKeyslot(_) => anyhow::anyhow!("{}: {e}", self.name),
+            e => anyhow::Error::new(e).context(format!("cannot open {}", self.name)),
+        })
+    }
+
+    fn reread(&mut self) -> Result<()> {
+        self.header = Header::read(&self.file).with_context(|| self.name.clone())?;
+        Ok(())
+    }
+
+    fn new_keyslot(&self, kdf: &KdfArgs, key_bytes: usize) -> Result<NewKeyslot> {
+        let af_hash = Hash::from_name(&kdf.hash)?;
+        let (version, hash) = match &self.header {
+            // LUKS1 has one hash for everything: the header's.
+            Header::Luks1(h) => (1, Hash::from_name(&h.hash_spec)?),
+            Header::Luks2(_) => (2, af_hash),
+        };
+        Ok(NewKeyslot { kdf: pick_kdf(version, kdf, hash, key_bytes)?, af_hash })
+    }
+}
+
+fn check_stdin_once(a: Option<&std::path::Path>, b: Option<&std::path::Path>) -> Result<()> {
+    let dash = std::path::Path::new("-");
+    if a == Some(dash) && b == Some(dash) {
+        bail!("standard input can hold only one of the passphrases: give a file for the other");
+    }
+    Ok(())
+}
+
+/// cryptsetup's question before the last keyslot goes: typed `YES` on a terminal, or
+/// --batch-mode; without a terminal, a refusal (a script must say --batch-mode).
+fn confirm_last_keyslot(batch: bool, name: &str, slot: u32) -> Result<()> {
+    if batch {
+        return Ok(());
+    }
+    let msg = format!("keyslot {slot} is the last keyslot of {name}: the volume becomes unusable for good once it is removed");
+    if !std::io::stdin().is_terminal() {
+        bail!("{msg}; give --batch-mode (-q) to remove it anyway");
+    }
+    let mut err = std::io::stderr().lock();
+    write!(err, "\nWARNING!\n========\n{msg}.\n\nAre you sure? (Type 'yes' in capital letters): ")?;
+    err.flush()?;
+    let mut answer = String::new();
+    std::io::stdin().read_line(&mut answer)?;
+    if answer.trim_end_matches(['\n', '\r']) != "YES" {
+        bail!("operation aborted, keyslot {slot} was NOT wiped");
+    }
+    Ok(())
+}
+
+fn add_key(a: AddKeyArgs) -> Result<ExitCode> {
+    let new_file = a.new_key_file.as_deref().or(a.new_keyfile.as_deref());
+    check_stdin_once(a.common.key_file.as_deref(), new_file)?;
+    let (unlock_slot, new_slot) = match a.new_key_slot {
+        Some(n) => (a.key_slot, Some(n)),
+        None => (None, a.key_slot),
+    };
+    let locked = LockedHeader::open(&a.common)?;
+    let pass = passphrase::read(a.common.key_file.as_deref(), &format!("Enter any existing passphrase for {}: ", locked.name))?;
+    let unlocked = locked.unlock(&pass, unlock_slot)?;
+    drop(pass);
+    let new_pass = read_new_passphrase_prompt(new_file, "Enter new passphrase for key slot: ")?;
+    let params = locked.new_keyslot(&a.kdf, unlocked.volume_key.len())?;
+    let id = keyslots::add(&locked.dev(), &locked.header, &unlocked.volume_key, &new_pass, new_slot, &params)?;
+    tracing::info!("keyslot {id} added to {} ({})", locked.name, params.kdf.name());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn remove_key(a: RemoveKeyArgs) -> Result<ExitCode> {
+    if a.remove_key_file.is_some() && a.common.key_file.is_some() {
+        bail!("give the passphrase to remove once: as KEY_FILE or as --key-file");
+    }
+    let locked = LockedHeader::open(&a.common)?;
+    let file = a.remove_key_file.as_deref().or(a.common.key_file.as_deref());
+    let pass = passphrase::read(file, &format!("Enter passphrase to be deleted from {}: ", locked.name))?;
+    let unlocked = locked.unlock(&pass, a.key_slot)?;
+    drop(pass);
+    if locked.header.active_keyslots() == [unlocked.keyslot] {
+        confirm_last_keyslot(a.common.batch_mode, &locked.name, unlocked.keyslot)?;
+    }
+    keyslots::destroy(&locked.dev(), &locked.header, unlocked.keyslot)?;
+    tracing::info!("keyslot {} removed from {}", unlocked.keyslot, locked.name);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn kill_slot(a: KillSlotArgs) -> Result<ExitCode> {
+    let locked = LockedHeader::open(&a.common)?;
+    let slot = a.kill_slot;
+    let active = locked.header.active_keyslots();
+    if !active.contains(&slot) {
+        bail!("{}: keyslot {slot} is not in use", locked.name);
+    }
+    let last = active == [slot];
+    if last {
+        confirm_last_keyslot(a.common.batch_mode, &locked.name, slot)?;
+    }
+    // cryptsetup's rule: a passphrase is checked unless --batch-mode without a key file. For the
+    // last keyslot it must open that keyslot; otherwise one of the keyslots that remain.
+    if !a.common.batch_mode || a.common.key_file.is_some() {
+        let pass = passphrase::read(a.common.key_file.as_deref(), &format!("Enter any remaining passphrase for {}: ", locked.name))?;
+        if last {
+            locked.unlock(&pass, Some(slot))?;
+        } else {
+            let others: Vec<u32> = active.iter().copied().filter(|&s| s != slot).collect();
+            let mut opened = false;
+            for &s in &others {
+                match locked.header.unlock(&locked.file, &pass, Some(s)) {
+                    Ok(_) => {
+                        opened = true;
+                        break;
+                    }
+                    Err(VolumeError::WrongPassphrase(_) | VolumeError::NoKeyslot(_)) => {}
+                    Err(e) => return Err(anyhow::Error::new(e).context(format!("cannot open {}", locked.name))),
+                }
+            }
+            if !opened {
+                bail!("{}: {}; keyslot {slot} was NOT wiped", locked.name, VolumeError::WrongPassphrase(others));
+            }
+        }
+    }
+    keyslots::destroy(&locked.dev(), &locked.header, slot)?;
+    tracing::info!("keyslot {slot} wiped on {}", locked.name);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn change_key(a: ChangeKeyArgs) -> Result<ExitCode> {
+    check_stdin_once(a.common.key_file.as_deref(), a.new_key_file.as_deref())?;
+    let mut locked = LockedHeader::open(&a.common)?;
+    let pass = passphrase::read(a.common.key_file.as_deref(), &format!("Enter passphrase to be changed for {}: ", locked.name))?;
+    let unlocked = locked.unlock(&pass, a.key_slot)?;
+    drop(pass);
+    let new_pass = read_new_passphrase_prompt(a.new_key_file.as_deref(), "Enter new passphrase: ")?;
+    let params = locked.new_keyslot(&a.kdf, unlocked.volume_key.len())?;
+    let id = keyslots::change(&locked.dev(), &locked.header, &unlocked.volume_key, unlocked.keyslot, &new_pass, a.key_slot.is_some(), &params)?;
+    locked.reread()?;
+    tracing::info!("keyslot {} of {} changed; the new passphrase is in keyslot {id}", unlocked.keyslot, locked.name);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A new passphrase: the file whole, or typed twice on the terminal after `prompt`.
+fn read_new_passphrase_prompt(key_file: Option<&std::path::Path>, prompt: &str) -> Result<Zeroizing<Vec<u8>>> {
+    if key_file.is_some() || !std::io::stdin().is_terminal() {
+        if key_file.is_none() {
+            bail!("no new passphrase: give NEW_KEY_FILE (or `-` for standard input), or run from a terminal to be asked");
+        }
+        return passphrase::read(key_file, "");
+    }
+    let first = passphrase::read(None, prompt)?;
     let again = passphrase::read(None, "Verify passphrase: ")?;
     if first != again {
         bail!("passphrases do not match");

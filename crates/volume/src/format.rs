@@ -83,7 +83,7 @@ pub struct Formatted {
     pub header_len: u64,
 }
 
-fn os_random(buf: &mut [u8]) -> Result<()> {
+pub(crate) fn os_random(buf: &mut [u8]) -> Result<()> {
     rand::rngs::OsRng
         .try_fill_bytes(buf)
         .map_err(|e| VolumeError::Invalid(format!("the system random generator failed: {e}")))
@@ -127,7 +127,7 @@ impl Drop for DeviceLock<'_> {
     }
 }
 
-fn write_synced(f: &File, data: &[u8], offset: u64, what: &str) -> Result<()> {
+pub(crate) fn write_synced(f: &File, data: &[u8], offset: u64, what: &str) -> Result<()> {
     f.write_all_at(data, offset).map_err(io_err(format!("cannot write {what}")))?;
     f.sync_data().map_err(io_err(format!("cannot flush {what}")))
 }
@@ -275,12 +275,7 @@ fn format_luks2(
     // The keyslot area is encrypted like the data where the data cipher is XTS (cryptsetup's
     // choice); other data ciphers get cryptsetup's default keyslot cipher, aes-xts-plain64/512.
     let (area_cipher, area_key) = if p.cipher == "aes-xts-plain64" { (p.cipher.clone(), p.key_bytes) } else { ("aes-xts-plain64".to_string(), 64) };
-    let kdf_json = match &p.kdf {
-        Kdf::Pbkdf2 { hash, iterations } => json!({"type": "pbkdf2", "hash": hash.name(), "iterations": iterations, "salt": base64::encode(&slot_salt)}),
-        Kdf::Argon2 { variant, time, memory_kib, parallel } => {
-            json!({"type": variant.name(), "time": time, "memory": memory_kib, "cpus": parallel, "salt": base64::encode(&slot_salt)})
-        }
-    };
+    let kdf_json = p.kdf.luks2_json(&slot_salt);
     let meta = json!({
         "keyslots": {"0": {
             "type": "luks2", "key_size": p.key_bytes,

@@ -39,6 +39,17 @@ impl Kdf {
         }
     }
 
+    /// The `kdf` object of a LUKS2 keyslot with this KDF and `salt`.
+    pub fn luks2_json(&self, salt: &[u8]) -> serde_json::Value {
+        let salt = crate::base64::encode(salt);
+        match self {
+            Kdf::Pbkdf2 { hash, iterations } => serde_json::json!({"type": "pbkdf2", "hash": hash.name(), "iterations": iterations, "salt": salt}),
+            Kdf::Argon2 { variant, time, memory_kib, parallel } => {
+                serde_json::json!({"type": variant.name(), "time": time, "memory": memory_kib, "cpus": parallel, "salt": salt})
+            }
+        }
+    }
+
     /// Derives `out_len` bytes from `passphrase` and `salt`.
     pub fn derive(&self, passphrase: &[u8], salt: &[u8], out_len: usize) -> Result<Zeroizing<Vec<u8>>> {
         let mut out = Zeroizing::new(vec![0u8; out_len]);

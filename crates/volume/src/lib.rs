@@ -16,6 +16,7 @@ mod error;
 pub mod format;
 pub mod hash;
 pub mod kdf;
+pub mod keyslots;
 pub mod luks1;
 pub mod luks2;
 

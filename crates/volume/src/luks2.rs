@@ -545,7 +545,7 @@ impl Luks2Header {
         })
     }
 
-    fn segment_digest(&self, seg_id: u32) -> Result<(u32, &Digest)> {
+    pub fn segment_digest(&self, seg_id: u32) -> Result<(u32, &Digest)> {
         let (id, d) = self
             .digests
             .iter()

@@ -1,0 +1,262 @@
+"""Keyslot changes (``luks add-key``, ``remove-key``, ``kill-slot``, ``change-key``) checked with the
+real cryptsetup, both ways: our changes on cryptsetup-made LUKS2 and LUKS1 volumes must be taken by
+``cryptsetup open --test-passphrase`` and shown by ``cryptsetup luksDump``; cryptsetup's changes on
+volumes made here must open here. Every header change keeps the volume key (as ``cryptsetup
+luksDump --dump-volume-key`` prints it) and leaves the data area's bytes as they were (hashed
+before and after). A header locked by another process (``flock``, as cryptsetup locks image files)
+is refused and left as it was.
+
+Skipped, with the reason, where cryptsetup is missing.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import MiB, assert_no_panic, cb, require_binary
+from test_luks import FAST_ARGON, FAST_PBKDF2, PASS, cryptsetup, data_layout, luks_format, serve_luks, sparse, volume_key, write_file
+
+# (id, luksFormat options, options for our new keyslots)
+KINDS = [
+    ("luks2-argon2id", ["--type", "luks2", "--pbkdf", "argon2id", *FAST_ARGON], ["--pbkdf", "argon2id", *FAST_ARGON]),
+    ("luks2-pbkdf2", ["--type", "luks2", "--pbkdf", "pbkdf2", "--hash", "sha512", *FAST_PBKDF2], ["--pbkdf", "pbkdf2", *FAST_PBKDF2]),
+    ("luks1", ["--type", "luks1", "--hash", "sha256", *FAST_PBKDF2], FAST_PBKDF2),
+]
+IDS = [k[0] for k in KINDS]
+
+
+def data_hash(img: Path, offset: int) -> str:
+    h = hashlib.sha256()
+    with open(img, "rb") as f:
+        f.seek(offset)
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fill_data(img: Path, offset: int) -> None:
+    """Random bytes over the whole data area, so that any write there changes its hash."""
+    size = img.stat().st_size
+    with open(img, "r+b") as f:
+        f.seek(offset)
+        f.write(os.urandom(size - offset))
+
+
+def opens(img: Path, pw: Path, *extra) -> bool:
+    """cryptsetup's own verdict on a passphrase (no device-mapper needed)."""
+    p = cryptsetup("open", "--test-passphrase", "--key-file", pw, *extra, img, check=False)
+    return p.returncode == 0
+
+
+def cs_slots(img: Path, *extra) -> list[int]:
+    """Active keyslots as cryptsetup luksDump lists them."""
+    import re
+
+    out = cryptsetup("luksDump", *extra, img).stdout.decode()
+    if re.search(r"Version:\s+1\b", out):
+        return [int(m) for m in re.findall(r"Key Slot (\d+): ENABLED", out)]
+    ks = out.split("Keyslots:", 1)[1].split("Tokens:", 1)[0]
+    return [int(m) for m in re.findall(r"^\s+(\d+): luks2", ks, re.M)]
+
+
+def ours(*args, input: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    p = cb("luks", *args, timeout=timeout, input=input) if input is not None else _no_stdin("luks", *args, timeout=timeout)
+    assert_no_panic(p.stderr.decode(errors="replace"))
+    return p
+
+
+def _no_stdin(*args, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([str(require_binary()), *map(str, args)], stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
+
+
+@pytest.fixture
+def vol(ws, request):
+    """A cryptsetup-made volume with its data area filled: (img, passphrase file, our KDF options,
+    volume key, data offset, data hash)."""
+    _, fmt, new_kdf = request.param
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    luks_format(img, pw, *fmt)
+    offset, _ = data_layout(img)
+    fill_data(img, offset)
+    return img, pw, new_kdf, volume_key(img, pw), offset, data_hash(img, offset)
+
+
+def unchanged(img: Path, pw: Path, vk: bytes, offset: int, digest: str) -> None:
+    assert volume_key(img, pw) == vk, "the volume key changed"
+    assert data_hash(img, offset) == digest, "the data area changed"
+
+
+@pytest.mark.parametrize("vol", KINDS, ids=IDS, indirect=True)
+def test_add_key_on_a_cryptsetup_volume(ws, vol):
+    img, pw, kdf, vk, offset, digest = vol
+    new = write_file(ws.tmp / "new", b"a new passphrase\n")
+    p = ours("add-key", img, "--key-file", pw, new, *kdf)
+    assert p.returncode == 0, p.stderr
+    assert opens(img, new) and opens(img, pw)
+    assert cs_slots(img) == [0, 1]
+    assert opens(img, new, "--key-slot", "1")
+    # An explicit free slot; a taken one is refused with nothing written.
+    third = write_file(ws.tmp / "third", b"third")
+    p = ours("add-key", img, "-d", new, "--key-slot", "5", third, *kdf)
+    assert p.returncode == 0, p.stderr
+    assert cs_slots(img) == [0, 1, 5] and opens(img, third, "--key-slot", "5")
+    p = ours("add-key", img, "-d", new, "--key-slot", "5", third, *kdf)
+    assert p.returncode == 1 and b"keyslot 5 is in use" in p.stderr, p.stderr
+    unchanged(img, new, vk, offset, digest)
+    # cryptsetup's own consistency check of the LUKS2 metadata passes (repair finds nothing to do).
+    assert cryptsetup("repair", "--batch-mode", img, check=False).returncode == 0
+
+
+@pytest.mark.parametrize("luks_type", ["luks2", "luks1"])
+def test_cryptsetup_add_key_on_a_volume_made_here(ws, luks_type):
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    kdf = FAST_PBKDF2 if luks_type == "luks1" else ["--pbkdf", "argon2id", *FAST_ARGON]
+    p = cb("luks", "format", "--type", luks_type, "--key-file", pw, *kdf, img, timeout=120)
+    assert p.returncode == 0, p.stderr
+    new = write_file(ws.tmp / "new", b"added by cryptsetup")
+    cryptsetup("luksAddKey", "--batch-mode", "--key-file", pw, *kdf, img, new)
+    b = serve_luks(ws, img, new)
+    assert "keyslot 1" in b.stderr(), b.stderr()
+    b.stop()
+    # And our remove-key of cryptsetup's keyslot is taken by cryptsetup.
+    p = ours("remove-key", img, new)
+    assert p.returncode == 0, p.stderr
+    assert not opens(img, new) and opens(img, pw)
+
+
+@pytest.mark.parametrize("vol", KINDS, ids=IDS, indirect=True)
+def test_remove_key_and_kill_slot(ws, vol):
+    img, pw, kdf, vk, offset, digest = vol
+    b_pw = write_file(ws.tmp / "b", b"passphrase b")
+    c_pw = write_file(ws.tmp / "c", b"passphrase c")
+    cs_kdf = kdf if "--pbkdf" in kdf else ["--pbkdf", "pbkdf2", *kdf]
+    cryptsetup("luksAddKey", "--batch-mode", "--key-file", pw, *cs_kdf, img, b_pw)
+    cryptsetup("luksAddKey", "--batch-mode", "--key-file", pw, "--key-slot", "4", *cs_kdf, img, c_pw)
+    assert cs_slots(img) == [0, 1, 4]
+
+    # remove-key: the keyslot that B opens goes; A and C stay.
+    p = ours("remove-key", img, "--key-file", b_pw)
+    assert p.returncode == 0, p.stderr
+    assert cs_slots(img) == [0, 4]
+    assert not opens(img, b_pw) and opens(img, pw) and opens(img, c_pw)
+    # A passphrase that opens nothing: exit 1, clear message, nothing changed.
+    p = ours("remove-key", img, "--key-file", b_pw)
+    assert p.returncode == 1 and b"no key available with this passphrase" in p.stderr, p.stderr
+
+    # kill-slot needs a remaining passphrase: C's own does not count for slot 4.
+    p = ours("kill-slot", img, "4", "--key-file", c_pw)
+    assert p.returncode == 1 and b"NOT wiped" in p.stderr, p.stderr
+    assert cs_slots(img) == [0, 4]
+    p = ours("kill-slot", img, "4", "--key-file", pw)
+    assert p.returncode == 0, p.stderr
+    assert cs_slots(img) == [0] and not opens(img, c_pw) and opens(img, pw)
+    p = ours("kill-slot", img, "4", "--key-file", pw)
+    assert p.returncode == 1 and b"keyslot 4 is not in use" in p.stderr, p.stderr
+    unchanged(img, pw, vk, offset, digest)
+
+    # The last keyslot: refused without a terminal unless --batch-mode, by either command.
+    before = img.read_bytes()[:offset]
+    for args in (["kill-slot", img, "0", "--key-file", pw], ["remove-key", img, "--key-file", pw]):
+        p = ours(*args)
+        assert p.returncode == 1 and b"last keyslot" in p.stderr and b"--batch-mode" in p.stderr, p.stderr
+        assert img.read_bytes()[:offset] == before, "a refused removal wrote to the header"
+    p = ours("kill-slot", img, "0", "--batch-mode")
+    assert p.returncode == 0, p.stderr
+    assert cs_slots(img) == [] and not opens(img, pw)
+    assert data_hash(img, offset) == digest
+
+
+@pytest.mark.parametrize("vol", KINDS, ids=IDS, indirect=True)
+def test_change_key(ws, vol):
+    img, pw, kdf, vk, offset, digest = vol
+    new = write_file(ws.tmp / "new", b"changed passphrase")
+    p = ours("change-key", img, "--key-file", pw, new, *kdf)
+    assert p.returncode == 0, p.stderr
+    # Without --key-slot the new passphrase goes to a new keyslot and the old one is wiped.
+    assert cs_slots(img) == [1]
+    assert opens(img, new) and not opens(img, pw)
+    # With --key-slot it keeps its number.
+    newer = write_file(ws.tmp / "newer", b"changed again")
+    p = ours("change-key", img, "--key-file", new, "--key-slot", "1", newer, *kdf)
+    assert p.returncode == 0, p.stderr
+    assert cs_slots(img) == [1] and opens(img, newer, "--key-slot", "1") and not opens(img, new)
+    wrong = write_file(ws.tmp / "wrong", b"not it")
+    p = ours("change-key", img, "--key-file", wrong, new, *kdf)
+    assert p.returncode == 1 and b"no key available with this passphrase (tried keyslot 1)" in p.stderr, p.stderr
+    unchanged(img, newer, vk, offset, digest)
+
+
+@pytest.mark.parametrize("luks_type", ["luks2", "luks1"])
+def test_detached_header(ws, luks_type):
+    data = sparse(ws.tmp / "data.img", 8 * MiB)
+    hdr = ws.tmp / "hdr.img"
+    pw = write_file(ws.tmp / "pass", PASS)
+    kdf = FAST_PBKDF2 if luks_type == "luks1" else ["--pbkdf", "pbkdf2", *FAST_PBKDF2]
+    luks_format(data, pw, "--type", luks_type, *kdf, header=hdr)
+    fill_data(data, 0)
+    digest = data_hash(data, 0)
+    new = write_file(ws.tmp / "new", b"detached new")
+    p = ours("add-key", data, "--header", hdr, "--key-file", pw, new, *kdf)
+    assert p.returncode == 0, p.stderr
+    assert opens(data, new, "--header", hdr)
+    p = ours("kill-slot", data, "--header", hdr, "0", "--key-file", new)
+    assert p.returncode == 0, p.stderr
+    assert not opens(data, pw, "--header", hdr) and opens(data, new, "--header", hdr)
+    assert data_hash(data, 0) == digest
+
+
+def test_wrong_passphrase_changes_nothing(ws):
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    luks_format(img, pw, "--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2)
+    cryptsetup("luksAddKey", "--batch-mode", "--key-file", pw, "--pbkdf", "pbkdf2", *FAST_PBKDF2, img, write_file(ws.tmp / "p2", b"two"))
+    before = img.read_bytes()
+    bad = write_file(ws.tmp / "bad", PASS.rstrip(b"\n"))
+    new = write_file(ws.tmp / "new", b"n")
+    p = ours("add-key", img, "--key-file", bad, new, *FAST_PBKDF2)
+    assert p.returncode == 1, p
+    assert b"no key available with this passphrase (tried keyslots 0, 1)" in p.stderr, p.stderr
+    p = ours("add-key", img, "--key-file", bad, "--key-slot", "1", "--new-key-slot", "2", new, *FAST_PBKDF2)
+    assert p.returncode == 1 and b"(tried keyslot 1)" in p.stderr, p.stderr
+    # No passphrase at all without a terminal: a clear message.
+    p = ours("add-key", img, new)
+    assert p.returncode == 1 and b"--key-file" in p.stderr, p.stderr
+    assert img.read_bytes() == before
+
+
+def test_a_locked_header_is_refused(ws):
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    luks_format(img, pw, "--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2)
+    new = write_file(ws.tmp / "new", b"n")
+    before = img.read_bytes()
+    # Another process holds the lock cryptsetup takes on an image file.
+    with open(img, "rb") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        for args in (["add-key", img, "-d", pw, new, *FAST_PBKDF2], ["kill-slot", img, "0", "-q"], ["change-key", img, "-d", pw, new, *FAST_PBKDF2]):
+            t = time.monotonic()
+            p = ours(*args)
+            assert p.returncode == 1 and b"locked by another process" in p.stderr, p.stderr
+            assert time.monotonic() - t < 30, "it waited instead of refusing"
+        fcntl.flock(holder, fcntl.LOCK_UN)
+    assert img.read_bytes() == before
+    # Two of ours at once: the second is refused while the first (a slow KDF) holds the lock.
+    slow = subprocess.Popen([str(require_binary()), "luks", "add-key", str(img), "-d", str(pw), str(new), "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "10000000"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        time.sleep(0.5)
+        p = ours("add-key", img, "-d", pw, write_file(ws.tmp / "other", b"o"), *FAST_PBKDF2)
+        assert slow.poll() is None, "the slow add-key finished too early for this test to mean anything"
+        assert p.returncode == 1 and b"locked by another process" in p.stderr, p.stderr
+    finally:
+        _, err = slow.communicate(timeout=300)
+    assert slow.returncode == 0, err
+    assert cs_slots(img) == [0, 1] and opens(img, new)

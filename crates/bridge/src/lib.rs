@@ -15,8 +15,10 @@ mod pool;
 mod range_lock;
 pub mod server;
 mod stream;
+mod tls_stream;
 
 pub use aligned::PooledBuf;
 pub use backing::{Backing, BackingOptions};
 pub use pipeline::Pipeline;
+pub use nbd::tls::{TlsError, TlsMode, TlsPolicy};
 pub use server::{raise_open_file_limit, Listener, Server, ServerConfig, MAX_REQUEST};

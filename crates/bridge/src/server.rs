@@ -14,13 +14,15 @@ use std::time::Duration;
 
 use crate::budget::Budget;
 use crate::connection::Connection;
-use crate::nbd::handshake::{negotiate_within, Outcome};
+use crate::nbd::handshake::{negotiate_tls_within, Outcome};
+use crate::nbd::tls::TlsPolicy;
 use crate::nbd::request::Rules;
 pub use crate::nbd::request::MAX_REQUEST;
 use crate::nbd::*;
 use crate::pipeline::Pipeline;
 use crate::pool::{Pool, Reading};
 use crate::stream::Stream;
+use crate::tls_stream::TlsStream;
 
 /// An I/O pool thread without work for this long exits.
 const POOL_IDLE_EXIT: Duration = Duration::from_secs(5);
@@ -56,6 +58,8 @@ pub struct ServerConfig {
     pub max_inflight_bytes_per_connection: u64,
     /// The same over every connection together.
     pub max_inflight_bytes: u64,
+    /// `--tls on|require` with its certificates; `None`: no TLS (`--tls off`).
+    pub tls: Option<TlsPolicy>,
 }
 
 impl ServerConfig {
@@ -73,6 +77,7 @@ impl ServerConfig {
             max_io_threads: DEFAULT_MAX_IO_THREADS,
             max_inflight_bytes_per_connection: DEFAULT_MAX_INFLIGHT_BYTES_PER_CONNECTION,
             max_inflight_bytes: DEFAULT_MAX_INFLIGHT_BYTES,
+            tls: None,
         }
     }
 }
@@ -193,9 +198,23 @@ impl Server {
     }
 
     fn connection(self: &Arc<Self>, id: u64, mut stream: Stream, slot: Slot) -> io::Result<()> {
-        if negotiate_within(&mut stream, &self.export, self.config.handshake_limit)? == Outcome::Closed {
+        // The handshake's log lines (a refused plaintext client, a failed TLS handshake) say who.
+        let span = tracing::info_span!("conn", id, peer = %stream.peer()).entered();
+        let tls = self.config.tls.as_ref();
+        let (outcome, session) = negotiate_tls_within(&mut stream, &self.export, self.config.handshake_limit, tls)?;
+        if outcome == Outcome::Closed {
             return Ok(());
         }
+        let stream = match session {
+            Some(session) => Stream::Tls(Box::new(TlsStream::new(stream, session))),
+            None if tls.is_some_and(|t| t.required) => {
+                // The handshake serves no export before TLS under --tls=require; should it ever.
+                tracing::error!("a plaintext client reached transmission under --tls=require; closing");
+                return Ok(());
+            }
+            None => stream,
+        };
+        drop(span);
         tracing::info!(conn = id, "client connected");
         if let Some(conn) = Connection::open(id, stream, Arc::clone(self), slot) {
             // This thread is the connection's first reader.

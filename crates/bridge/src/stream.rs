@@ -1,4 +1,5 @@
-//! A client socket (TCP or Unix) and the buffered read side of a connection.
+//! A client socket (TCP or Unix, either of them under TLS) and the buffered read side of a
+//! connection.
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -8,12 +9,15 @@ use std::time::{Duration, Instant};
 
 use crate::nbd::handshake::SocketTimeouts;
 use crate::nbd::transmission::REQUEST_HEADER_LEN;
+use crate::tls_stream::TlsStream;
 
 /// One accepted socket. A connection reads and writes through `&Stream` from different threads
 /// (one descriptor per connection, no duplicates).
 pub(crate) enum Stream {
     Tcp(TcpStream),
     Unix(UnixStream),
+    /// A client that upgraded with NBD_OPT_STARTTLS (see `tls_stream.rs`).
+    Tls(Box<TlsStream>),
 }
 
 impl Stream {
@@ -21,6 +25,24 @@ impl Stream {
         match self {
             Stream::Tcp(s) => s.as_raw_fd(),
             Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tls(t) => t.socket().fd(),
+        }
+    }
+
+    /// The client's address, for log lines.
+    pub(crate) fn peer(&self) -> String {
+        match self {
+            Stream::Tcp(s) => s.peer_addr().map_or_else(|e| format!("? ({e})"), |a| a.to_string()),
+            Stream::Unix(_) => "unix".into(),
+            Stream::Tls(t) => t.socket().peer(),
+        }
+    }
+
+    pub(crate) fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_nonblocking(on),
+            Stream::Unix(s) => s.set_nonblocking(on),
+            Stream::Tls(t) => t.socket().set_nonblocking(on),
         }
     }
 
@@ -31,6 +53,12 @@ impl Stream {
     /// iothreads do by default, `poll-max-ns`) catches the next request while the thread is still
     /// running; `yield_now` between polls leaves the CPU to the client if both share one.
     pub(crate) fn poll_for_input(&self, window: Duration) {
+        // Under TLS a request may wait inside the session already, with nothing on the socket.
+        if let Stream::Tls(t) = self {
+            if t.has_buffered_input() {
+                return;
+            }
+        }
         let fd = self.fd();
         let start = Instant::now();
         let mut byte = 0u8;
@@ -53,6 +81,10 @@ impl Stream {
         let _ = match self {
             Stream::Tcp(s) => s.shutdown(Shutdown::Both),
             Stream::Unix(s) => s.shutdown(Shutdown::Both),
+            Stream::Tls(t) => {
+                t.socket().shutdown();
+                Ok(())
+            }
         };
     }
 }
@@ -62,6 +94,7 @@ impl SocketTimeouts for Stream {
         match self {
             Stream::Tcp(s) => s.set_timeouts(timeout),
             Stream::Unix(s) => s.set_timeouts(timeout),
+            Stream::Tls(t) => t.socket().set_timeouts(timeout),
         }
     }
 }
@@ -71,6 +104,7 @@ impl Read for &Stream {
         match self {
             Stream::Tcp(s) => (&*s).read(buf),
             Stream::Unix(s) => (&*s).read(buf),
+            Stream::Tls(t) => t.read(buf),
         }
     }
 }
@@ -80,12 +114,14 @@ impl Write for &Stream {
         match self {
             Stream::Tcp(s) => (&*s).write(buf),
             Stream::Unix(s) => (&*s).write(buf),
+            Stream::Tls(t) => t.write_vectored(&[io::IoSlice::new(buf)]),
         }
     }
     fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => (&*s).write_vectored(bufs),
             Stream::Unix(s) => (&*s).write_vectored(bufs),
+            Stream::Tls(t) => t.write_vectored(bufs),
         }
     }
     fn flush(&mut self) -> io::Result<()> {

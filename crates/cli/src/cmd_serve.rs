@@ -10,7 +10,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use cryptbridge_bridge::backing::RemoteOptions;
 use cryptbridge_bridge::nbd::uri::{self, NbdUri};
-use cryptbridge_bridge::{raise_open_file_limit, Backing, BackingOptions, Listener, Pipeline, Server, ServerConfig};
+use cryptbridge_bridge::{raise_open_file_limit, Backing, BackingOptions, Listener, Pipeline, Server, ServerConfig, TlsMode, TlsPolicy};
 use cryptbridge_cipher::registry::KeyPolicy;
 use cryptbridge_cipher::{new_cipher, SectorCipher};
 use cryptbridge_engine::{Backend, CpuBackend, Engine, RtlSimBackend, SectorLayout};
@@ -27,6 +27,17 @@ pub enum VolumeType {
     /// LUKS1 or LUKS2 (cryptsetup, qemu): the header gives cipher, key size, sector size and
     /// data offset; a passphrase opens a keyslot.
     Luks,
+}
+
+/// `--tls`: nbdkit's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TlsArg {
+    /// No TLS: NBD_OPT_STARTTLS is refused.
+    Off,
+    /// Clients may upgrade to TLS with NBD_OPT_STARTTLS, or stay in plaintext.
+    On,
+    /// Clients must upgrade to TLS before anything else is answered.
+    Require,
 }
 
 #[derive(clap::Args)]
@@ -139,6 +150,20 @@ pub struct Args {
     /// With --type luks: try only this keyslot (by default every keyslot, as cryptsetup).
     #[arg(long)]
     key_slot: Option<u32>,
+    /// TLS on the wire (NBD_OPT_STARTTLS), as nbdkit's --tls: `off`; `on`, clients may upgrade to
+    /// TLS or stay in plaintext; `require`, a client must upgrade before any other option is
+    /// answered. Needs --tls-certificates. The ready line's URI is then nbds://. See
+    /// docs/network.md.
+    #[arg(long, value_enum, default_value = "off")]
+    tls: TlsArg,
+    /// Directory of the server's certificates, as nbdkit's and qemu's: server-cert.pem (with
+    /// any intermediates), server-key.pem (unencrypted) and, for --tls-verify-peer, ca-cert.pem.
+    /// Read and checked at start-up.
+    #[arg(long, value_name = "DIR", required_if_eq_any = [("tls", "on"), ("tls", "require")])]
+    tls_certificates: Option<PathBuf>,
+    /// With --tls: clients must present a certificate signed by ca-cert.pem (nbdkit's option).
+    #[arg(long)]
+    tls_verify_peer: bool,
     /// Crypto back end: `cpu`, or `rtl-sim` (the Verilated XTS-AES-256 hardware core from rtl/,
     /// run as a co-process; needs a 512-bit aes-xts-plain64 key and `make -C rtl sim`).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "rtl-sim"])]
@@ -187,6 +212,21 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.max_inflight_bytes_per_connection == 0 || args.max_inflight_bytes == 0 {
         bail!("--max-inflight-bytes-per-connection and --max-inflight-bytes must be more than 0");
     }
+    if args.tls == TlsArg::Off && (args.tls_certificates.is_some() || args.tls_verify_peer) {
+        clap::Error::raw(
+            clap::error::ErrorKind::ArgumentConflict,
+            "--tls-certificates and --tls-verify-peer need --tls on or --tls require\n",
+        )
+        .exit();
+    }
+    // Certificates are checked before anything is opened, prompted for or listened on.
+    let tls = match (args.tls, &args.tls_certificates) {
+        (TlsArg::Off, _) | (_, None) => None,
+        (mode, Some(dir)) => {
+            let mode = if mode == TlsArg::Require { TlsMode::Require } else { TlsMode::On };
+            Some(TlsPolicy::load(mode, dir, args.tls_verify_peer).context("--tls-certificates")?)
+        }
+    };
     let remote = remote_backing(&args)?;
     // --type luks: the header decides cipher, key, sector size and data area (cmd_serve/luks.rs).
     let mut luks = luks::open(&args)?;
@@ -267,6 +307,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             max_io_threads: args.max_io_threads,
             max_inflight_bytes_per_connection: args.max_inflight_bytes_per_connection,
             max_inflight_bytes: args.max_inflight_bytes,
+            tls: tls.clone(),
             ..ServerConfig::new(args.export_name.clone(), format!("cryptbridge {mode}"))
         },
     );
@@ -281,13 +322,20 @@ pub fn run(args: Args) -> Result<ExitCode> {
         Err(e) => tracing::warn!("cannot read or raise the open-file limit: {e}"),
     }
     let (listener, uri) = bind(&args)?;
+    // nbds:// (nbds+unix://): the URI scheme of NBD over TLS.
+    let uri = if tls.is_some() { uri.replacen("nbd", "nbds", 1) } else { uri };
     created.socket = args.unix.clone();
     install_signal_handler(Arc::clone(&pipeline), args.unix.clone(), rtl.clone())?;
     if let Some(sim) = rtl {
         report_simulation_speed(sim);
     }
+    let tls_note = match &tls {
+        None => "",
+        Some(t) if t.verify_peer => if t.required { ", TLS required, client certificates verified" } else { ", TLS offered, client certificates verified" },
+        Some(t) => if t.required { ", TLS required" } else { ", TLS offered" },
+    };
     tracing::info!(
-        "serving {} ({} bytes, {}-byte sectors, {}{}{}) as {uri}",
+        "serving {} ({} bytes, {}-byte sectors, {}{}{}{tls_note}) as {uri}",
         args.backing.display(),
         pipeline.size(),
         sector_size,

@@ -1,6 +1,10 @@
 //! Fixed newstyle negotiation: greeting, client flags, then option haggling until the client
 //! picks the export (EXPORT_NAME or GO) or leaves.
 //!
+//! With a TLS policy (`serve --tls`, [`TlsPolicy`]) the client may send NBD_OPT_STARTTLS: after
+//! its ACK the TLS handshake runs on the socket and the haggling goes on inside TLS, on the same
+//! deadline. Under `--tls=require` nothing but STARTTLS and ABORT is answered before that.
+//!
 //! The whole negotiation has one deadline ([`negotiate_within`]): before every read and write the
 //! socket's timeout is set to the time left, so a client that trickles bytes, or stops reading
 //! the replies, is cut when the deadline passes, however it paces itself.
@@ -8,8 +12,12 @@
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rustls::ServerConnection;
+
+use super::tls::TlsPolicy;
 use super::*;
 
 /// Options longer than this are refused; a name is at most 4096 bytes, so INFO/GO fit easily.
@@ -49,7 +57,19 @@ pub fn negotiate_within<S: Read + Write + SocketTimeouts>(
     export: &ExportInfo,
     limit: Duration,
 ) -> io::Result<Outcome> {
-    within(stream, limit, |s| negotiate(s, export))
+    negotiate_tls_within(stream, export, limit, None).map(|(outcome, _)| outcome)
+}
+
+/// [`negotiate_within`] with the server's TLS policy (`None`: TLS off). The TLS handshake after
+/// STARTTLS runs within the same deadline. Returns the TLS session when the client upgraded: the
+/// transmission phase must go on through it.
+pub fn negotiate_tls_within<S: Read + Write + SocketTimeouts>(
+    stream: &mut S,
+    export: &ExportInfo,
+    limit: Duration,
+    tls: Option<&TlsPolicy>,
+) -> io::Result<(Outcome, Option<Box<ServerConnection>>)> {
+    within(stream, limit, |s| negotiate_tls(s, export, tls))
 }
 
 /// Runs `f` with one deadline, `limit` from now, over every read and write it makes on
@@ -124,7 +144,36 @@ pub enum Outcome {
     Closed,
 }
 
+/// The handshake of a server without TLS (STARTTLS is answered NBD_REP_ERR_UNSUP).
 pub fn negotiate<S: Read + Write>(stream: &mut S, export: &ExportInfo) -> io::Result<Outcome> {
+    negotiate_tls(stream, export, None).map(|(outcome, _)| outcome)
+}
+
+/// Where the connection stands with TLS.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TlsState {
+    /// The server has no TLS.
+    Off,
+    /// The server offers TLS; the client has not asked for it (yet).
+    Offered { required: bool },
+    /// Options now travel inside TLS.
+    Active,
+}
+
+/// How a run of option haggling ended.
+enum Step {
+    Done(Outcome),
+    /// STARTTLS was acknowledged: the TLS handshake comes next.
+    StartTls,
+}
+
+/// The handshake, with the server's TLS policy (`None`: TLS off). Returns the TLS session when
+/// the client upgraded.
+pub fn negotiate_tls<S: Read + Write>(
+    stream: &mut S,
+    export: &ExportInfo,
+    tls: Option<&TlsPolicy>,
+) -> io::Result<(Outcome, Option<Box<ServerConnection>>)> {
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&NBDMAGIC.to_be_bytes());
     greeting.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -135,22 +184,48 @@ pub fn negotiate<S: Read + Write>(stream: &mut S, export: &ExportInfo) -> io::Re
     let client_flags = read_u32(stream)?;
     if client_flags & !(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES) != 0 {
         tracing::warn!("client sent unknown handshake flags {client_flags:#x}; closing");
-        return Ok(Outcome::Closed);
+        return Ok((Outcome::Closed, None));
     }
     let no_zeroes = client_flags & CLIENT_NO_ZEROES != 0;
+    let state = tls.map_or(TlsState::Off, |t| TlsState::Offered { required: t.required });
+    let policy = match options(stream, export, no_zeroes, state)? {
+        Step::Done(outcome) => return Ok((outcome, None)),
+        Step::StartTls => tls.expect("STARTTLS is acknowledged only under a TLS policy"),
+    };
+    let mut session = Box::new(ServerConnection::new(Arc::clone(&policy.config)).map_err(io::Error::other)?);
+    // Nothing is read as an option, nor served, before the TLS handshake has completed.
+    while session.is_handshaking() {
+        if let Err(e) = session.complete_io(stream) {
+            tracing::warn!("TLS handshake failed: {e}; closing");
+            return Ok((Outcome::Closed, None));
+        }
+    }
+    let version = session.protocol_version().map_or_else(|| "?".into(), |v| format!("{v:?}"));
+    let suite = session.negotiated_cipher_suite().map_or_else(|| "?".into(), |s| format!("{:?}", s.suite()));
+    let peer = if policy.verify_peer { ", client certificate verified" } else { "" };
+    tracing::info!("TLS established ({version}, {suite}{peer})");
+    let outcome = match options(&mut rustls::Stream::new(&mut *session, stream), export, no_zeroes, TlsState::Active)? {
+        Step::Done(outcome) => outcome,
+        Step::StartTls => unreachable!("a second STARTTLS is refused"),
+    };
+    Ok((outcome, Some(session)))
+}
 
+/// Option haggling until the client picks the export, leaves, or starts TLS.
+fn options<S: Read + Write>(stream: &mut S, export: &ExportInfo, no_zeroes: bool, tls: TlsState) -> io::Result<Step> {
+    let mut refused_plaintext = false;
     loop {
         let magic = read_u64(stream)?;
         if magic != IHAVEOPT {
             tracing::warn!("bad option magic {magic:#x}; closing");
-            return Ok(Outcome::Closed);
+            return Ok(Step::Done(Outcome::Closed));
         }
         let option = read_u32(stream)?;
         let len = read_u32(stream)?;
         if len > MAX_OPTION_LEN {
             if len > MAX_DRAIN_LEN || option == OPT_EXPORT_NAME {
                 tracing::warn!("option {option} with {len}-byte payload; closing");
-                return Ok(Outcome::Closed);
+                return Ok(Step::Done(Outcome::Closed));
             }
             io::copy(&mut Read::by_ref(stream).take(u64::from(len)), &mut io::sink())?;
             reply(stream, option, REP_ERR_TOO_BIG, b"option payload too large")?;
@@ -158,20 +233,33 @@ pub fn negotiate<S: Read + Write>(stream: &mut S, export: &ExportInfo) -> io::Re
         }
         let mut data = vec![0u8; len as usize];
         stream.read_exact(&mut data)?;
+        if tls == (TlsState::Offered { required: true }) && !matches!(option, OPT_STARTTLS | OPT_ABORT) {
+            if option == OPT_EXPORT_NAME {
+                // This option has no error reply: the connection is all that can be refused.
+                tracing::warn!("plaintext client chose the export with NBD_OPT_EXPORT_NAME, but TLS is required (--tls=require); closing");
+                return Ok(Step::Done(Outcome::Closed));
+            }
+            if !refused_plaintext {
+                tracing::warn!("plaintext client sent option {option} before NBD_OPT_STARTTLS, but TLS is required (--tls=require); refusing its options");
+                refused_plaintext = true;
+            }
+            reply(stream, option, REP_ERR_TLS_REQD, b"TLS is required: send NBD_OPT_STARTTLS first")?;
+            continue;
+        }
         match option {
             OPT_EXPORT_NAME => {
                 if !export.answers_to(&data) {
                     tracing::warn!("client asked for unknown export {:?}; closing", String::from_utf8_lossy(&data));
-                    return Ok(Outcome::Closed);
+                    return Ok(Step::Done(Outcome::Closed));
                 }
                 stream.write_all(&export_name_reply(export.size, export.transmission_flags, no_zeroes))?;
                 stream.flush()?;
-                return Ok(Outcome::Transmission);
+                return Ok(Step::Done(Outcome::Transmission));
             }
             OPT_ABORT => {
                 // The client may already have closed its side; an error here changes nothing.
                 let _ = reply(stream, option, REP_ACK, &[]);
-                return Ok(Outcome::Closed);
+                return Ok(Step::Done(Outcome::Closed));
             }
             OPT_LIST => {
                 if !data.is_empty() {
@@ -194,11 +282,21 @@ pub fn negotiate<S: Read + Write>(stream: &mut S, export: &ExportInfo) -> io::Re
                     send_info(stream, option, export, &requests)?;
                     reply(stream, option, REP_ACK, &[])?;
                     if option == OPT_GO {
-                        return Ok(Outcome::Transmission);
+                        return Ok(Step::Done(Outcome::Transmission));
                     }
                 }
             },
-            OPT_STARTTLS => reply(stream, option, REP_ERR_UNSUP, b"TLS is not supported")?,
+            OPT_STARTTLS => match tls {
+                TlsState::Off => reply(stream, option, REP_ERR_UNSUP, b"TLS is not enabled on this server")?,
+                TlsState::Active => reply(stream, option, REP_ERR_INVALID, b"TLS is already on")?,
+                TlsState::Offered { .. } if !data.is_empty() => {
+                    reply(stream, option, REP_ERR_INVALID, b"NBD_OPT_STARTTLS takes no data")?;
+                }
+                TlsState::Offered { .. } => {
+                    reply(stream, option, REP_ACK, &[])?;
+                    return Ok(Step::StartTls);
+                }
+            },
             _ => reply(stream, option, REP_ERR_UNSUP, b"option not supported")?,
         }
     }

@@ -7,6 +7,7 @@
 pub mod client;
 pub mod handshake;
 pub mod request;
+pub mod tls;
 pub mod transmission;
 pub mod uri;
 

@@ -29,6 +29,12 @@ Regimes:
           Targets: passthrough >= 0.9 x nbdkit file; encrypted >= 0.6 x passthrough (SEQ1M),
           >= 0.9 x (RND4K); encrypted >= 2 x best LUKS peer (SEQ1M), >= 1.2 x (RND4K).
 
+Transports (--transport unix|tcp|both, default both): cryptbridge (both modes) and `nbdkit file`
+also run over TCP on the loopback (127.0.0.1, a port of their own; the LUKS peers stay on unix
+sockets), as separate servers interleaved with the rest, so TCP and unix jobs pair within one
+repeat. TCP targets (cpu regime): passthrough >= 1.0 x nbdkit file over TCP (SEQ1M, RND4K);
+encrypted / passthrough over TCP >= 0.95 x the same ratio over unix sockets, per repeat.
+
 Ratios (targets, overhead columns) are the median over repeats of the ratio of the two servers'
 jobs in the same repeat: the machine's speed drifts by tens of per cent over a run, and the jobs of
 a pair run close together. The ratio of the two medians is printed and recorded beside it.
@@ -108,12 +114,34 @@ SERVER_LABELS = {
     "nbdkit-file": "nbdkit file",
     "nbdkit-luks": "nbdkit luks",
     "qemu-luks": "qemu-nbd luks",
+    "cb-enc-tcp": "cryptbridge XTS (TCP)",
+    "cb-pt-tcp": "cryptbridge passthrough (TCP)",
+    "nbdkit-file-tcp": "nbdkit file (TCP)",
 }
 REGIME_SERVERS = {
-    "device": ["cb-enc", "cb-pt"],
-    "ssd": ["cb-enc", "cb-pt"],
-    "cpu": ["cb-enc", "cb-pt", "nbdkit-file", "nbdkit-luks", "qemu-luks"],
+    "device": ["cb-enc", "cb-pt", "cb-enc-tcp", "cb-pt-tcp"],
+    "ssd": ["cb-enc", "cb-pt", "cb-enc-tcp", "cb-pt-tcp"],
+    "cpu": ["cb-enc", "cb-pt", "nbdkit-file", "nbdkit-luks", "qemu-luks", "cb-enc-tcp", "cb-pt-tcp",
+            "nbdkit-file-tcp"],
 }
+TCP_SUFFIX = "-tcp"
+TRANSPORTS = {"unix": ("unix",), "tcp": ("tcp",), "both": ("unix", "tcp")}
+
+
+def transport_of(key: str) -> str:
+    """A server key names its transport: "<server>-tcp" listens on the loopback, the rest on a
+    unix socket."""
+    return "tcp" if key.endswith(TCP_SUFFIX) else "unix"
+
+
+def base_key(key: str) -> str:
+    return key.removesuffix(TCP_SUFFIX)
+
+
+def passthrough_of(key: str) -> str:
+    """The passthrough server that `key`'s overhead is measured against: the one on the same
+    transport."""
+    return "cb-pt-tcp" if transport_of(key) == "tcp" else "cb-pt"
 REGIME_TITLES = {
     "device": "Device-bound (backing on disk, --direct)",
     "ssd": "Device-bound at the issue's disk speed (--direct, disk I/O throttled to 600 MB/s write, 880 MB/s read)",
@@ -132,6 +160,16 @@ TARGETS = [
     ("cpu", "passthrough / nbdkit file", "cb-pt", ("nbdkit-file",), {"SEQ1M": 0.9, "RND4K": 0.9, "MIX": 0.9}),
     ("cpu", "XTS / passthrough", "cb-enc", ("cb-pt",), {"SEQ1M": 0.6, "RND4K": 0.9, "MIX": None}),
     ("cpu", "XTS / best LUKS peer", "cb-enc", LUKS_PEERS, {"SEQ1M": 2.0, "RND4K": 1.2, "MIX": None}),
+    ("cpu", "TCP: passthrough / nbdkit file", "cb-pt-tcp", ("nbdkit-file-tcp",),
+     {"SEQ1M": 1.0, "RND4K": 1.0, "MIX": None}),
+    ("cpu", "TCP: XTS / passthrough", "cb-enc-tcp", ("cb-pt-tcp",), {"SEQ1M": 0.6, "RND4K": 0.9, "MIX": None}),
+    ("device", "TCP: XTS / passthrough", "cb-enc-tcp", ("cb-pt-tcp",), {"SEQ1M": 0.95, "RND4K": 0.95, "MIX": 0.95}),
+    ("ssd", "TCP: XTS / passthrough", "cb-enc-tcp", ("cb-pt-tcp",), {"SEQ1M": 0.95, "RND4K": 0.95, "MIX": 0.95}),
+]
+# (regime, label, (numerator, denominator) over TCP ÷ the same pair over unix, target): whether
+# encryption costs as little relative to passthrough over TCP as over unix sockets.
+TRANSPORT_TARGETS = [
+    ("cpu", "XTS/passthrough, TCP ÷ unix", ("cb-enc-tcp", "cb-pt-tcp"), ("cb-enc", "cb-pt"), 0.95),
 ]
 
 
@@ -331,7 +369,11 @@ class Server:
         self.backing = backing
         self.sock = rundir / f"{regime}-{key}.sock"
         self.pidfile = rundir / f"{regime}-{key}.pid"
-        self.argv = argv_fn(self.sock, self.pidfile)
+        self.transport = transport_of(key)
+        # TCP servers get a free loopback port (nbdkit needs one named; cryptbridge is given it
+        # too, and its ready line says where it listens).
+        self.port = free_port() if self.transport == "tcp" else None
+        self.argv = argv_fn(self.sock if self.port is None else f"127.0.0.1:{self.port}", self.pidfile)
         self.stdout_path = logdir / f"{regime}-{key}.stdout.log"
         self.stderr_path = logdir / f"{regime}-{key}.stderr.log"
         self.ready_line = ready_line
@@ -366,8 +408,11 @@ class Server:
                             break
                 except OSError:
                     pass
-            elif self.sock.exists() and self.pidfile.exists() and self.pidfile.stat().st_size > 0:
-                uri = f"nbd+unix:///?socket={self.sock}"
+            elif self.pidfile.exists() and self.pidfile.stat().st_size > 0:
+                if self.port is not None:
+                    uri = f"nbd://127.0.0.1:{self.port}"
+                elif self.sock.exists():
+                    uri = f"nbd+unix:///?socket={self.sock}"
             if uri:
                 size = probe_size(uri)
                 if size is not None or (self.ready_line and not shutil.which("nbdinfo")):
@@ -382,6 +427,14 @@ class Server:
     def stop(self) -> None:
         if self.proc is not None and self.exit_code is None:
             self.exit_code = kill_group(self.proc)
+
+
+def free_port() -> int:
+    """A loopback TCP port free now (the kernel's pick; taken again by the server moments later)."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def probe_size(uri: str) -> int | None:
@@ -499,13 +552,17 @@ def backing_path(work: Path, regime: str, key: str) -> Path:
         regime = "device"  # the same disk file, only throttled
     if key in LUKS_PEERS:
         return work / f"{regime}-{key}.luks"
+    # TCP servers share it too: TCP and unix jobs then differ by their transport only.
     return work / f"{regime}-plain.img"
 
 
-def cryptbridge_argv(key: str, binary, backing: Path, keyfile: Path, sock: Path, sector_size: int,
+def cryptbridge_argv(key: str, binary, backing: Path, keyfile: Path, sock, sector_size: int,
                      extra: list) -> list:
     """`cryptbridge serve` as the benchmarks run it: "cb-enc" (AES-256-XTS) or "cb-pt"
-    (--passthrough). `extra`: --direct, --threads and the like."""
+    (--passthrough); "-tcp" keys listen on `sock`, then "host:port", instead of a unix socket.
+    `extra`: --direct, --threads and the like."""
+    listen = ["--listen", str(sock)] if transport_of(key) == "tcp" else ["--unix", sock]
+    key = base_key(key)
     if key == "cb-enc":
         mode = ["--key-file", keyfile, "--cipher", "aes-xts-plain64", "--key-size", "512",
                 "--sector-size", str(sector_size)]
@@ -513,7 +570,7 @@ def cryptbridge_argv(key: str, binary, backing: Path, keyfile: Path, sock: Path,
         mode = ["--passthrough"]
     else:
         raise ValueError(key)
-    return [str(binary), "serve", "--backing", backing] + mode + ["--unix", sock] + list(extra)
+    return [str(binary), "serve", "--backing", backing] + mode + listen + list(extra)
 
 
 def build_servers(regime: str, keys: list[str], args, work: Path, rundir: Path, logdir: Path,
@@ -525,13 +582,19 @@ def build_servers(regime: str, keys: list[str], args, work: Path, rundir: Path, 
     for key in keys:
         backing = backing_path(work, regime, key)
 
-        if key in ("cb-enc", "cb-pt"):
+        if base_key(key) in ("cb-enc", "cb-pt"):
             def fn(sock, _pid, b=backing, k=key):
                 return cryptbridge_argv(k, args.binary, b, keyfile, sock, args.sector_size, extra_cb)
             ready = True
         elif key == "nbdkit-file":
             def fn(sock, pid, b=backing):
                 return ["nbdkit", "-f", "--exit-with-parent", "-U", sock, "-P", pid,
+                        "file", f"file={b}"]
+            ready = False
+        elif key == "nbdkit-file-tcp":
+            def fn(addr, pid, b=backing):
+                host, port = addr.rsplit(":", 1)
+                return ["nbdkit", "-f", "--exit-with-parent", "-i", host, "-p", port, "-P", pid,
                         "file", f"file={b}"]
             ready = False
         elif key == "nbdkit-luks":
@@ -731,12 +794,39 @@ def compute_targets(summary: dict, results: dict) -> list[dict]:
                          "profile_label": prof.label, "numerator": num, "denominator": best_key,
                          "ratio": ratio, "pairs": pairs, "ratio_of_medians": of_medians,
                          "target": target, "verdict": verdict(ratio, target) or None})
+    for regime, label, (tn, td), (un, ud), target in TRANSPORT_TARGETS:
+        if regime not in summary:
+            continue
+        for prof in PROFILES:
+            if prof.group not in ("SEQ1M", "RND4K"):
+                continue
+            ratio, pairs = transport_ratio(results, regime, (tn, td), (un, ud), prof.key)
+            meds = [get_med(summary, regime, k, prof.key) for k in (tn, td, un, ud)]
+            if ratio is None and None in meds:
+                continue
+            of_medians = (meds[0] / meds[1]) / (meds[2] / meds[3]) if None not in meds else None
+            rows.append({"regime": regime, "label": label, "profile": prof.key,
+                         "profile_label": prof.label, "numerator": tn, "denominator": ud,
+                         "ratio": ratio, "pairs": pairs, "ratio_of_medians": of_medians,
+                         "target": target, "verdict": verdict(ratio, target) or None})
     return rows
+
+
+def transport_ratio(results: dict, regime: str, tcp: tuple, unix: tuple, pkey: str) -> tuple[float | None, int]:
+    """The median over repeats of (tcp[0] / tcp[1]) / (unix[0] / unix[1]), the four jobs of one
+    repeat: how the cost of encryption over TCP compares with the same over unix sockets."""
+    per = results.get(regime, {})
+    by_rep = lambda key: {s.get("repeat"): s["mbps"] for s in per.get(key, {}).get(pkey, [])  # noqa: E731
+                          if s.get("ok") and s.get("mbps")}
+    a, b, c, d = (by_rep(k) for k in (*tcp, *unix))
+    reps = a.keys() & b.keys() & c.keys() & d.keys()
+    ratios = [(a[r] / b[r]) / (c[r] / d[r]) for r in reps]
+    return median(ratios), len(ratios)
 
 
 def overhead(results, regime, key, pkey):
     """Per cent lost against passthrough, from the paired ratio (see `paired_ratio`)."""
-    ratio, _ = paired_ratio(results, regime, key, "cb-pt", pkey)
+    ratio, _ = paired_ratio(results, regime, key, passthrough_of(key), pkey)
     return None if ratio is None else (1.0 - ratio) * 100.0
 
 
@@ -751,13 +841,13 @@ def print_tables(summary, results, targets, args) -> None:
         keys = regime_keys(summary, regime)
         log("")
         log(f"{REGIME_TITLES[regime]} — MB/s, median of {repeats_for(args, regime)} x {job_time(args, regime)[0]:g}s")
-        w = 14
+        w = max(14, 2 + max(len(k) for k in keys))
         log(f"{'profile':22}" + "".join(f"{k:>{w}}" for k in keys))
         for prof in PROFILES:
             log(f"{prof.label:22}" + "".join(f"{fmt(get_med(summary, regime, k, prof.key)):>{w}}"
                                            for k in keys))
-        others = [k for k in keys if k != "cb-pt"]
-        if "cb-pt" in keys and others:
+        others = [k for k in keys if k != passthrough_of(k)]
+        if ("cb-pt" in keys or "cb-pt-tcp" in keys) and others:
             log("overhead vs cryptbridge passthrough (%, median of same-repeat pairs; negative = faster)")
             log(f"{'profile':22}" + "".join(f"{k:>{w}}" for k in others))
             for prof in PROFILES:
@@ -766,11 +856,11 @@ def print_tables(summary, results, targets, args) -> None:
     if targets:
         log("")
         log("value = median of the ratios of same-repeat pairs; of-medians = ratio of the two medians")
-        log(f"{'regime':7} {'ratio':27} {'profile':22} {'value':>7} {'of-medians':>10} {'target':>8}  verdict")
+        log(f"{'regime':7} {'ratio':30} {'profile':22} {'value':>7} {'of-medians':>10} {'target':>8}  verdict")
         for t in targets:
             tgt = f">= {t['target']:g}" if t["target"] is not None else ""
             den = f" ({t['denominator']})" if t["label"].startswith("XTS / best") and t["denominator"] else ""
-            log(f"{t['regime']:7} {t['label']:27} {t['profile_label']:22} {fmt(t['ratio'], 2):>7}"
+            log(f"{t['regime']:7} {t['label']:30} {t['profile_label']:22} {fmt(t['ratio'], 2):>7}"
                 f" {fmt(t['ratio_of_medians'], 2):>10} {tgt:>8}  {t['verdict'] or ''}{den}")
 
 
@@ -778,7 +868,8 @@ def markdown(summary, targets, state, args) -> str:
     env = state["environment"]
     lines = [
         f"Measured {env['date'][:10]} on {env['cpu']} ({env['nproc']} CPUs, Linux {env['kernel']}); "
-        f"fio `ioengine=nbd` over unix sockets, one connection per job, "
+        f"fio `ioengine=nbd` over {' and '.join(TRANSPORTS[args.transport])} "
+        f"({'unix sockets; TCP on 127.0.0.1' if args.transport == 'both' else 'TCP on 127.0.0.1' if args.transport == 'tcp' else 'unix sockets'}), one connection per job, "
         f"{args.runtime:g} s per job after {args.ramp:g} s ramp, median of {args.repeats} "
         f"interleaved repeats ({args.device_repeats} of {args.device_runtime:g} s after {args.device_ramp:g} s in the disk regimes; the ssd regime's disk I/O is throttled to {SSD_WRITE_BPS / 1e6:.0f} MB/s write, {SSD_READ_BPS / 1e6:.0f} MB/s read, the disk the issue measured). MB/s = 10^6 B/s. cryptbridge XTS = AES-256-XTS "
         f"(512-bit key), {args.sector_size}-byte sectors. "
@@ -795,8 +886,11 @@ def markdown(summary, targets, state, args) -> str:
         lines.append("")
         head = ["Profile"] + [SERVER_LABELS[k] for k in keys]
         pair = "cb-enc" in keys and "cb-pt" in keys
+        tcp_pair = "cb-enc-tcp" in keys and "cb-pt-tcp" in keys
         if pair:
             head.append("XTS overhead vs passthrough (paired)")
+        if tcp_pair:
+            head.append("TCP: XTS overhead vs passthrough (paired)")
         # In the disk regimes, whether a profile was limited by the disk or by the CPUs.
         show_cpu = pair and regime in DISK_REGIMES
         if show_cpu:
@@ -805,9 +899,10 @@ def markdown(summary, targets, state, args) -> str:
         lines.append("|" + "---|" + "---:|" * (len(head) - 1))
         for prof in PROFILES:
             row = [prof.label] + [fmt(get_med(summary, regime, k, prof.key), 0) for k in keys]
-            if pair:
-                o = overhead(state["results"], regime, "cb-enc", prof.key)
-                row.append("—" if o is None else f"{o:.1f} %")
+            for on, key in ((pair, "cb-enc"), (tcp_pair, "cb-enc-tcp")):
+                if on:
+                    o = overhead(state["results"], regime, key, prof.key)
+                    row.append("—" if o is None else f"{o:.1f} %")
             if show_cpu:
                 cell = lambda k, f: summary[regime][k].get(prof.key, {}).get(f)  # noqa: E731
                 busy = [cell(k, "median_machine_busy") for k in ("cb-enc", "cb-pt")]
@@ -851,6 +946,7 @@ def chart(summary, state, args, path: Path) -> None:
     if not regimes:
         return
     colors = {"cb-enc": "#1f77b4", "cb-pt": "#9ecae1", "nbdkit-file": "#7f7f7f",
+              "cb-enc-tcp": "#17becf", "cb-pt-tcp": "#c7e9f0", "nbdkit-file-tcp": "#c7c7c7",
               "nbdkit-luks": "#ff7f0e", "qemu-luks": "#2ca02c"}
     fig, axes = plt.subplots(len(regimes), 1, figsize=(12, 5 * len(regimes)), squeeze=False)
     for ax, regime in zip(axes[:, 0], regimes):
@@ -901,7 +997,7 @@ def check_tools(keys_needed: set[str], binary: Path) -> list[str]:
     for tool in ["fio", "nbdinfo"]:
         if not shutil.which(tool):
             missing.append(tool)
-    if {"nbdkit-file", "nbdkit-luks"} & keys_needed and not shutil.which("nbdkit"):
+    if {"nbdkit-file", "nbdkit-luks", "nbdkit-file-tcp"} & keys_needed and not shutil.which("nbdkit"):
         missing.append("nbdkit")
     if "qemu-luks" in keys_needed and not shutil.which("qemu-nbd"):
         missing.append("qemu-nbd")
@@ -912,7 +1008,7 @@ def check_tools(keys_needed: set[str], binary: Path) -> list[str]:
         r = run(["nbdkit", "--filter=luks", "null", "--dump-plugin"], timeout=30)
         if r.returncode != 0:
             missing.append("nbdkit luks filter")
-    if {"cb-enc", "cb-pt"} & keys_needed and not binary.exists():
+    if {"cb-enc", "cb-pt", "cb-enc-tcp", "cb-pt-tcp"} & keys_needed and not binary.exists():
         missing.append(f"{binary} (cargo build --release)")
     if shutil.which("fio"):
         r = run(["fio", "--enghelp=nbd"], timeout=30)
@@ -939,8 +1035,12 @@ def main() -> int:
     ap.add_argument("--regimes", default="device,ssd,cpu", help="comma list of device,ssd,cpu")
     ap.add_argument("--profiles", default=None,
                     help="comma list of profiles to run (default all): " + ",".join(p.key for p in PROFILES))
-    ap.add_argument("--servers", default=",".join(REGIME_SERVERS["cpu"]),
-                    help="comma list of servers to run (default all): " + ",".join(SERVER_LABELS))
+    ap.add_argument("--servers", default=",".join(dict.fromkeys(base_key(k) for k in REGIME_SERVERS["cpu"])),
+                    help="comma list of servers to run (default all; a TCP variant runs with its server "
+                         "as --transport says): " + ",".join(k for k in SERVER_LABELS if not k.endswith(TCP_SUFFIX)))
+    ap.add_argument("--transport", choices=sorted(TRANSPORTS), default="both",
+                    help="unix sockets, TCP on 127.0.0.1, or both as separate servers in the same run "
+                         "(default both; the LUKS peers run on unix sockets only)")
     ap.add_argument("--device-size", default=None, help="device-bound export size (default 2G; quick 512M)")
     ap.add_argument("--cpu-size", default=None, help="CPU-bound export size (default 1G; quick 256M)")
     ap.add_argument("--sector-size", type=int, default=4096, choices=(512, 4096),
@@ -973,14 +1073,16 @@ def main() -> int:
     cpu_size = parse_size(args.cpu_size or ("256M" if q else "1G"))
     chart_path = args.chart or (OUT / "bench-bridge.png" if q else REPO / "docs" / "bench" / "bench-bridge.png")
     regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
-    wanted = [s.strip() for s in args.servers.split(",") if s.strip()]
+    wanted = [base_key(s.strip()) for s in args.servers.split(",") if s.strip()]
     for r in regimes:
         if r not in REGIME_SERVERS:
             ap.error(f"unknown regime {r}")
     for s in wanted:
         if s not in SERVER_LABELS:
             ap.error(f"unknown server {s}")
-    plan = {r: [k for k in REGIME_SERVERS[r] if k in wanted] for r in regimes}
+    transports = TRANSPORTS[args.transport]
+    plan = {r: [k for k in REGIME_SERVERS[r] if base_key(k) in wanted and transport_of(k) in transports]
+            for r in regimes}
     plan = {r: ks for r, ks in plan.items() if ks}
     keys_needed = {k for ks in plan.values() for k in ks}
 
@@ -1026,6 +1128,7 @@ def main() -> int:
                    "device_ramp_s": args.device_ramp,
                    "quick": q, "device_size": dev_size, "cpu_size": cpu_size,
                    "sector_size": args.sector_size, "cb_threads": args.cb_threads,
+                   "transport": args.transport,
                    "cb_extra": args.cb_extra, "plan": plan, "workdir": str(work),
                    "profiles": [dataclasses.asdict(p) for p in PROFILES]},
         "units": "MB/s = 1e6 bytes/s (read+write for mixed); medians over repeats",
@@ -1055,7 +1158,7 @@ def main() -> int:
     created: list[Path] = []
     rc = 0
     try:
-        if keys_needed & {"cb-enc"}:
+        if keys_needed & {"cb-enc", "cb-enc-tcp"}:
             if not keyfile.exists():
                 r = run([args.binary, "keygen", "--cipher", "aes-xts-plain64", "--key-size", "512",
                          "--force", keyfile], timeout=30)

@@ -61,3 +61,24 @@ def test_paired_ratio_skips_failed_and_unpaired_jobs(bridge):
     ratio, pairs = bridge.paired_ratio(results, "cpu", "cb-enc", "cb-pt", "p")
     assert (ratio, pairs) == (pytest.approx(0.8), 1)
     assert bridge.paired_ratio(results, "cpu", "cb-enc", "nbdkit-file", "p") == (None, 0)
+
+
+def test_tcp_servers_pair_with_their_own_transport(bridge):
+    assert bridge.transport_of("cb-pt-tcp") == "tcp" and bridge.transport_of("nbdkit-file") == "unix"
+    assert bridge.passthrough_of("cb-enc-tcp") == "cb-pt-tcp"
+    assert bridge.passthrough_of("cb-enc") == "cb-pt"
+    argv = bridge.cryptbridge_argv("cb-pt-tcp", "cb", "b.img", "k", "127.0.0.1:5555", 4096, [])
+    assert argv[argv.index("--listen") + 1] == "127.0.0.1:5555" and "--unix" not in argv
+
+
+def test_transport_ratio_compares_the_overhead_over_tcp_with_unix(bridge):
+    # Per repeat: XTS/passthrough is 0.8 over TCP and 0.9 over unix -> 0.888...
+    results = {"cpu": {
+        "cb-enc-tcp": {"p": [sample(1, 80), sample(2, 40)]},
+        "cb-pt-tcp": {"p": [sample(1, 100), sample(2, 50)]},
+        "cb-enc": {"p": [sample(1, 90), sample(2, 45)]},
+        "cb-pt": {"p": [sample(1, 100), sample(2, 50), sample(3, 70)]},
+    }}
+    ratio, pairs = bridge.transport_ratio(results, "cpu", ("cb-enc-tcp", "cb-pt-tcp"), ("cb-enc", "cb-pt"), "p")
+    assert pairs == 2
+    assert ratio == pytest.approx(0.8 / 0.9)

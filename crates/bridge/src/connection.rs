@@ -13,14 +13,14 @@
 //! connection.
 
 use std::collections::VecDeque;
-use std::io::{self, IoSlice, Write};
+use std::io::{self, IoSlice};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::aligned::PooledBuf;
 use crate::budget::{Flow, FlowLimits, Permit};
 use crate::nbd::request::{check, errno_of, Verdict};
-use crate::nbd::transmission::{holds_whole_request, parse_request, reply_header, write_all_vectored, Request};
+use crate::nbd::transmission::{holds_whole_request, parse_request, reply_header, Request};
 use crate::nbd::{CMD_CACHE, CMD_FLAG_FUA, CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES, EINVAL, ENOMEM};
 use crate::pipeline::{Pipeline, ReadData, SealedRead};
 use crate::pool::{Job, Reading};
@@ -418,15 +418,21 @@ impl Connection {
     /// gone, the error closes the connection: the client must not take the rest of the stream
     /// for data.
     fn write_replies(&self, pipeline: &Pipeline, replies: &mut VecDeque<Reply>) -> io::Result<()> {
-        let mut w = &self.stream;
-        while let Some(first) = replies.front_mut() {
+        while !replies.is_empty() {
+            let more_after = replies.len() > 1;
+            let first = replies.front_mut().expect("not empty");
             if let Body::Sealed(sealed) = &mut first.body {
                 let header = reply_header(first.handle, 0);
                 let mut header = Some(&header[..]);
-                pipeline.open_into(sealed, |piece| match header.take() {
-                    // The header and the first piece in one writev.
-                    Some(h) => write_all_vectored(&mut w, &mut [IoSlice::new(h), IoSlice::new(piece)]),
-                    None => w.write_all(piece),
+                let mut left = sealed.len();
+                pipeline.open_into(sealed, |piece| {
+                    left -= piece.len();
+                    let more = left > 0 || more_after;
+                    match header.take() {
+                        // The header and the first piece in one writev.
+                        Some(h) => self.stream.write_all_more(&mut [IoSlice::new(h), IoSlice::new(piece)], more),
+                        None => self.stream.write_all_more(&mut [IoSlice::new(piece)], more),
+                    }
                 })?;
                 replies.pop_front();
                 continue;
@@ -450,7 +456,8 @@ impl Connection {
                     slices.push(IoSlice::new(data));
                 }
             }
-            write_all_vectored(&mut w, &mut slices)?;
+            // More replies queued behind this run: they follow at once, in the next call.
+            self.stream.write_all_more(&mut slices, replies.len() > run)?;
             replies.drain(..run);
         }
         Ok(())

@@ -69,6 +69,17 @@ pub struct SealedRead {
     len: usize,
 }
 
+impl SealedRead {
+    /// The bytes the request asked for (what [`Pipeline::open_into`] hands on in all).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 impl Pipeline {
     pub fn new(backing: Backing, engine: Engine) -> Self {
         let sector_size = engine.layout().sector_size as u64;

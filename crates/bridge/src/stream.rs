@@ -1,7 +1,7 @@
 //! A client socket (TCP or Unix, either of them under TLS) and the buffered read side of a
 //! connection.
 
-use std::io::{self, Read, Write};
+use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -73,6 +73,47 @@ impl Stream {
             }
             std::thread::yield_now();
         }
+    }
+
+    /// Writes every byte of `bufs`. With `more`, a TCP socket is told that more of the same
+    /// reply follows at once (MSG_MORE, as nbdkit sends a reply's header): TCP_NODELAY otherwise
+    /// pushes each call's tail out as a short segment of its own, and a reply sent in pieces (a
+    /// streamed decryption, a structured reply's chunks) then costs the loopback a segment, and
+    /// the client a wake-up, per piece. The last piece goes without it, which pushes the
+    /// reply out whole. Other sockets have no such flag and take a plain writev.
+    pub(crate) fn write_all_more(&self, bufs: &mut [IoSlice<'_>], more: bool) -> io::Result<()> {
+        let Stream::Tcp(s) = self else {
+            return crate::nbd::transmission::write_all_vectored(&mut &*self, bufs);
+        };
+        if !more {
+            return crate::nbd::transmission::write_all_vectored(&mut &*s, bufs);
+        }
+        let fd = s.as_raw_fd();
+        let mut bufs = bufs;
+        IoSlice::advance_slices(&mut bufs, 0);
+        while !bufs.is_empty() {
+            let iovlen = bufs.len().min(1024); // IOV_MAX
+            // SAFETY: the msghdr points at `bufs`, live and borrowed for the call; IoSlice is
+            // ABI-compatible with struct iovec on Unix (std's guarantee). `fd` belongs to `s`,
+            // borrowed for the whole call.
+            let n = unsafe {
+                let mut msg: libc::msghdr = std::mem::zeroed();
+                msg.msg_iov = bufs.as_ptr().cast_mut().cast();
+                msg.msg_iovlen = iovlen as _;
+                libc::sendmsg(fd, &msg, libc::MSG_MORE | libc::MSG_NOSIGNAL)
+            };
+            match n {
+                0 => return Err(io::Error::new(io::ErrorKind::WriteZero, "socket closed while replying")),
+                n if n > 0 => IoSlice::advance_slices(&mut bufs, n as usize),
+                _ => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Ends both directions: a thread blocked reading or writing returns.

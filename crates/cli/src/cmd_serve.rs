@@ -17,6 +17,7 @@ use cryptbridge_engine::{Backend, CpuBackend, Engine, RtlSimBackend, SectorLayou
 
 use crate::{keyfile, names, size};
 
+mod activation;
 mod luks;
 
 /// `--type`: how the backing store holds the volume.
@@ -84,10 +85,12 @@ pub struct Args {
     /// Store plaintext: the same bridge without encryption, the baseline for measurements.
     #[arg(long, conflicts_with_all = ["key_file", "key_size", "iv_large_sectors"])]
     passthrough: bool,
-    /// TCP address to listen on.
-    #[arg(long, default_value = "127.0.0.1:10809", conflicts_with = "unix")]
+    /// TCP address to listen on. Under socket activation (LISTEN_PID/LISTEN_FDS, as systemd and
+    /// `nbdinfo -- [ cryptbridge serve ... ]` pass a socket) the inherited socket is served and
+    /// this is ignored.
+    #[arg(long, default_value = DEFAULT_LISTEN, conflicts_with = "unix")]
     listen: String,
-    /// Listen on a Unix socket instead of TCP.
+    /// Listen on a Unix socket instead of TCP (ignored under socket activation).
     #[arg(long)]
     unix: Option<PathBuf>,
     /// Export name (clients asking for the empty name get it too).
@@ -170,6 +173,8 @@ pub struct Args {
     engine: String,
 }
 
+const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
+
 /// A usage error (exit status 2, as clap's own).
 fn usage(msg: String) -> ! {
     clap::Error::raw(clap::error::ErrorKind::ArgumentConflict, format!("{msg}\n")).exit()
@@ -206,6 +211,8 @@ fn parse_sector_size(s: &str) -> Result<usize, String> {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
+    // First, while this process has one thread: the inherited socket and its variables.
+    let activated = activation::take_listener()?;
     if args.io_workers == 0 || args.threads == Some(0) || args.max_io_threads == 0 || args.max_connections == 0 {
         bail!("--io-workers, --threads, --max-io-threads and --max-connections must be at least 1");
     }
@@ -321,11 +328,24 @@ pub fn run(args: Args) -> Result<ExitCode> {
         Ok(_) => {}
         Err(e) => tracing::warn!("cannot read or raise the open-file limit: {e}"),
     }
-    let (listener, uri) = bind(&args)?;
+    let socket_activated = activated.is_some();
+    let (listener, uri) = match activated {
+        Some(inherited) => {
+            if args.unix.is_some() || args.listen != DEFAULT_LISTEN {
+                tracing::info!("socket activation: serving the inherited socket; --listen/--unix ignored");
+            }
+            inherited
+        }
+        None => {
+            let bound = bind(&args)?;
+            created.socket = args.unix.clone();
+            bound
+        }
+    };
     // nbds:// (nbds+unix://): the URI scheme of NBD over TLS.
     let uri = if tls.is_some() { uri.replacen("nbd", "nbds", 1) } else { uri };
-    created.socket = args.unix.clone();
-    install_signal_handler(Arc::clone(&pipeline), args.unix.clone(), rtl.clone())?;
+    // Only a socket this run created is removed on exit; an inherited one belongs to its giver.
+    install_signal_handler(Arc::clone(&pipeline), created.socket.clone(), rtl.clone())?;
     if let Some(sim) = rtl {
         report_simulation_speed(sim);
     }
@@ -343,7 +363,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
         if args.direct { ", O_DIRECT" } else { "" },
         if read_only { ", read-only" } else { "" },
     );
-    {
+    if socket_activated {
+        // The client or service manager holds the socket already; stdout may be the client's
+        // own (`nbdinfo --json -- [ ... ]` prints its JSON there), so no ready line.
+        tracing::info!("ready {uri} (socket activation)");
+    } else {
         use std::io::Write;
         let mut out = std::io::stdout().lock();
         writeln!(out, "ready {uri}").and_then(|()| out.flush()).context("cannot print the ready line on stdout")?;

@@ -65,14 +65,11 @@ def cs_slots(img: Path, *extra) -> list[int]:
     return [int(m) for m in re.findall(r"^\s+(\d+): luks2", ks, re.M)]
 
 
-def ours(*args, input: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    p = cb("luks", *args, timeout=timeout, input=input) if input is not None else _no_stdin("luks", *args, timeout=timeout)
+def ours(*args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Our `luks` subcommand, stdin not a terminal."""
+    p = subprocess.run([str(require_binary()), "luks", *map(str, args)], stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
     assert_no_panic(p.stderr.decode(errors="replace"))
     return p
-
-
-def _no_stdin(*args, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([str(require_binary()), *map(str, args)], stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -221,10 +218,10 @@ def test_wrong_passphrase_changes_nothing(ws):
     before = img.read_bytes()
     bad = write_file(ws.tmp / "bad", PASS.rstrip(b"\n"))
     new = write_file(ws.tmp / "new", b"n")
-    p = ours("add-key", img, "--key-file", bad, new, *FAST_PBKDF2)
+    p = ours("add-key", img, "--key-file", bad, new, "--pbkdf", "pbkdf2", *FAST_PBKDF2)
     assert p.returncode == 1, p
     assert b"no key available with this passphrase (tried keyslots 0, 1)" in p.stderr, p.stderr
-    p = ours("add-key", img, "--key-file", bad, "--key-slot", "1", "--new-key-slot", "2", new, *FAST_PBKDF2)
+    p = ours("add-key", img, "--key-file", bad, "--key-slot", "1", "--new-key-slot", "2", new, "--pbkdf", "pbkdf2", *FAST_PBKDF2)
     assert p.returncode == 1 and b"(tried keyslot 1)" in p.stderr, p.stderr
     # No passphrase at all without a terminal: a clear message.
     p = ours("add-key", img, new)
@@ -241,7 +238,7 @@ def test_a_locked_header_is_refused(ws):
     # Another process holds the lock cryptsetup takes on an image file.
     with open(img, "rb") as holder:
         fcntl.flock(holder, fcntl.LOCK_EX)
-        for args in (["add-key", img, "-d", pw, new, *FAST_PBKDF2], ["kill-slot", img, "0", "-q"], ["change-key", img, "-d", pw, new, *FAST_PBKDF2]):
+        for args in (["add-key", img, "-d", pw, new, "--pbkdf", "pbkdf2", *FAST_PBKDF2], ["kill-slot", img, "0", "-q"], ["change-key", img, "-d", pw, new, "--pbkdf", "pbkdf2", *FAST_PBKDF2]):
             t = time.monotonic()
             p = ours(*args)
             assert p.returncode == 1 and b"locked by another process" in p.stderr, p.stderr
@@ -253,10 +250,34 @@ def test_a_locked_header_is_refused(ws):
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
         time.sleep(0.5)
-        p = ours("add-key", img, "-d", pw, write_file(ws.tmp / "other", b"o"), *FAST_PBKDF2)
+        p = ours("add-key", img, "-d", pw, write_file(ws.tmp / "other", b"o"), "--pbkdf", "pbkdf2", *FAST_PBKDF2)
         assert slow.poll() is None, "the slow add-key finished too early for this test to mean anything"
         assert p.returncode == 1 and b"locked by another process" in p.stderr, p.stderr
     finally:
         _, err = slow.communicate(timeout=300)
     assert slow.returncode == 0, err
     assert cs_slots(img) == [0, 1] and opens(img, new)
+
+
+def test_no_secret_in_the_log_and_a_refused_memory_lock_is_a_warning(ws):
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", b"s3cret-passphrase-in-the-log?")
+    luks_format(img, pw, "--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2)
+    vk = volume_key(img, pw)
+    new = write_file(ws.tmp / "new", b"n3w-passphrase-in-the-log?")
+    p = ours("-vv", "add-key", img, "-d", pw, new, "--pbkdf", "pbkdf2", *FAST_PBKDF2)
+    assert p.returncode == 0, p.stderr
+    log = p.stderr + p.stdout
+    for secret in (b"s3cret-passphrase", b"n3w-passphrase", vk.hex().encode(), vk.hex(" ").encode()):
+        assert secret not in log, f"{secret!r} logged"
+    assert b"cannot lock key material" not in log, "root (or a sufficient ulimit -l) locks it"
+    # Without the right to lock memory: a warning, and the work is done.
+    capsh = "/usr/sbin/capsh" if os.path.exists("/usr/sbin/capsh") else None
+    if capsh is None or os.geteuid() != 0:
+        pytest.skip("capsh (libcap2-bin) as root is needed to take away the right to lock memory")
+    third = write_file(ws.tmp / "third", b"third")
+    cmd = f"ulimit -l 0; exec {require_binary()} luks add-key {img} -d {pw} {third} --pbkdf pbkdf2 {' '.join(FAST_PBKDF2)}"
+    p = subprocess.run([capsh, "--drop=cap_ipc_lock", "--", "-c", cmd], stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert b"cannot lock key material in memory" in p.stderr and p.stderr.count(b"cannot lock") == 1, p.stderr
+    assert opens(img, third)

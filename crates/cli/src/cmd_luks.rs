@@ -11,9 +11,8 @@ use cryptbridge_volume::hash::Hash;
 use cryptbridge_volume::kdf::{Argon2Variant, Kdf};
 use cryptbridge_volume::format::DeviceLock;
 use cryptbridge_volume::keyslots::{self, HeaderDevice, NewKeyslot};
-use cryptbridge_volume::{luks1, luks2, DataSegment, Header, ReadAt, Unlocked, VolumeError};
+use cryptbridge_volume::{luks1, luks2, DataSegment, Header, ReadAt, Secret, Unlocked, VolumeError};
 use serde_json::{json, Value};
-use zeroize::Zeroizing;
 
 use crate::passphrase;
 
@@ -462,7 +461,7 @@ fn format_volume(a: FormatArgs) -> Result<ExitCode> {
 }
 
 /// A new passphrase: the key file whole, or typed twice on the terminal.
-fn read_new_passphrase(key_file: Option<&std::path::Path>, name: &str) -> Result<Zeroizing<Vec<u8>>> {
+fn read_new_passphrase(key_file: Option<&std::path::Path>, name: &str) -> Result<Secret> {
     if key_file.is_some() || !std::io::stdin().is_terminal() {
         return passphrase::read(key_file, "");
     }
@@ -656,7 +655,7 @@ fn change_key(a: ChangeKeyArgs) -> Result<ExitCode> {
 }
 
 /// A new passphrase: the file whole, or typed twice on the terminal after `prompt`.
-fn read_new_passphrase_prompt(key_file: Option<&std::path::Path>, prompt: &str) -> Result<Zeroizing<Vec<u8>>> {
+fn read_new_passphrase_prompt(key_file: Option<&std::path::Path>, prompt: &str) -> Result<Secret> {
     if key_file.is_some() || !std::io::stdin().is_terminal() {
         if key_file.is_none() {
             bail!("no new passphrase: give NEW_KEY_FILE (or `-` for standard input), or run from a terminal to be asked");

@@ -7,23 +7,24 @@ use std::io::{IsTerminal, Read};
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use zeroize::Zeroizing;
+use cryptbridge_volume::Secret;
+use zeroize::Zeroize;
 
 /// cryptsetup's default limit for a key file read whole (`--keyfile-size` default, 8 MiB): larger
 /// files, devices and endless streams are refused instead of filling memory.
 pub const MAX_KEYFILE_BYTES: usize = 8 << 20;
 
 /// Reads up to `max` bytes to the end of `r`; more is an error. The buffer grows by copying into
-/// a new zeroizing buffer, so no reallocation leaves a copy of the secret behind.
-pub fn read_bounded(r: &mut dyn Read, max: usize, what: &str) -> Result<Zeroizing<Vec<u8>>> {
-    let mut buf = Zeroizing::new(vec![0u8; 4096.min(max + 1)]);
+/// a new [`Secret`] (locked, wiped on drop), so no reallocation leaves a copy of the secret behind.
+pub fn read_bounded(r: &mut dyn Read, max: usize, what: &str) -> Result<Secret> {
+    let mut buf = Secret::new(4096.min(max + 1));
     let mut len = 0;
     loop {
         if len == buf.len() {
             if len > max {
                 bail!("{what} holds more than {max} bytes (cryptsetup's key file limit); refusing it");
             }
-            let mut bigger = Zeroizing::new(vec![0u8; (buf.len() * 2).min(max + 1)]);
+            let mut bigger = Secret::new((buf.len() * 2).min(max + 1));
             bigger[..len].copy_from_slice(&buf[..len]);
             buf = bigger;
         }
@@ -42,7 +43,7 @@ pub fn read_bounded(r: &mut dyn Read, max: usize, what: &str) -> Result<Zeroizin
 }
 
 /// The passphrase from `key_file` (`-`: standard input), or from a prompt on the terminal.
-pub fn read(key_file: Option<&Path>, prompt: &str) -> Result<Zeroizing<Vec<u8>>> {
+pub fn read(key_file: Option<&Path>, prompt: &str) -> Result<Secret> {
     match key_file {
         Some(p) if p == Path::new("-") => read_bounded(&mut std::io::stdin().lock(), MAX_KEYFILE_BYTES, "standard input"),
         Some(p) => {
@@ -53,8 +54,10 @@ pub fn read(key_file: Option<&Path>, prompt: &str) -> Result<Zeroizing<Vec<u8>>>
             if !std::io::stdin().is_terminal() {
                 bail!("no passphrase: give --key-file FILE (or `--key-file -` for standard input), or run from a terminal to be asked");
             }
-            let line = rpassword::prompt_password(prompt).context("cannot read the passphrase from the terminal")?;
-            Ok(Zeroizing::new(line.into_bytes()))
+            let mut line = rpassword::prompt_password(prompt).context("cannot read the passphrase from the terminal")?;
+            let pass = Secret::from_slice(line.as_bytes());
+            line.zeroize();
+            Ok(pass)
         }
     }
 }

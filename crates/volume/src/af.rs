@@ -4,6 +4,8 @@
 
 use zeroize::Zeroizing;
 
+use crate::secret::Secret;
+
 use crate::error::{Result, VolumeError};
 use crate::hash::Hash;
 
@@ -33,9 +35,9 @@ fn check(material_len: usize, key_len: usize, stripes: u32) -> Result<()> {
 }
 
 /// Recovers the key from `material` (at least `key_len * stripes` bytes).
-pub fn merge(material: &[u8], key_len: usize, stripes: u32, hash: Hash) -> Result<Zeroizing<Vec<u8>>> {
+pub fn merge(material: &[u8], key_len: usize, stripes: u32, hash: Hash) -> Result<Secret> {
     check(material.len(), key_len, stripes)?;
-    let mut block = Zeroizing::new(vec![0u8; key_len]);
+    let mut block = Secret::new(key_len);
     let stripes = stripes as usize;
     for stripe in material.chunks_exact(key_len).take(stripes - 1) {
         xor_into(&mut block, stripe);
@@ -47,12 +49,12 @@ pub fn merge(material: &[u8], key_len: usize, stripes: u32, hash: Hash) -> Resul
 
 /// Splits `key` into `stripes` blocks (the first `stripes - 1` random), padded with zeros to
 /// [`split_len`].
-pub fn split(key: &[u8], stripes: u32, hash: Hash, rng: &mut dyn FnMut(&mut [u8])) -> Result<Zeroizing<Vec<u8>>> {
+pub fn split(key: &[u8], stripes: u32, hash: Hash, rng: &mut dyn FnMut(&mut [u8])) -> Result<Secret> {
     let key_len = key.len();
-    let mut out = Zeroizing::new(vec![0u8; split_len(key_len, stripes)]);
+    let mut out = Secret::new(split_len(key_len, stripes));
     check(out.len(), key_len, stripes)?;
     let stripes = stripes as usize;
-    let mut block = Zeroizing::new(vec![0u8; key_len]);
+    let mut block = Secret::new(key_len);
     for stripe in out.chunks_exact_mut(key_len).take(stripes - 1) {
         rng(stripe);
         xor_into(&mut block, stripe);

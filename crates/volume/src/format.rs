@@ -217,7 +217,7 @@ fn check_params(p: &FormatParams) -> Result<()> {
 pub fn format(dev: &File, dev_name: &str, data_size: u64, p: &FormatParams, passphrase: &[u8]) -> Result<Formatted> {
     check_params(p)?;
     let _lock = DeviceLock::exclusive(dev, dev_name)?;
-    let mut key = Zeroizing::new(vec![0u8; p.key_bytes]);
+    let mut key = crate::Secret::new(p.key_bytes);
     loop {
         os_random(&mut key)?;
         // A key whose XTS halves are equal is refused by the cipher; astronomically unlikely.
@@ -314,7 +314,7 @@ fn format_luks2(
     }
     dev.sync_data().map_err(io_err(format!("cannot flush {dev_name}")))?;
     // 2. The keyslot; 3. the secondary copy; 4. the primary copy.
-    let mut area = Zeroizing::new(vec![0u8; area_size as usize]);
+    let mut area = crate::Secret::new(area_size as usize);
     area[..material.len()].copy_from_slice(material);
     write_synced(dev, &area, LUKS2_KEYSLOTS_OFFSET, &format!("keyslot 0 of {dev_name}"))?;
     write_synced(dev, &secondary, LUKS2_HDR_SIZE, &format!("the secondary header of {dev_name}"))?;

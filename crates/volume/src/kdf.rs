@@ -1,7 +1,7 @@
 //! Password-based key derivation as LUKS keyslots use it: PBKDF2 (LUKS1 and LUKS2) and Argon2i /
 //! Argon2id (LUKS2, version 0x13, no secret or associated data).
 
-use zeroize::Zeroizing;
+use crate::secret::Secret;
 
 use crate::error::{Result, VolumeError};
 use crate::hash::Hash;
@@ -51,8 +51,8 @@ impl Kdf {
     }
 
     /// Derives `out_len` bytes from `passphrase` and `salt`.
-    pub fn derive(&self, passphrase: &[u8], salt: &[u8], out_len: usize) -> Result<Zeroizing<Vec<u8>>> {
-        let mut out = Zeroizing::new(vec![0u8; out_len]);
+    pub fn derive(&self, passphrase: &[u8], salt: &[u8], out_len: usize) -> Result<Secret> {
+        let mut out = Secret::new(out_len);
         match *self {
             Kdf::Pbkdf2 { hash, iterations } => {
                 if iterations == 0 {

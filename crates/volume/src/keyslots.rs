@@ -19,8 +19,6 @@
 
 use std::fs::File;
 
-use zeroize::Zeroizing;
-
 use crate::af;
 use crate::cipher_spec::encrypt_area;
 use crate::error::{Result, VolumeError};
@@ -29,6 +27,7 @@ use crate::hash::Hash;
 use crate::kdf::Kdf;
 use crate::luks1::{self, Luks1Header, Luks1Keyslot, SlotState};
 use crate::luks2::{self, BinaryHeader, Luks2Header};
+use crate::secret::Secret;
 use crate::Header;
 
 /// LUKS2 allows keyslots 0 to 31 (cryptsetup's LUKS2_KEYSLOTS_MAX).
@@ -53,7 +52,7 @@ pub struct NewKeyslot {
     pub af_hash: Hash,
 }
 
-fn split_key(key: &[u8], hash: Hash) -> Result<Zeroizing<Vec<u8>>> {
+fn split_key(key: &[u8], hash: Hash) -> Result<Secret> {
     let mut rng_error = None;
     let material = af::split(key, luks1::STRIPES, hash, &mut |b: &mut [u8]| {
         if let Err(e) = os_random(b) {
@@ -322,7 +321,7 @@ fn luks2_store(dev: &HeaderDevice, h: &Luks2Header, id: u32, key: &[u8], passphr
     let mut salt = [0u8; 32];
     os_random(&mut salt)?;
     let derived = params.kdf.derive(passphrase, &salt, area_key)?;
-    let mut area = Zeroizing::new(vec![0u8; area_size as usize]);
+    let mut area = Secret::new(area_size as usize);
     let material = split_key(key, params.af_hash)?;
     area[..material_len].copy_from_slice(&material);
     drop(material);

@@ -19,13 +19,13 @@ pub mod kdf;
 pub mod keyslots;
 pub mod luks1;
 pub mod luks2;
+pub mod secret;
 
 use std::fmt;
 
-use zeroize::Zeroizing;
-
 pub use device::ReadAt;
 pub use error::{Result, VolumeError};
+pub use secret::Secret;
 
 /// LUKS magic of a LUKS1 header and of a LUKS2 primary header.
 pub const LUKS_MAGIC: [u8; 6] = *b"LUKS\xba\xbe";
@@ -81,7 +81,7 @@ impl DataSegment {
 
 /// An opened volume: its key (zeroized on drop, never printed) and where its data lies.
 pub struct Unlocked {
-    pub volume_key: Zeroizing<Vec<u8>>,
+    pub volume_key: Secret,
     /// The keyslot the passphrase opened.
     pub keyslot: u32,
     pub segment: DataSegment,

@@ -175,7 +175,7 @@ impl Luks1Header {
     }
 
     /// Tries `passphrase` on keyslot `i`: the key it holds, if the digest agrees.
-    fn try_slot(&self, dev: &dyn ReadAt, i: usize, passphrase: &[u8]) -> Result<Option<Zeroizing<Vec<u8>>>> {
+    fn try_slot(&self, dev: &dyn ReadAt, i: usize, passphrase: &[u8]) -> Result<Option<crate::Secret>> {
         let slot = &self.keyslots[i];
         let hash = Hash::from_name(&self.hash_spec)?;
         let key_len = self.key_bytes as usize;
@@ -183,7 +183,7 @@ impl Luks1Header {
             return Err(VolumeError::Corrupt(format!("LUKS1 keyslot {i}: invalid stripes {} or iterations {}", slot.stripes, slot.iterations)));
         }
         let derived = Kdf::Pbkdf2 { hash, iterations: slot.iterations }.derive(passphrase, &slot.salt, key_len)?;
-        let mut material = Zeroizing::new(vec![0u8; af::split_len(key_len, slot.stripes)]);
+        let mut material = crate::Secret::new(af::split_len(key_len, slot.stripes));
         dev.read_exact_at(&mut material, u64::from(slot.key_material_offset) * 512)
             .map_err(io_err(format!("cannot read LUKS1 keyslot {i}'s key material")))?;
         decrypt_area(&self.cipher_spec(), &derived, &mut material)?;

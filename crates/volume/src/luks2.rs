@@ -570,7 +570,7 @@ impl Luks2Header {
     }
 
     /// The key keyslot `id` holds under `passphrase`, whatever it is (not checked by a digest).
-    pub fn keyslot_key(&self, dev: &dyn ReadAt, id: u32, passphrase: &[u8]) -> Result<Zeroizing<Vec<u8>>> {
+    pub fn keyslot_key(&self, dev: &dyn ReadAt, id: u32, passphrase: &[u8]) -> Result<crate::Secret> {
         let slot = self.keyslots.get(&id).ok_or_else(|| VolumeError::NoKeyslot(format!("keyslot {id} does not exist")))?;
         let k = slot.luks2.as_ref().ok_or_else(|| VolumeError::Unsupported(format!("keyslot {id} has type `{}`", slot.kind)))?;
         let what = format!("LUKS2 keyslot {id}");
@@ -587,7 +587,7 @@ impl Luks2Header {
         let af_hash = Hash::from_name(&k.af_hash)?;
         crypto_api_name(&k.area_encryption)?;
         let derived = k.kdf.derive(passphrase, &k.salt, k.area_key_size)?;
-        let mut material = Zeroizing::new(vec![0u8; len]);
+        let mut material = crate::Secret::new(len);
         dev.read_exact_at(&mut material, k.area_offset).map_err(|error| VolumeError::Io { what: format!("cannot read {what}'s area"), error })?;
         decrypt_area(&k.area_encryption, &derived, &mut material)?;
         af::merge(&material, slot.key_size, k.stripes, af_hash)

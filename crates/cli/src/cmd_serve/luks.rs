@@ -8,15 +8,14 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use cryptbridge_bridge::Backing;
 use cryptbridge_engine::SectorLayout;
-use cryptbridge_volume::{DataSegment, Header, VolumeError};
-use zeroize::Zeroizing;
+use cryptbridge_volume::{DataSegment, Header, Secret, VolumeError};
 
 use super::{usage, Args, VolumeType};
 use crate::passphrase;
 
 /// An opened LUKS volume, until the engine takes its key.
 pub struct Volume {
-    key: Zeroizing<Vec<u8>>,
+    key: Secret,
     segment: DataSegment,
     version: u8,
     keyslot: u32,
@@ -37,7 +36,7 @@ impl Volume {
     }
 
     /// The volume key, moved out (what stays behind is empty).
-    pub fn take_key(&mut self) -> Zeroizing<Vec<u8>> {
+    pub fn take_key(&mut self) -> Secret {
         std::mem::take(&mut self.key)
     }
 

@@ -1,0 +1,192 @@
+//! Buffers for key material (volume keys, passphrases, KDF outputs, anti-forensic stripes):
+//! zeroed when dropped and, where the system allows, locked in RAM (`mlock`) so they are never
+//! written to swap, and left out of core dumps (`MADV_DONTDUMP`).
+//!
+//! Each buffer has pages of its own: locks do not nest in Linux (one `munlock` unlocks a page for
+//! every buffer on it), so buffers sharing pages could unlock each other. A lock refused by the
+//! system (RLIMIT_MEMLOCK, `ulimit -l`) is a warning, once per process: the secret is still wiped.
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use zeroize::Zeroize;
+
+static WARNED: AtomicBool = AtomicBool::new(false);
+
+fn page_size() -> usize {
+    // SAFETY: sysconf only reads a configuration value.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if n > 0 {
+        n as usize
+    } else {
+        4096
+    }
+}
+
+/// A fixed-capacity byte buffer for secrets. Its length can shrink ([`Secret::truncate`]) but
+/// never grow past the capacity it was made with, so its bytes are never copied by a reallocation.
+pub struct Secret {
+    ptr: NonNull<u8>,
+    len: usize,
+    /// Bytes allocated: whole pages, 0 for an empty buffer (no allocation).
+    cap: usize,
+    locked: bool,
+}
+
+// SAFETY: a Secret owns its allocation exclusively, like a Vec<u8>; nothing in it is tied to a
+// thread (the memory lock belongs to the process).
+unsafe impl Send for Secret {}
+// SAFETY: shared access only reads the bytes (through Deref), like &Vec<u8>.
+unsafe impl Sync for Secret {}
+
+impl Secret {
+    /// `len` zero bytes.
+    pub fn new(len: usize) -> Secret {
+        if len == 0 {
+            return Secret { ptr: NonNull::dangling(), len: 0, cap: 0, locked: false };
+        }
+        let page = page_size();
+        let cap = len.next_multiple_of(page);
+        let layout = Layout::from_size_align(cap, page).expect("a page-aligned layout of whole pages");
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(raw) else { alloc::handle_alloc_error(layout) };
+        // SAFETY: [ptr, ptr + cap) is the allocation just made, whole pages.
+        let locked = unsafe { libc::mlock(ptr.as_ptr().cast(), cap) } == 0;
+        if !locked && !WARNED.swap(true, Ordering::Relaxed) {
+            let e = std::io::Error::last_os_error();
+            tracing::warn!(
+                "cannot lock key material in memory (mlock: {e}); it is still wiped after use, but may be written to swap. Raise the locked-memory limit (ulimit -l) to avoid this"
+            );
+        }
+        // SAFETY: as above; advice only, its failure (an old kernel) changes nothing else.
+        unsafe { libc::madvise(ptr.as_ptr().cast(), cap, libc::MADV_DONTDUMP) };
+        Secret { ptr, len, cap, locked }
+    }
+
+    /// A copy of `bytes`.
+    pub fn from_slice(bytes: &[u8]) -> Secret {
+        let mut s = Secret::new(bytes.len());
+        s.copy_from_slice(bytes);
+        s
+    }
+
+    /// Shortens the buffer to `len` bytes (no-op if longer); the bytes cut off are wiped now.
+    pub fn truncate(&mut self, len: usize) {
+        if len < self.len {
+            self.as_mut_slice()[len..].zeroize();
+            self.len = len;
+        }
+    }
+
+    /// Whether the system agreed to keep it out of swap.
+    pub fn is_locked(&self) -> bool {
+        self.locked
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr is valid for cap >= len initialised bytes (zeroed at allocation), or
+        // dangling with len 0, which is valid for an empty slice.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in as_slice, and &mut self makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for Secret {
+    fn drop(&mut self) {
+        if self.cap == 0 {
+            return;
+        }
+        // SAFETY: the whole allocation, initialised, owned by self.
+        let all = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.cap) };
+        all.zeroize();
+        if self.locked {
+            // SAFETY: the range this buffer locked; its pages hold nothing else.
+            unsafe { libc::munlock(self.ptr.as_ptr().cast(), self.cap) };
+        }
+        let layout = Layout::from_size_align(self.cap, page_size()).expect("the layout it was made with");
+        // SAFETY: allocated in `new` with this layout and not freed before.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
+    }
+}
+
+impl Default for Secret {
+    fn default() -> Self {
+        Secret::new(0)
+    }
+}
+
+impl Clone for Secret {
+    fn clone(&self) -> Self {
+        Secret::from_slice(self)
+    }
+}
+
+impl Deref for Secret {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+impl DerefMut for Secret {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
+    }
+}
+
+/// Constant-time: comparing two passphrases says nothing about where they differ.
+impl PartialEq for Secret {
+    fn eq(&self, other: &Self) -> bool {
+        crate::ct_eq(self, other)
+    }
+}
+
+impl Eq for Secret {}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "<{} secret bytes, redacted>", self.len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_truncate_compare_and_redacted_debug() {
+        let mut s = Secret::from_slice(b"correct horse");
+        assert_eq!(&*s, b"correct horse");
+        assert_eq!(s.as_slice().as_ptr() as usize % page_size(), 0, "page-aligned: no page shared with other data");
+        s.truncate(7);
+        assert_eq!(&*s, b"correct");
+        assert_eq!(s, Secret::from_slice(b"correct"));
+        assert_ne!(s, Secret::from_slice(b"correcT"));
+        assert_ne!(s, Secret::from_slice(b"correct "));
+        assert_eq!(format!("{s:?}"), "<7 secret bytes, redacted>");
+        let empty = Secret::default();
+        assert!(empty.is_empty() && !empty.is_locked());
+        let big = Secret::new(300_000);
+        assert!(big.iter().all(|&b| b == 0));
+        assert_eq!(big.clone().len(), 300_000);
+    }
+
+    #[test]
+    fn locked_where_the_limit_allows() {
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit writes into the struct given.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) }, 0);
+        let s = Secret::new(64);
+        if lim.rlim_cur >= 1 << 20 {
+            assert!(s.is_locked(), "a 64-byte secret under a {} byte limit", lim.rlim_cur);
+        }
+    }
+}

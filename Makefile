@@ -88,7 +88,9 @@ test-rust:
 # The workspace, its tests and examples for the x86-64 baseline CPU (no SSE4/AVX/AES-NI assumed at
 # compile time: every SIMD path must carry its own #[target_feature] and be chosen at run time). Own
 # target dir, so the normal release build is not thrown away. RUSTFLAGS overrides the config file's
-# rustflags, so the config file itself is checked for CPU flags too.
+# rustflags, so the config file itself is checked for CPU flags too. Also checked for x86-64-v3
+# (AVX2 at compile time, as distributions built for v3 do): the run-time dispatch must still
+# compile, without warnings, when the baseline already has some of the levels' features.
 test-portable:
 	@if grep -Ev '^[[:space:]]*(#|$$)' .cargo/config.toml | grep -Eq 'target-cpu|target-feature'; then \
 		echo "test-portable: .cargo/config.toml sets target-cpu/target-feature; the default build must stay portable" >&2; \
@@ -97,6 +99,8 @@ test-portable:
 	@if [ "$(HOST_ARCH)" != x86_64 ]; then echo "test-portable: SKIPPED (host is $(HOST_ARCH), not x86_64)"; exit 0; fi; \
 	set -e; t0=$$(date +%s); set -x; \
 	CARGO_TARGET_DIR=target/x86-64-baseline RUSTFLAGS="-C target-cpu=x86-64" \
+		$(CARGO) check --locked --workspace --all-targets; \
+	CARGO_TARGET_DIR=target/x86-64-v3 RUSTFLAGS="-C target-cpu=x86-64-v3" \
 		$(CARGO) check --locked --workspace --all-targets; \
 	{ set +x; } 2>/dev/null; echo "test-portable: ok ($$(( $$(date +%s) - t0 ))s)"
 

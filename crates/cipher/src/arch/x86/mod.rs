@@ -9,7 +9,6 @@
 
 pub(crate) mod aes;
 pub(crate) mod registers;
-#[allow(unsafe_op_in_unsafe_fn)] // not yet converted: the trait impls are one intrinsic each
 pub(crate) mod simd;
 
 use super::CpuLevel;

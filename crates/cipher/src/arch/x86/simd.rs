@@ -179,15 +179,18 @@ pub(crate) struct Ymm(__m256i);
 #[derive(Clone, Copy)]
 pub(crate) struct Zmm(__m512i);
 
-// SAFETY (all three impls): every intrinsic below needs only features of the type's level, and
-// the module contract makes callers run these inside a function compiled for that level.
+// SAFETY (all three impls, for every `unsafe { }` block in them): every intrinsic below needs
+// only features of the type's level, and the module contract (the methods are `unsafe`, inlined
+// into a `kernel_*!` function of that level, reached only after `CpuLevel::available`) makes
+// callers run them where those features are enabled and present. Pointer arguments are the
+// caller's to keep in bounds, as each method's own contract says.
 
 impl AesVec for Xmm {
     const LANES: usize = 1;
 
     #[inline(always)]
     unsafe fn zero() -> Self {
-        Xmm(_mm_setzero_si128())
+        Xmm(unsafe { _mm_setzero_si128() })
     }
     #[inline(always)]
     unsafe fn load(p: *const u8) -> Self {
@@ -207,11 +210,11 @@ impl AesVec for Xmm {
     }
     #[inline(always)]
     unsafe fn xor(self, o: Self) -> Self {
-        Xmm(_mm_xor_si128(self.0, o.0))
+        Xmm(unsafe { _mm_xor_si128(self.0, o.0) })
     }
     #[inline(always)]
     unsafe fn xor3(a: Self, b: Self, c: Self) -> Self {
-        Xmm(_mm_xor_si128(_mm_xor_si128(a.0, b.0), c.0))
+        Xmm(unsafe { _mm_xor_si128(_mm_xor_si128(a.0, b.0), c.0) })
     }
     #[inline(always)]
     unsafe fn aesenc(self, k: Self) -> Self {
@@ -239,35 +242,37 @@ impl AesVec for Xmm {
     }
     #[inline(always)]
     unsafe fn lane_shl8(self) -> Self {
-        Xmm(_mm_bslli_si128::<8>(self.0))
+        Xmm(unsafe { _mm_bslli_si128::<8>(self.0) })
     }
     #[inline(always)]
     unsafe fn qword_shl(self, n: u32) -> Self {
-        Xmm(_mm_sll_epi64(self.0, _mm_cvtsi32_si128(n as i32)))
+        Xmm(unsafe { _mm_sll_epi64(self.0, _mm_cvtsi32_si128(n as i32)) })
     }
     #[inline(always)]
     unsafe fn qword_shr(self, n: u32) -> Self {
-        Xmm(_mm_srl_epi64(self.0, _mm_cvtsi32_si128(n as i32)))
+        Xmm(unsafe { _mm_srl_epi64(self.0, _mm_cvtsi32_si128(n as i32)) })
     }
     #[inline(always)]
     unsafe fn qword_shl_lanes(self, base: u32) -> Self {
-        self.qword_shl(base)
+        unsafe { self.qword_shl(base) }
     }
     #[inline(always)]
     unsafe fn qword_shr_lanes(self, base: u32) -> Self {
-        self.qword_shr(64 - base)
+        unsafe { self.qword_shr(64 - base) }
     }
     #[inline(always)]
     unsafe fn mul_x_step(self) -> Self {
         // x^8: one byte leaves the lane.
-        let shifted = _mm_bslli_si128::<1>(self.0);
-        let top = _mm_bsrli_si128::<15>(self.0);
-        Xmm(_mm_xor_si128(shifted, unsafe { _mm_clmulepi64_si128::<0x00>(top, _mm_set_epi64x(0, 0x87)) }))
+        unsafe {
+            let shifted = _mm_bslli_si128::<1>(self.0);
+            let top = _mm_bsrli_si128::<15>(self.0);
+            Xmm(_mm_xor_si128(shifted, _mm_clmulepi64_si128::<0x00>(top, _mm_set_epi64x(0, 0x87))))
+        }
     }
 
     #[inline(always)]
     unsafe fn load_blocks(p: *const u8, n: usize) -> Self {
-        if n == 0 { Xmm(_mm_setzero_si128()) } else { unsafe { Self::load(p) } }
+        unsafe { if n == 0 { Xmm(_mm_setzero_si128()) } else { Self::load(p) } }
     }
     #[inline(always)]
     unsafe fn store_blocks(self, p: *mut u8, n: usize) {
@@ -277,7 +282,7 @@ impl AesVec for Xmm {
     }
     #[inline(always)]
     unsafe fn keep_lanes(self, n: usize) -> Self {
-        if n == 0 { Xmm(_mm_setzero_si128()) } else { self }
+        if n == 0 { Xmm(unsafe { _mm_setzero_si128() }) } else { self }
     }
     #[inline(always)]
     unsafe fn xor_lanes(self) -> __m128i {
@@ -285,15 +290,15 @@ impl AesVec for Xmm {
     }
     #[inline(always)]
     unsafe fn add32(self, o: Self) -> Self {
-        Xmm(_mm_add_epi32(self.0, o.0))
+        Xmm(unsafe { _mm_add_epi32(self.0, o.0) })
     }
     #[inline(always)]
     unsafe fn add64(self, o: Self) -> Self {
-        Xmm(_mm_add_epi64(self.0, o.0))
+        Xmm(unsafe { _mm_add_epi64(self.0, o.0) })
     }
     #[inline(always)]
     unsafe fn mul_u32(self, o: Self) -> Self {
-        Xmm(_mm_mul_epu32(self.0, o.0))
+        Xmm(unsafe { _mm_mul_epu32(self.0, o.0) })
     }
     #[inline(always)]
     unsafe fn shuffle_bytes(self, ctl: Self) -> Self {
@@ -301,11 +306,11 @@ impl AesVec for Xmm {
     }
     #[inline(always)]
     unsafe fn swap_qwords(self) -> Self {
-        Xmm(_mm_shuffle_epi32::<0x4e>(self.0))
+        Xmm(unsafe { _mm_shuffle_epi32::<0x4e>(self.0) })
     }
     #[inline(always)]
     unsafe fn lane_shr8(self) -> Self {
-        Xmm(_mm_bsrli_si128::<8>(self.0))
+        Xmm(unsafe { _mm_bsrli_si128::<8>(self.0) })
     }
     #[inline(always)]
     unsafe fn clmul_lo_hi(self, k: Self) -> Self {

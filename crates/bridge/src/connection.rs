@@ -20,8 +20,12 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use crate::aligned::PooledBuf;
 use crate::budget::{Flow, FlowLimits, Permit};
 use crate::nbd::request::{check, errno_of, Verdict};
-use crate::nbd::transmission::{holds_whole_request, parse_request, reply_header, Request};
-use crate::nbd::{CMD_CACHE, CMD_FLAG_FUA, CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES, EINVAL, ENOMEM};
+use crate::nbd::request::Rules;
+use crate::nbd::transmission::{block_status_payload, holds_whole_request, parse_request, ReplyHead, Request};
+use crate::nbd::{
+    Negotiated, BASE_ALLOCATION_ID, CMD_BLOCK_STATUS, CMD_CACHE, CMD_FLAG_FUA, CMD_FLAG_REQ_ONE, CMD_FLUSH, CMD_READ, CMD_TRIM,
+    CMD_WRITE, CMD_WRITE_ZEROES, EINVAL, ENOMEM,
+};
 use crate::pipeline::{Pipeline, ReadData, SealedRead};
 use crate::pool::{Job, Reading};
 use crate::server::{Server, Slot};
@@ -46,6 +50,8 @@ const BATCH_MAX_BYTES: usize = 1 << 20;
 /// queue theirs and go on (see `Connection::deliver`). So a client that never reads its replies
 /// holds at most this many threads and the writer.
 const MAX_WRITE_WAITERS: usize = 4;
+/// Extents in one BLOCK_STATUS reply at most; a client asks again for the rest.
+const MAX_EXTENTS: usize = 1024;
 
 pub(crate) struct Connection {
     pub(crate) id: u64,
@@ -61,6 +67,8 @@ pub(crate) struct Connection {
     read_side: Mutex<ReadSide>,
     /// This connection's place under --max-connections, given back on drop.
     _slot: Slot,
+    /// The server's rules with what this client negotiated.
+    rules: Rules,
 }
 
 struct ReadSide {
@@ -94,6 +102,9 @@ pub(crate) struct Reply {
     handle: u64,
     error: u32,
     body: Body,
+    /// A structured reply (a READ's or a BLOCK_STATUS's, once structured replies are
+    /// negotiated): the request's offset, for an OFFSET_DATA chunk. `None`: a simple reply.
+    chunk_at: Option<u64>,
     /// What the request holds (none for a rejected one).
     _permit: Option<Permit>,
 }
@@ -104,13 +115,40 @@ enum Body {
     Data(ReadData),
     /// A successful READ's ciphertext, decrypted piece by piece as it is sent.
     Sealed(SealedRead),
+    /// A successful BLOCK_STATUS's chunk payload (context id and extents).
+    Status(Vec<u8>),
 }
 
 impl Reply {
     fn data_len(&self) -> usize {
         match &self.body {
             Body::Data(d) => d.len(),
+            Body::Status(p) => p.len(),
             _ => 0,
+        }
+    }
+
+    /// What goes before the reply's data: a simple reply's header, or the structured chunk
+    /// (OFFSET_DATA, BLOCK_STATUS, or ERROR for a failed READ or BLOCK_STATUS).
+    fn head(&self) -> ReplyHead {
+        let Some(offset) = self.chunk_at else { return ReplyHead::simple(self.handle, self.error) };
+        if self.error != 0 {
+            return ReplyHead::error(self.handle, self.error);
+        }
+        match &self.body {
+            Body::Data(d) => ReplyHead::offset_data(self.handle, offset, d.len()),
+            Body::Sealed(s) => ReplyHead::offset_data(self.handle, offset, s.len()),
+            Body::Status(p) => ReplyHead::block_status(self.handle, p.len()),
+            Body::Empty => ReplyHead::none(self.handle),
+        }
+    }
+
+    /// The bytes after [`Reply::head`] (a sealed READ's are produced while it is sent).
+    fn data(&self) -> &[u8] {
+        match (self.error, &self.body) {
+            (0, Body::Data(d)) => d,
+            (0, Body::Status(p)) => p,
+            _ => &[],
         }
     }
 }
@@ -160,7 +198,7 @@ fn request_bytes(r: &Request) -> u64 {
 
 impl Connection {
     /// A connection past the handshake; `None` (logged) when its buffer cannot be had.
-    pub(crate) fn open(id: u64, stream: Stream, server: Arc<Server>, slot: Slot) -> Option<Arc<Self>> {
+    pub(crate) fn open(id: u64, stream: Stream, server: Arc<Server>, slot: Slot, negotiated: Negotiated) -> Option<Arc<Self>> {
         let inbound = match Inbound::new(INBOUND_BUFFER) {
             Ok(inbound) => inbound,
             Err(e) => {
@@ -169,6 +207,7 @@ impl Connection {
             }
         };
         let read_side = ReadSide { inbound, batch: Batch::default(), after_quick: false, ended: false };
+        let rules = Rules { negotiated, ..*server.rules() };
         Some(Arc::new(Self {
             id,
             server,
@@ -179,6 +218,7 @@ impl Connection {
             write_turn: Condvar::new(),
             read_side: Mutex::new(read_side),
             _slot: slot,
+            rules,
         }))
     }
 
@@ -249,7 +289,7 @@ impl Connection {
                     break;
                 }
             };
-            match check(&request, server.rules()) {
+            match check(&request, &self.rules) {
                 Verdict::Run => {}
                 Verdict::Disconnect => {
                     tracing::info!(conn = self.id, "client sent NBD_CMD_DISC");
@@ -265,7 +305,7 @@ impl Connection {
                         tracing::info!(conn = self.id, "connection lost while draining a rejected write: {e}");
                         break;
                     }
-                    batch.push(Reply { handle: request.handle, error: errno, body: Body::Empty, _permit: None });
+                    batch.push(self.reply(&request, errno, Body::Empty, None));
                     continue;
                 }
             }
@@ -296,7 +336,7 @@ impl Connection {
                             tracing::info!(conn = self.id, "connection lost inside a write payload: {e}");
                             break;
                         }
-                        batch.push(Reply { handle: request.handle, error: ENOMEM, body: Body::Empty, _permit: Some(permit) });
+                        batch.push(self.reply(&request, ENOMEM, Body::Empty, Some(permit)));
                         continue;
                     }
                 }
@@ -318,10 +358,17 @@ impl Connection {
         None
     }
 
+    /// The reply to `r`: structured for a READ or BLOCK_STATUS once the client negotiated
+    /// structured replies (proto.md: a READ's reply then MUST be structured), simple otherwise.
+    fn reply(&self, r: &Request, error: u32, body: Body, permit: Option<Permit>) -> Reply {
+        let structured = self.rules.negotiated.structured && matches!(r.command, CMD_READ | CMD_BLOCK_STATUS);
+        Reply { handle: r.handle, error, body, chunk_at: structured.then_some(r.offset), _permit: permit }
+    }
+
     fn execute(&self, r: Request, mut payload: Option<PooledBuf>, permit: Permit) -> Reply {
         let pipeline = self.server.pipeline();
         let fua = r.flags & CMD_FLAG_FUA != 0;
-        let reply = |error, body| Reply { handle: r.handle, error, body, _permit: Some(permit) };
+        let reply = |error, body| self.reply(&r, error, body, Some(permit));
         let result = match r.command {
             CMD_READ if streams(pipeline, &r) => match pipeline.read_sealed(r.offset, r.length as usize) {
                 Ok(sealed) => return reply(0, Body::Sealed(sealed)),
@@ -339,6 +386,13 @@ impl Connection {
             CMD_TRIM => pipeline.discard(r.offset, u64::from(r.length), fua),
             CMD_FLUSH => pipeline.flush(),
             CMD_CACHE => Ok(()),
+            CMD_BLOCK_STATUS => {
+                let max = if r.flags & CMD_FLAG_REQ_ONE != 0 { 1 } else { MAX_EXTENTS };
+                match pipeline.block_status(r.offset, u64::from(r.length), max) {
+                    Ok(extents) => return reply(0, Body::Status(block_status_payload(BASE_ALLOCATION_ID, &extents))),
+                    Err(e) => Err(e),
+                }
+            }
             _ => return reply(EINVAL, Body::Empty),
         };
         match result {
@@ -421,9 +475,9 @@ impl Connection {
         while !replies.is_empty() {
             let more_after = replies.len() > 1;
             let first = replies.front_mut().expect("not empty");
+            let head = first.head();
             if let Body::Sealed(sealed) = &mut first.body {
-                let header = reply_header(first.handle, 0);
-                let mut header = Some(&header[..]);
+                let mut header = Some(&head[..]);
                 let mut left = sealed.len();
                 pipeline.open_into(sealed, |piece| {
                     left -= piece.len();
@@ -448,11 +502,12 @@ impl Connection {
                     break;
                 }
             }
-            let headers: Vec<[u8; 16]> = replies.iter().take(run).map(|r| reply_header(r.handle, r.error)).collect();
+            let heads: Vec<ReplyHead> = replies.iter().take(run).map(Reply::head).collect();
             let mut slices = Vec::with_capacity(2 * run);
-            for (header, reply) in headers.iter().zip(replies.iter()) {
-                slices.push(IoSlice::new(header));
-                if let (0, Body::Data(data)) = (reply.error, &reply.body) {
+            for (head, reply) in heads.iter().zip(replies.iter()) {
+                slices.push(IoSlice::new(head));
+                let data = reply.data();
+                if !data.is_empty() {
                     slices.push(IoSlice::new(data));
                 }
             }

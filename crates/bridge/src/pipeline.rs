@@ -13,6 +13,7 @@ use cryptbridge_engine::Engine;
 
 use crate::aligned::{BufPool, PooledBuf, ALIGN};
 use crate::backing::Backing;
+use crate::nbd::{STATE_HOLE, STATE_ZERO};
 use crate::range_lock::RangeLocks;
 
 /// A sealed read is decrypted and handed on in pieces of this size (see [`Pipeline::open_into`]).
@@ -190,6 +191,30 @@ impl Pipeline {
             self.backing.discard(start, end - start)?;
         }
         self.fua(fua)
+    }
+
+    /// NBD `base:allocation` for `[offset, offset + len)`: `(length, flags)` runs, at most
+    /// `max` (one with `req_one`). A hole in the backing store is NBD_STATE_HOLE; it reads as
+    /// zeroes (NBD_STATE_ZERO too) only in passthrough, for in an encrypted export a hole is
+    /// ciphertext of zeroes, which decrypts to bytes that look random: reporting it as zero
+    /// would let a client (qemu-img convert, nbdcopy) skip data that reads otherwise.
+    pub fn block_status(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u32, u32)>> {
+        let hole_flags = if self.engine.is_passthrough() { STATE_HOLE | STATE_ZERO } else { STATE_HOLE };
+        let runs = self.backing.extents(offset, len, max.max(1))?;
+        let mut out: Vec<(u32, u32)> = Vec::with_capacity(runs.len());
+        for (run, hole) in runs {
+            let flags = if hole { hole_flags } else { 0 };
+            // A request's length is a u32, so every run fits one; neighbours with the same
+            // flags (the file system may split them) are merged.
+            match out.last_mut() {
+                Some((l, f)) if *f == flags && u64::from(*l) + run <= u64::from(u32::MAX) => *l += run as u32,
+                _ => out.push((run as u32, flags)),
+            }
+        }
+        if out.is_empty() {
+            out.push((len as u32, 0));
+        }
+        Ok(out)
     }
 
     /// Makes every write answered so far durable.

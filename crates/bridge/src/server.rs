@@ -111,7 +111,12 @@ impl Drop for Slot {
 impl Server {
     pub fn new(pipeline: Arc<Pipeline>, config: ServerConfig) -> Arc<Self> {
         let export = export_info(&pipeline, &config);
-        let rules = Rules { size: export.size, read_only: config.read_only, allow_discards: config.allow_discards };
+        let rules = Rules {
+            size: export.size,
+            read_only: config.read_only,
+            allow_discards: config.allow_discards,
+            negotiated: Negotiated::default(),
+        };
         Arc::new(Self {
             budget: Arc::new(Budget::new(config.max_inflight_bytes)),
             pool: Pool::new(config.max_io_threads, POOL_IDLE_EXIT),
@@ -202,9 +207,7 @@ impl Server {
         let span = tracing::info_span!("conn", id, peer = %stream.peer()).entered();
         let tls = self.config.tls.as_ref();
         let (outcome, session) = negotiate_tls_within(&mut stream, &self.export, self.config.handshake_limit, tls)?;
-        if outcome == Outcome::Closed {
-            return Ok(());
-        }
+        let Outcome::Transmission(negotiated) = outcome else { return Ok(()) };
         let stream = match session {
             Some(session) => Stream::Tls(Box::new(TlsStream::new(stream, session))),
             None if tls.is_some_and(|t| t.required) => {
@@ -216,7 +219,7 @@ impl Server {
         };
         drop(span);
         tracing::info!(conn = id, "client connected");
-        if let Some(conn) = Connection::open(id, stream, Arc::clone(self), slot) {
+        if let Some(conn) = Connection::open(id, stream, Arc::clone(self), slot, negotiated) {
             // This thread is the connection's first reader.
             conn.turn(Reading::outside());
         }

@@ -38,6 +38,11 @@ impl Engine {
         self.layout
     }
 
+    /// Whether sectors are stored as they are (no cipher).
+    pub fn is_passthrough(&self) -> bool {
+        self.backend.is_none()
+    }
+
     pub fn backend_name(&self) -> &'static str {
         self.backend.as_ref().map_or("passthrough", |b| b.name())
     }

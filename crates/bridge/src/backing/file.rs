@@ -149,5 +149,58 @@ impl FileBacking {
     }
 }
 
+impl FileBacking {
+    /// The allocation of `[offset, offset + len)` as runs of `(length, hole)`, in order, at most
+    /// `max` runs (the rest unreported), from SEEK_DATA/SEEK_HOLE. A block device, or a file
+    /// system that cannot tell, reports everything allocated: "hole" must never be a guess.
+    pub fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
+        let end = offset + len;
+        if self.is_block_device {
+            return Ok(vec![(len, false)]);
+        }
+        let fd = self.file.as_raw_fd();
+        let seek = |pos: u64, whence| {
+            // SAFETY: lseek takes plain integers and a valid open descriptor. Its effect on the
+            // file position is harmless: every read and write here is positioned (pread/pwrite).
+            let r = unsafe { libc::lseek(fd, pos as libc::off_t, whence) };
+            if r < 0 {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(r as u64)
+            }
+        };
+        let mut runs: Vec<(u64, bool)> = Vec::new();
+        let mut pos = offset;
+        while pos < end && runs.len() < max {
+            let data = match seek(pos, libc::SEEK_DATA) {
+                Ok(d) => d,
+                // No data at or after pos: a hole up to the end of the file.
+                Err(e) if e.raw_os_error() == Some(libc::ENXIO) => end,
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) || e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                    runs.push((end - pos, false));
+                    break;
+                }
+                Err(e) => return Err(e),
+            };
+            if data > pos {
+                let stop = data.min(end);
+                runs.push((stop - pos, true));
+                pos = stop;
+                continue;
+            }
+            let hole = match seek(pos, libc::SEEK_HOLE) {
+                Ok(h) => h,
+                Err(e) if e.raw_os_error() == Some(libc::ENXIO) => end,
+                Err(e) => return Err(e),
+            };
+            // SEEK_HOLE finds the implicit hole at the end of the file at the latest.
+            let stop = hole.clamp(pos + 1, end);
+            runs.push((stop - pos, false));
+            pos = stop;
+        }
+        Ok(runs)
+    }
+}
+
 /// _IO(0x12, 119) from linux/fs.h.
 const BLKDISCARD: libc::c_ulong = 0x1277;

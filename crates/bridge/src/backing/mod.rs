@@ -170,6 +170,16 @@ impl Backing {
         }
     }
 
+    /// The allocation of `[offset, offset + len)`: runs of `(length, hole)` in order, at most
+    /// `max`, covering a prefix of the range. Only a file tells holes apart; a device or an
+    /// upstream export reports the range allocated.
+    pub fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
+        match &self.store {
+            Store::File(f) => f.extents(self.offset + offset, len, max),
+            Store::Nbd(_) => Ok(vec![(len, false)]),
+        }
+    }
+
     /// Deallocates `[offset, offset + len)`: punches a hole in a file, discards on a device,
     /// passes TRIM to an upstream that takes it.
     pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {

@@ -138,8 +138,8 @@ impl<S: Write + SocketTimeouts> Write for Deadline<'_, S> {
 /// How negotiation ended.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// The client chose the export; transmission starts.
-    Transmission,
+    /// The client chose the export; transmission starts, with what it negotiated.
+    Transmission(Negotiated),
     /// The client aborted, disconnected or asked for an export that does not exist.
     Closed,
 }
@@ -212,9 +212,16 @@ pub fn negotiate_tls<S: Read + Write>(
 }
 
 /// Option haggling until the client picks the export, leaves, or starts TLS.
+///
+/// What the client negotiates here (structured replies, metadata contexts) lives in this call
+/// only: after STARTTLS the haggling starts afresh inside TLS, and what was agreed in plaintext
+/// no longer holds (proto.md, "NBD_OPT_STARTTLS").
 fn options<S: Read + Write>(stream: &mut S, export: &ExportInfo, no_zeroes: bool, tls: TlsState) -> io::Result<Step> {
     let mut refused_plaintext = false;
+    let mut negotiated = Negotiated::default();
     loop {
+        // SEND_DF only once structured replies are on (the flag means nothing without them).
+        let flags = export.transmission_flags | if negotiated.structured { TFLAG_SEND_DF } else { 0 };
         let magic = read_u64(stream)?;
         if magic != IHAVEOPT {
             tracing::warn!("bad option magic {magic:#x}; closing");
@@ -252,9 +259,9 @@ fn options<S: Read + Write>(stream: &mut S, export: &ExportInfo, no_zeroes: bool
                     tracing::warn!("client asked for unknown export {:?}; closing", String::from_utf8_lossy(&data));
                     return Ok(Step::Done(Outcome::Closed));
                 }
-                stream.write_all(&export_name_reply(export.size, export.transmission_flags, no_zeroes))?;
+                stream.write_all(&export_name_reply(export.size, flags, no_zeroes))?;
                 stream.flush()?;
-                return Ok(Step::Done(Outcome::Transmission));
+                return Ok(Step::Done(Outcome::Transmission(negotiated)));
             }
             OPT_ABORT => {
                 // The client may already have closed its side; an error here changes nothing.
@@ -279,13 +286,42 @@ fn options<S: Read + Write>(stream: &mut S, export: &ExportInfo, no_zeroes: bool
                     reply(stream, option, REP_ERR_UNKNOWN, b"no such export")?;
                 }
                 Ok((_, requests)) => {
-                    send_info(stream, option, export, &requests)?;
+                    send_info(stream, option, export, flags, &requests)?;
                     reply(stream, option, REP_ACK, &[])?;
                     if option == OPT_GO {
-                        return Ok(Step::Done(Outcome::Transmission));
+                        return Ok(Step::Done(Outcome::Transmission(negotiated)));
                     }
                 }
             },
+            OPT_STRUCTURED_REPLY => {
+                if data.is_empty() {
+                    negotiated.structured = true;
+                    reply(stream, option, REP_ACK, &[])?;
+                } else {
+                    reply(stream, option, REP_ERR_INVALID, b"NBD_OPT_STRUCTURED_REPLY takes no data")?;
+                }
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                let set = option == OPT_SET_META_CONTEXT;
+                match meta_context(&data, export, negotiated.structured, set) {
+                    Err((kind, why)) => {
+                        if set {
+                            negotiated.base_allocation = false; // a failed SET selects nothing
+                        }
+                        reply(stream, option, kind, why.as_bytes())?;
+                    }
+                    Ok(selected) => {
+                        if selected {
+                            let id = if set { BASE_ALLOCATION_ID } else { 0 };
+                            reply(stream, option, REP_META_CONTEXT, &meta_context_reply(id, BASE_ALLOCATION))?;
+                        }
+                        if set {
+                            negotiated.base_allocation = selected;
+                        }
+                        reply(stream, option, REP_ACK, &[])?;
+                    }
+                }
+            }
             OPT_STARTTLS => match tls {
                 TlsState::Off => reply(stream, option, REP_ERR_UNSUP, b"TLS is not enabled on this server")?,
                 TlsState::Active => reply(stream, option, REP_ERR_INVALID, b"TLS is already on")?,
@@ -404,6 +440,71 @@ pub fn parse_info(data: &[u8]) -> io::Result<Info> {
     }
 }
 
+/// Longest export name or metadata context query taken (proto.md: strings MUST be no longer).
+const MAX_STRING: usize = 4096;
+/// Most queries in one LIST/SET_META_CONTEXT: this server knows one context.
+const MAX_META_QUERIES: u32 = 128;
+
+/// LIST/SET_META_CONTEXT data: u32 name length, export name, u32 query count, then per query a
+/// u32 length and the query. Every length is checked against what is there: a count or length
+/// that lies is an error, not an allocation or an over-read.
+pub fn parse_meta_request(data: &[u8]) -> Result<(&[u8], Vec<&[u8]>), &'static str> {
+    let malformed = "malformed NBD_OPT_LIST/SET_META_CONTEXT request";
+    let mut rest = data;
+    let mut take = |n: usize| -> Result<&[u8], &'static str> {
+        let (head, tail) = rest.split_at_checked(n).ok_or(malformed)?;
+        rest = tail;
+        Ok(head)
+    };
+    let word = |b: &[u8]| u32::from_be_bytes(b.try_into().unwrap());
+    let name_len = word(take(4)?) as usize;
+    if name_len > MAX_STRING {
+        return Err("export name longer than 4096 bytes");
+    }
+    let name = take(name_len)?;
+    let count = word(take(4)?);
+    if count > MAX_META_QUERIES {
+        return Err("too many metadata context queries");
+    }
+    let mut queries = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let len = word(take(4)?) as usize;
+        if len > MAX_STRING {
+            return Err("metadata context query longer than 4096 bytes");
+        }
+        queries.push(take(len)?);
+    }
+    if !rest.is_empty() {
+        return Err(malformed);
+    }
+    Ok((name, queries))
+}
+
+/// Answers LIST (`set` false) or SET_META_CONTEXT: whether `base:allocation` is listed/selected,
+/// or the error reply. LIST with no query lists every context, and a query `base:` every context
+/// of that namespace; SET selects by exact name only.
+fn meta_context(data: &[u8], export: &ExportInfo, structured: bool, set: bool) -> Result<bool, (u32, &'static str)> {
+    if !structured {
+        return Err((REP_ERR_INVALID, "metadata contexts need NBD_OPT_STRUCTURED_REPLY first"));
+    }
+    let (name, queries) = parse_meta_request(data).map_err(|why| (REP_ERR_INVALID, why))?;
+    if !export.answers_to(name) {
+        return Err((REP_ERR_UNKNOWN, "no such export"));
+    }
+    if queries.is_empty() {
+        return Ok(!set);
+    }
+    let base = BASE_ALLOCATION.as_bytes();
+    Ok(queries.iter().any(|q| *q == base || (!set && *q == b"base:")))
+}
+
+/// An NBD_REP_META_CONTEXT payload: the context id, then its name.
+pub fn meta_context_reply(id: u32, name: &str) -> Vec<u8> {
+    let mut v = id.to_be_bytes().to_vec();
+    v.extend_from_slice(name.as_bytes());
+    v
+}
+
 /// NBD_OPT_INFO/GO data: u32 name length, name, u16 count, count x u16 info types.
 fn parse_info_request(data: &[u8]) -> Result<(&[u8], Vec<u16>), &'static str> {
     let malformed = "malformed NBD_OPT_INFO/GO request";
@@ -418,8 +519,8 @@ fn parse_info_request(data: &[u8]) -> Result<(&[u8], Vec<u16>), &'static str> {
     Ok((name, list.chunks_exact(2).map(|c| u16::from_be_bytes([c[0], c[1]])).collect()))
 }
 
-fn send_info<W: Write>(w: &mut W, option: u32, export: &ExportInfo, requests: &[u16]) -> io::Result<()> {
-    reply(w, option, REP_INFO, &info_export(export.size, export.transmission_flags))?;
+fn send_info<W: Write>(w: &mut W, option: u32, export: &ExportInfo, flags: u16, requests: &[u16]) -> io::Result<()> {
+    reply(w, option, REP_INFO, &info_export(export.size, flags))?;
     // Block sizes go out unrequested too: the protocol allows it, and clients that honour them
     // avoid the read-modify-write path entirely.
     reply(w, option, REP_INFO, &info_block_size(export.min_block, export.preferred_block, export.max_block))?;
@@ -561,11 +662,26 @@ mod tests {
             let _ = c.read_to_end(&mut sink);
         });
         let outcome = negotiate_within(&mut server, &export(), Duration::from_secs(10)).unwrap();
-        assert_eq!(outcome, Outcome::Transmission);
+        assert_eq!(outcome, Outcome::Transmission(Negotiated::default()));
         assert_eq!(server.read_timeout().unwrap(), None);
         assert_eq!(server.write_timeout().unwrap(), None);
         drop(server);
         go.join().unwrap();
+    }
+
+    #[test]
+    fn meta_context_requests_whose_lengths_lie_are_refused() {
+        let good = [&1u32.to_be_bytes()[..], b"x", &1u32.to_be_bytes(), &15u32.to_be_bytes(), b"base:allocation"].concat();
+        assert_eq!(parse_meta_request(&good), Ok((&b"x"[..], vec![&b"base:allocation"[..]])));
+        assert!(parse_meta_request(&good[..good.len() - 1]).is_err(), "query cut short");
+        assert!(parse_meta_request(&[good.as_slice(), b"z"].concat()).is_err(), "trailing byte");
+        let lying_count = [&0u32.to_be_bytes()[..], &u32::MAX.to_be_bytes()].concat();
+        assert!(parse_meta_request(&lying_count).is_err());
+        let long_name = [&5000u32.to_be_bytes()[..], &[b'n'; 5000]].concat();
+        assert!(parse_meta_request(&long_name).is_err());
+        assert!(parse_meta_request(&[0, 0, 0]).is_err());
+        let none = [0u8; 8];
+        assert_eq!(parse_meta_request(&none), Ok((&b""[..], vec![])));
     }
 
     #[test]

@@ -19,6 +19,8 @@ pub struct Rules {
     pub size: u64,
     pub read_only: bool,
     pub allow_discards: bool,
+    /// What this connection negotiated (DF needs structured replies, BLOCK_STATUS a context).
+    pub negotiated: Negotiated,
 }
 
 /// What to do with a request that has just been decoded.
@@ -64,6 +66,8 @@ pub fn validate(r: &Request, rules: &Rules) -> Result<(), u32> {
     // accept it, even by ignoring it); older qemu sets it on FLUSH.
     let allowed_flags = match r.command {
         CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE,
+        CMD_READ if rules.negotiated.structured => CMD_FLAG_FUA | CMD_FLAG_DF,
+        CMD_BLOCK_STATUS => CMD_FLAG_FUA | CMD_FLAG_REQ_ONE,
         _ => CMD_FLAG_FUA,
     };
     if r.flags & !allowed_flags != 0 {
@@ -75,11 +79,13 @@ pub fn validate(r: &Request, rules: &Rules) -> Result<(), u32> {
     }
     match r.command {
         CMD_READ | CMD_WRITE if r.length > MAX_REQUEST => Err(EINVAL),
-        CMD_READ | CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM | CMD_CACHE if r.length == 0 => Err(EINVAL),
+        // Before `base:allocation` was negotiated the command does not exist for this client.
+        CMD_BLOCK_STATUS if !rules.negotiated.base_allocation => Err(EINVAL),
+        CMD_READ | CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM | CMD_CACHE | CMD_BLOCK_STATUS if r.length == 0 => Err(EINVAL),
         CMD_WRITE | CMD_WRITE_ZEROES if !in_range => Err(ENOSPC),
-        CMD_READ | CMD_TRIM | CMD_CACHE if !in_range => Err(EINVAL),
+        CMD_READ | CMD_TRIM | CMD_CACHE | CMD_BLOCK_STATUS if !in_range => Err(EINVAL),
         CMD_TRIM if !rules.allow_discards => Err(EINVAL),
-        CMD_READ | CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM | CMD_CACHE | CMD_FLUSH => Ok(()),
+        CMD_READ | CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM | CMD_CACHE | CMD_FLUSH | CMD_BLOCK_STATUS => Ok(()),
         _ => Err(EINVAL),
     }
 }
@@ -119,7 +125,25 @@ mod tests {
     use super::*;
 
     const SIZE: u64 = 1 << 30;
-    const RW: Rules = Rules { size: SIZE, read_only: false, allow_discards: false };
+    const RW: Rules = Rules { size: SIZE, read_only: false, allow_discards: false, negotiated: Negotiated { structured: false, base_allocation: false } };
+    const SR: Rules = Rules { negotiated: Negotiated { structured: true, base_allocation: true }, ..RW };
+
+    #[test]
+    fn block_status_and_df_need_their_negotiation() {
+        assert_eq!(validate(&req(CMD_BLOCK_STATUS, 0, 4096, 0), &RW), Err(EINVAL), "block status before negotiation");
+        let structured_only = Rules { negotiated: Negotiated { structured: true, base_allocation: false }, ..RW };
+        assert_eq!(validate(&req(CMD_BLOCK_STATUS, 0, 4096, 0), &structured_only), Err(EINVAL), "no context selected");
+        assert_eq!(validate(&req(CMD_BLOCK_STATUS, 0, 4096, 0), &SR), Ok(()));
+        assert_eq!(validate(&req(CMD_BLOCK_STATUS, 0, u32::MAX, CMD_FLAG_REQ_ONE), &SR), Err(EINVAL), "past the end");
+        assert_eq!(validate(&req(CMD_BLOCK_STATUS, SIZE - 4096, 4096, CMD_FLAG_REQ_ONE), &SR), Ok(()));
+        assert_eq!(validate(&req(CMD_BLOCK_STATUS, 0, 0, 0), &SR), Err(EINVAL), "zero length");
+        assert_eq!(validate(&req(CMD_BLOCK_STATUS, 0, 512, CMD_FLAG_DF), &SR), Err(EINVAL), "DF is for READ");
+        assert_eq!(validate(&req(CMD_READ, 0, 512, CMD_FLAG_DF), &RW), Err(EINVAL), "DF without structured replies");
+        assert_eq!(validate(&req(CMD_READ, 0, 512, CMD_FLAG_DF), &SR), Ok(()));
+        assert_eq!(validate(&req(CMD_READ, 0, 512, CMD_FLAG_REQ_ONE), &SR), Err(EINVAL), "REQ_ONE is for BLOCK_STATUS");
+        let ro = Rules { read_only: true, ..SR };
+        assert_eq!(validate(&req(CMD_BLOCK_STATUS, 0, 512, 0), &ro), Ok(()), "block status reads nothing");
+    }
 
     fn req(command: u16, offset: u64, length: u32, flags: u16) -> Request {
         Request { flags, command, handle: 9, offset, length }

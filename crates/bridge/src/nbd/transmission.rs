@@ -4,7 +4,10 @@
 
 use std::io::{self, IoSlice, Read, Write};
 
-use super::{REQUEST_MAGIC, SIMPLE_REPLY_MAGIC};
+use super::{
+    REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, REPLY_TYPE_ERROR, REPLY_TYPE_NONE, REPLY_TYPE_OFFSET_DATA, REQUEST_MAGIC,
+    SIMPLE_REPLY_MAGIC, STRUCTURED_REPLY_MAGIC,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Request {
@@ -83,6 +86,89 @@ pub fn reply_header(handle: u64, error: u32) -> [u8; REPLY_HEADER_LEN] {
     header[4..8].copy_from_slice(&error.to_be_bytes());
     header[8..16].copy_from_slice(&handle.to_be_bytes());
     header
+}
+
+/// The bytes of a reply that precede its data (if any): a simple reply's header, or a structured
+/// chunk's header with the fixed fields of its type. At most [`ReplyHead::MAX`] bytes, inline.
+#[derive(Clone, Copy)]
+pub struct ReplyHead {
+    buf: [u8; ReplyHead::MAX],
+    len: usize,
+}
+
+impl ReplyHead {
+    pub const MAX: usize = 32;
+
+    fn new(parts: &[&[u8]]) -> Self {
+        let mut head = Self { buf: [0; Self::MAX], len: 0 };
+        for p in parts {
+            head.buf[head.len..head.len + p.len()].copy_from_slice(p);
+            head.len += p.len();
+        }
+        head
+    }
+
+    /// A simple reply (16 bytes).
+    pub fn simple(handle: u64, error: u32) -> Self {
+        Self::new(&[&reply_header(handle, error)])
+    }
+
+    /// The one, final NBD_REPLY_TYPE_OFFSET_DATA chunk of a READ: its `data_len` bytes follow.
+    /// A READ is never split into several chunks, which is what NBD_CMD_FLAG_DF asks.
+    pub fn offset_data(handle: u64, offset: u64, data_len: usize) -> Self {
+        let h = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, handle, 8 + data_len as u32);
+        Self::new(&[&h, &offset.to_be_bytes()])
+    }
+
+    /// A final NBD_REPLY_TYPE_ERROR chunk: the errno and an empty message.
+    pub fn error(handle: u64, errno: u32) -> Self {
+        let h = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, handle, 6);
+        Self::new(&[&h, &errno.to_be_bytes(), &0u16.to_be_bytes()])
+    }
+
+    /// A final NBD_REPLY_TYPE_BLOCK_STATUS chunk header: the payload
+    /// ([`block_status_payload`]) follows.
+    pub fn block_status(handle: u64, payload_len: usize) -> Self {
+        Self::new(&[&chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, handle, payload_len as u32)])
+    }
+
+    /// A final NBD_REPLY_TYPE_NONE chunk: success without data.
+    pub fn none(handle: u64) -> Self {
+        Self::new(&[&chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_NONE, handle, 0)])
+    }
+}
+
+impl std::ops::Deref for ReplyHead {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+/// Size of a structured reply chunk's header.
+pub const CHUNK_HEADER_LEN: usize = 20;
+
+/// A structured reply chunk's header: magic, flags, type, handle, payload length.
+pub fn chunk_header(flags: u16, kind: u16, handle: u64, len: u32) -> [u8; CHUNK_HEADER_LEN] {
+    let mut h = [0u8; CHUNK_HEADER_LEN];
+    h[0..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+    h[4..6].copy_from_slice(&flags.to_be_bytes());
+    h[6..8].copy_from_slice(&kind.to_be_bytes());
+    h[8..16].copy_from_slice(&handle.to_be_bytes());
+    h[16..20].copy_from_slice(&len.to_be_bytes());
+    h
+}
+
+/// An NBD_REPLY_TYPE_BLOCK_STATUS payload: the context id, then (length, status flags) per
+/// extent, in order from the request's offset.
+pub fn block_status_payload(context_id: u32, extents: &[(u32, u32)]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(4 + 8 * extents.len());
+    v.extend_from_slice(&context_id.to_be_bytes());
+    for (len, flags) in extents {
+        v.extend_from_slice(&len.to_be_bytes());
+        v.extend_from_slice(&flags.to_be_bytes());
+    }
+    v
 }
 
 /// Writes a simple reply; `data` follows the header only on success.
@@ -165,6 +251,31 @@ mod tests {
         assert!(read_request(&mut &[][..]).unwrap().is_none(), "end of stream between requests");
         let cut = read_request(&mut &request(0, 1)[..20]).unwrap_err();
         assert_eq!(cut.kind(), io::ErrorKind::UnexpectedEof, "end of stream inside a header");
+    }
+
+    #[test]
+    fn structured_chunks_are_encoded_as_proto_md_says() {
+        let h = ReplyHead::offset_data(0x0102_0304_0506_0708, 4096, 512);
+        assert_eq!(h.len(), 28);
+        assert_eq!(&h[0..4], &[0x66, 0x8e, 0x33, 0xef], "structured reply magic");
+        assert_eq!(&h[4..6], &1u16.to_be_bytes(), "NBD_REPLY_FLAG_DONE");
+        assert_eq!(&h[6..8], &1u16.to_be_bytes(), "NBD_REPLY_TYPE_OFFSET_DATA");
+        assert_eq!(&h[8..16], &0x0102_0304_0506_0708u64.to_be_bytes());
+        assert_eq!(&h[16..20], &(8u32 + 512).to_be_bytes(), "length counts the offset and the data");
+        assert_eq!(&h[20..28], &4096u64.to_be_bytes());
+        let e = ReplyHead::error(7, 22);
+        assert_eq!(e.len(), 26);
+        assert_eq!(&e[6..8], &0x8001u16.to_be_bytes(), "NBD_REPLY_TYPE_ERROR");
+        assert_eq!(&e[16..20], &6u32.to_be_bytes());
+        assert_eq!(&e[20..24], &22u32.to_be_bytes());
+        assert_eq!(&e[24..26], &0u16.to_be_bytes(), "empty message");
+        let payload = block_status_payload(1, &[(4096, 0), (8192, 1)]);
+        assert_eq!(payload, [&1u32.to_be_bytes()[..], &4096u32.to_be_bytes(), &0u32.to_be_bytes(), &8192u32.to_be_bytes(), &1u32.to_be_bytes()].concat());
+        let b = ReplyHead::block_status(9, payload.len());
+        assert_eq!((&b[6..8], &b[16..20]), (&5u16.to_be_bytes()[..], &20u32.to_be_bytes()[..]));
+        let n = ReplyHead::none(3);
+        assert_eq!((n.len(), &n[6..8], &n[16..20]), (20, &[0u8, 0][..], &[0u8; 4][..]));
+        assert_eq!(&*ReplyHead::simple(5, 0), &reply_header(5, 0));
     }
 
     #[test]

@@ -30,6 +30,7 @@ declare -A CMD_PKG=(
     [mount]=mount
     [fusermount3]=fuse3
     [sha256sum]=coreutils
+    [openssl]=openssl         # test_tls.py makes its certificates with it
 )
 # optional: only used to compare with real dm-crypt where device-mapper works
 declare -A OPT_CMD_PKG=(

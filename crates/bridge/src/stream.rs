@@ -82,6 +82,9 @@ impl Stream {
     /// the client a wake-up, per piece. The last piece goes without it, which pushes the
     /// reply out whole. Other sockets have no such flag and take a plain writev.
     pub(crate) fn write_all_more(&self, bufs: &mut [IoSlice<'_>], more: bool) -> io::Result<()> {
+        if let Stream::Tls(t) = self {
+            return t.write_all_more(bufs, more);
+        }
         let Stream::Tcp(s) = self else {
             return crate::nbd::transmission::write_all_vectored(&mut &*self, bufs);
         };

@@ -124,6 +124,24 @@ impl TlsStream {
 
     /// Seals up to `SEAL_MAX` bytes of `bufs` (small pieces share records) and sends the records.
     pub(crate) fn write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.seal_and_send(bufs, false)
+    }
+
+    /// Writes every byte of `bufs`; `more` as in `Stream::write_all_more` (the records of all
+    /// but the last piece go with MSG_MORE too).
+    pub(crate) fn write_all_more(&self, mut bufs: &mut [IoSlice<'_>], more: bool) -> io::Result<()> {
+        IoSlice::advance_slices(&mut bufs, 0);
+        while !bufs.is_empty() {
+            match self.seal_and_send(bufs, more)? {
+                0 => return Err(io::Error::new(io::ErrorKind::WriteZero, "TLS session took no data")),
+                n => IoSlice::advance_slices(&mut bufs, n),
+            }
+        }
+        Ok(())
+    }
+
+    fn seal_and_send(&self, bufs: &[IoSlice<'_>], more: bool) -> io::Result<usize> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
         let mut sending = lock(&self.sending);
         let n = {
             let mut session = lock(&self.session);
@@ -131,7 +149,7 @@ impl TlsStream {
             take_records(&mut session, &mut sending)?;
             n
         };
-        let sent = (&self.socket).write_all(&sending);
+        let sent = self.socket.write_all_more(&mut [IoSlice::new(&sending)], more || n < total);
         sending.clear();
         drop(sending);
         sent?;

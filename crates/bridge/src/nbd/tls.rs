@@ -330,3 +330,40 @@ yQIhANTqVTTO0AZK7FhGj2LTmPs5L7HT8vhoZ4NnQFdN1Awf
         assert_eq!(utc(0), "1970-01-01 00:00:00 UTC");
     }
 }
+
+#[cfg(test)]
+mod load_tests {
+    use super::*;
+    use crate::tls_stream::tests::{cert_dir, server_dir};
+
+    #[test]
+    fn good_directory_loads() {
+        let dir = server_dir();
+        let p = TlsPolicy::load(TlsMode::On, dir.path(), true).unwrap();
+        assert!(!p.required && p.verify_peer);
+        assert!(TlsPolicy::load(TlsMode::Require, dir.path(), false).unwrap().required);
+        assert!(matches!(TlsPolicy::load(TlsMode::Off, dir.path(), false), Err(TlsError::Off(_))));
+    }
+
+    #[test]
+    fn bad_directories_name_the_problem() {
+        let err = |files: &[(&str, &str)], verify: bool| TlsPolicy::load(TlsMode::Require, cert_dir(files).path(), verify).unwrap_err();
+        let cert = ("server-cert.pem", "server-cert.pem");
+        let key = ("server-key.pem", "server-key.pem");
+        let e = err(&[key], false);
+        assert!(matches!(&e, TlsError::Read { path, .. } if path.ends_with(SERVER_CERT)), "{e}");
+        let e = err(&[cert], false);
+        assert!(matches!(&e, TlsError::Read { path, .. } if path.ends_with(SERVER_KEY)), "{e}");
+        let e = err(&[cert, ("server-key.pem", "client-key.pem")], false);
+        assert!(matches!(e, TlsError::KeyMismatch { .. }), "{e}");
+        let e = err(&[cert, ("server-key.pem", "server-cert.pem")], false);
+        assert!(e.to_string().contains("no private key"), "{e}");
+        let e = err(&[("server-cert.pem", "server-key.pem"), key], false);
+        assert!(e.to_string().contains("no CERTIFICATE"), "{e}");
+        let e = err(&[("server-cert.pem", "expired-cert.pem"), ("server-key.pem", "expired-key.pem")], false);
+        assert!(matches!(e, TlsError::Expired { .. }), "{e}");
+        assert!(e.to_string().contains("expired on 2021-01-01 00:00:00 UTC"), "{e}");
+        let e = err(&[cert, key], true);
+        assert!(matches!(&e, TlsError::Read { path, .. } if path.ends_with(CA_CERT)), "{e}");
+    }
+}

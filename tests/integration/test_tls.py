@@ -476,3 +476,33 @@ def test_transmission_over_tls_pipelined_requests(ws, pki):
             assert got[h].error == 0
             assert got[h].data == data[off : off + ln], (off, ln)
         c.disconnect()
+
+
+def test_nbdinfo_map_over_tls(ws, pki):
+    """Structured replies and block status (nbdinfo --map) inside TLS."""
+    need_tool("nbdinfo")
+    b = serve_tls(ws, pki, "require")
+    p = run(["nbdinfo", "--map", tls_uri(b, pki.client_dir)], timeout=30, check=True)
+    assert p.stdout.strip(), p.stderr
+
+
+def test_options_negotiated_before_starttls_are_forgotten(ws, pki):
+    """What a client negotiated in plaintext (structured replies) does not carry into TLS: a
+    metadata context then needs NBD_OPT_STRUCTURED_REPLY again."""
+    b = serve_tls(ws, pki, "on")
+    with raw_client(b) as c:
+        c.send_option(nbd.OPT_STRUCTURED_REPLY)
+        assert c.recv_opt_reply().type == nbd.REP_ACK
+        starttls(c, pki)
+        query = b"base:allocation"
+        data = struct.pack(">I", 0) + struct.pack(">I", 1) + struct.pack(">I", len(query)) + query
+        c.send_option(nbd.OPT_SET_META_CONTEXT, data)
+        assert c.recv_opt_reply().type == nbd.REP_ERR_INVALID
+        c.send_option(nbd.OPT_STRUCTURED_REPLY)
+        assert c.recv_opt_reply().type == nbd.REP_ACK
+        c.send_option(nbd.OPT_SET_META_CONTEXT, data)
+        replies = [c.recv_opt_reply()]
+        while replies[-1].type != nbd.REP_ACK:
+            assert not replies[-1].type & nbd.REP_ERR, replies[-1]
+            replies.append(c.recv_opt_reply())
+        assert any(r.type == nbd.REP_META_CONTEXT for r in replies)

@@ -236,8 +236,8 @@ fn unit_runs(level: CpuLevel) -> Result<(), Failed> {
         let key = rng.bytes(klen);
         let unit_len = [4096usize, 512, 4096, 1024][rng.below(4)];
         let units = [1usize, 2, 3, 4, 5, 8, 17][rng.below(7)];
-        let first = if case % 5 == 0 { u64::MAX - rng.below(10) as u64 } else { rng.next() };
-        let step = [1u64, 8, rng.next()][rng.below(3)];
+        let first = if case % 5 == 0 { u64::MAX - rng.below(10) as u64 } else { rng.next_u64() };
+        let step = [1u64, 8, rng.next_u64()][rng.below(3)];
         let (fast, portable) = (make(name, &key, level)?, make(name, &key, CpuLevel::Portable)?);
         let data = rng.bytes(units * unit_len);
         for decrypt in [false, true] {

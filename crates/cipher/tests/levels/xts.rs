@@ -48,7 +48,7 @@ fn matches_portable(level: CpuLevel) -> Result<(), Failed> {
         for klen in [32usize, 48, 64] {
             let key = rng.bytes(klen);
             let (fast, portable) = (Xts::with_level(&key, level)?, Xts::with_level(&key, CpuLevel::Portable)?);
-            let tweak = rng.next();
+            let tweak = rng.next_u64();
             let data = rng.bytes(len);
             let (mut a, mut b) = (data.clone(), data.clone());
             fast.encrypt(&unit_tweak(tweak), &mut a)?;
@@ -68,8 +68,8 @@ fn unit_runs(level: CpuLevel) -> Result<(), Failed> {
         let key = rng.bytes(klen);
         let unit_len = [512usize, 1024, 4096, 528, 100, 256, 128][rng.below(7)];
         let units = 1 + rng.below(40);
-        let first = if case % 5 == 0 { u64::MAX - rng.below(20) as u64 } else { rng.next() };
-        let step = [1u64, 8, rng.next()][rng.below(3)];
+        let first = if case % 5 == 0 { u64::MAX - rng.below(20) as u64 } else { rng.next_u64() };
+        let step = [1u64, 8, rng.next_u64()][rng.below(3)];
         let decrypt = case % 2 == 1;
         let (fast, portable) = (Xts::with_level(&key, level)?, Xts::with_level(&key, CpuLevel::Portable)?);
         let data = rng.bytes(units * unit_len);

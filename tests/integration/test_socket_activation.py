@@ -157,3 +157,30 @@ def test_bad_activation_is_a_clear_error(ws):
         proc = start_with_fd3(s, serve_cmd(backing, kf))
         out, err = finish(proc)
     assert proc.returncode == 1 and "not a stream socket" in err, err[-2000:]
+
+
+def test_children_inherit_neither_the_variables_nor_the_socket(ws, tmp_path):
+    """The rtl-sim co-process is a child of serve: a stand-in records its environment and open
+    descriptors (then exits, so serve stops with an error; that is not what is tested)."""
+    kf, _ = ws.key(64)
+    backing = ws.backing(MiB)
+    seen_env, seen_fds = tmp_path / "env.txt", tmp_path / "fds.txt"
+    fake = tmp_path / "fake_sim.sh"
+    fake.write_text(f"#!/bin/sh\nenv > {seen_env}\nls /proc/$$/fd > {seen_fds}\nexit 0\n")
+    fake.chmod(0o755)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as lst:
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        os.environ["CRYPTBRIDGE_RTL_SIM"] = str(fake)
+        try:
+            proc = start_with_fd3(lst, serve_cmd(backing, kf, "--cipher", "aes-xts-plain64", "--engine", "rtl-sim"))
+        finally:
+            del os.environ["CRYPTBRIDGE_RTL_SIM"]
+        out, err = finish(proc)
+    assert seen_env.exists(), f"the stand-in did not run: {err[-2000:]}"
+    env = seen_env.read_text()
+    assert "CRYPTBRIDGE_RTL_SIM=" in env, "the environment was recorded"
+    for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        assert f"{var}=" not in env, f"{var} leaked to a child"
+    assert "3" not in seen_fds.read_text().split(), "the listening socket leaked to a child"
+    assert "panicked" not in err

@@ -506,3 +506,13 @@ def test_options_negotiated_before_starttls_are_forgotten(ws, pki):
             assert not replies[-1].type & nbd.REP_ERR, replies[-1]
             replies.append(c.recv_opt_reply())
         assert any(r.type == nbd.REP_META_CONTEXT for r in replies)
+
+
+def test_tls_over_unix_socket(ws, pki):
+    """nbds+unix:// (libnbd checks the certificate against "localhost" there)."""
+    need_tool("nbdinfo")
+    b = ws.serve(ws.backing(MiB), passthrough=True,
+                 extra=("--tls", "require", "--tls-certificates", pki.server_dir))
+    assert b.uri.startswith("nbds+unix:///?socket="), b.uri
+    info = nbdinfo_json(f"{b.uri}&tls-certificates={pki.client_dir}")
+    assert info["TLS"] is True and info["exports"][0]["export-size"] == MiB

@@ -110,7 +110,8 @@ class Upstream:
         if self.file is not None:
             return self.file.read_bytes()
         out = self.ws.tmp / f"{self.name}.dump"
-        run(["nbdcopy", self.uri, out], timeout=120, check=True)
+        # 64 KiB requests: within any maximum block size a test upstream advertises.
+        run(["nbdcopy", "--request-size=65536", self.uri, out], timeout=120, check=True)
         return out.read_bytes()
 
 
@@ -124,6 +125,9 @@ def upstreams(ws):
         return u.start()
 
     yield make
+    # Bridges first: a bridge stopping flushes its upstream, which must still be there.
+    for b in ws.bridges:
+        b.stop()
     for u in started:
         u.stop()
 
@@ -191,3 +195,191 @@ def test_sector_size_4096_and_partial_writes(ws, upstreams):
         c.flush()
         assert c.read(0, 1 * MiB) == bytes(model)
     check_ciphertext(up, key, bytes(model), 4096)
+
+
+def serve_fails(ws, upstream_uri: str, key_file, *extra, timeout: float = 40) -> str:
+    """Starts serve expecting it to refuse; returns its stderr."""
+    sock = ws.sockdir / "refused.sock"
+    p = cb("serve", "--backing", upstream_uri, "--key-file", key_file, "--unix", sock, *extra, timeout=timeout)
+    err = p.stderr.decode(errors="replace")
+    assert p.returncode != 0, f"serve accepted it:\n{err[-2000:]}"
+    assert_no_panic(err)
+    assert not p.stdout.startswith(b"ready"), p.stdout
+    return err
+
+
+def log_lines(path: Path, verb: str) -> list[dict]:
+    """nbdkit --filter=log lines for requests of one kind (`Write`, `Read`, `Flush`...), as dicts."""
+    out = []
+    for line in path.read_text().splitlines():
+        m = re.search(r"connection=(\d+) %s id=(\d+) (.*?)\s*\.\.\.$" % verb, line)
+        if m:
+            fields = dict(kv.split("=", 1) for kv in m.group(3).split() if "=" in kv)
+            fields["connection"] = int(m.group(1))
+            fields["id"] = int(m.group(2))
+            out.append(fields)
+    return out
+
+
+def test_upstream_block_sizes(ws, upstreams):
+    """An upstream's minimum block size must divide the sector size; requests are split at its
+    maximum (blocksize-policy enforces both: a violation would be an error)."""
+    log = ws.tmp / "bs.log"
+    up = upstreams(
+        "nbdkit-memory",
+        size=16 * MiB,
+        extra=("--filter=log", "--filter=blocksize-policy"),
+        plugin_args=("blocksize-minimum=4096", "blocksize-preferred=4096", "blocksize-maximum=65536", "blocksize-error-policy=error", f"logfile={log}"),
+    )
+    key_file, key = ws.key()
+    err = serve_fails(ws, up.uri, key_file)
+    assert "minimum block size is 4096" in err and "--sector-size 4096" in err, err
+    b = serve_remote(ws, up.uri, key_file, sector_size=4096)
+    plaintext = os.urandom(3 * MiB)
+    with NBDClient(b.uri) as c:
+        c.connect()
+        c.write(0, plaintext[: 2 * MiB])  # one request, split upstream
+        c.write(2 * MiB + 100, plaintext[2 * MiB + 100 :])  # partial first sector: read-modify-write
+        c.write(2 * MiB, plaintext[2 * MiB : 2 * MiB + 100])
+        c.flush()
+        assert c.read(0, 3 * MiB) == plaintext
+    check_ciphertext(up, key, plaintext, 4096)
+    sizes = [(int(w["offset"], 16), int(w["count"], 16)) for w in log_lines(log, "Write") + log_lines(log, "Read")]
+    assert sizes, log.read_text()[-2000:]
+    assert all(n <= 65536 and n % 4096 == 0 and off % 4096 == 0 for off, n in sizes), sizes
+    assert any(n == 65536 for _, n in sizes), "the 2 MiB write was not split at the maximum"
+
+
+def test_size_checks(ws, upstreams):
+    up = upstreams("nbdkit-memory", size=8 * MiB + 512)
+    key_file, _ = ws.key()
+    err = serve_fails(ws, up.uri, key_file, "--sector-size", "4096")
+    assert "not a whole number of 4096-byte sectors" in err, err
+    err = serve_fails(ws, up.uri, key_file, "--size", "4M")
+    assert "--size asks for" in err, err
+    b = serve_remote(ws, up.uri, key_file, extra=("--size", str(8 * MiB + 512)))
+    with NBDClient(b.uri) as c:
+        c.connect()
+        assert c.size == 8 * MiB + 512
+
+
+def test_read_only_upstream_gives_read_only_export(ws, upstreams):
+    need_tool("nbdinfo")
+    up = upstreams("nbdkit-memory", size=4 * MiB, extra=("-r",))
+    key_file, _ = ws.key()
+    b = serve_remote(ws, up.uri, key_file)
+    info = run(["nbdinfo", b.uri], timeout=30, check=True).stdout.decode()
+    assert re.search(r"is_read_only:\s*true", info), info
+    with NBDClient(b.uri) as c:
+        c.connect()
+        with pytest.raises(NBDError) as e:
+            c.write(0, bytes(512))
+        assert e.value.error == NBD_EPERM
+        assert len(c.read(0, 4096)) == 4096
+    assert "read-only" in b.stderr()
+
+
+@pytest.mark.parametrize("upstream_fua", [True, False], ids=["upstream-fua", "upstream-no-fua"])
+def test_flush_and_fua_reach_the_upstream(ws, upstreams, upstream_fua):
+    log = ws.tmp / "fua.log"
+    extra = ("--filter=log",) if upstream_fua else ("--filter=log", "--filter=fua")
+    args = (f"logfile={log}",)  # the fua filter's default mode advertises no FUA
+    up = upstreams("nbdkit-memory", size=4 * MiB, extra=extra, plugin_args=args)
+    key_file, _ = ws.key()
+    b = serve_remote(ws, up.uri, key_file, extra=("--backing-connections", "2"))
+    with NBDClient(b.uri) as c:
+        c.connect()
+        c.write(0, os.urandom(4096))
+        time.sleep(0.2)
+        assert not log_lines(log, "Flush"), "a plain write was flushed"
+        c.write(8192, os.urandom(4096), fua=True)
+        time.sleep(0.2)
+        writes = log_lines(log, "Write")
+        flushes = log_lines(log, "Flush")
+        if upstream_fua:
+            assert [w["fua"] for w in writes] == ["0", "1"], writes
+            assert not flushes, "FUA should go down as FUA, not as a flush"
+        else:
+            assert all(w["fua"] == "0" for w in writes), writes
+            assert len(flushes) >= 1, "no FUA upstream: the FUA write must be followed by a flush"
+        before = len(flushes)
+        c.flush()
+        time.sleep(0.2)
+        flushes = log_lines(log, "Flush")
+        assert {f["connection"] for f in flushes[before:]} == {1, 2}, "FLUSH goes to every upstream connection"
+
+
+def test_upstream_errors_reach_the_client(ws, upstreams):
+    up = upstreams(
+        "nbdkit-memory",
+        size=4 * MiB,
+        extra=("--filter=error",),
+        plugin_args=("error-pread=EIO", "error-pread-rate=1", "error-pwrite=ENOSPC", "error-pwrite-rate=1"),
+    )
+    key_file, _ = ws.key()
+    b = serve_remote(ws, up.uri, key_file)
+    with NBDClient(b.uri) as c:
+        c.connect()
+        with pytest.raises(NBDError) as e:
+            c.read(0, 4096)
+        assert e.value.error == NBD_EIO
+        with pytest.raises(NBDError) as e:
+            c.write(0, bytes(4096))
+        assert e.value.error == NBD_ENOSPC, "the upstream's errno is handed on as is"
+        with pytest.raises(NBDError) as e:
+            c.write(100, bytes(100))  # read-modify-write: the read fails first
+        assert e.value.error == NBD_EIO
+    if os.path.exists("/usr/bin/nbdcopy"):
+        p = run(["nbdcopy", b.uri, ws.tmp / "x.bin"], timeout=60)
+        assert p.returncode != 0
+    assert b.alive
+    assert_no_panic(b.stderr())
+
+
+def test_multi_conn_and_pipelining(ws, upstreams):
+    log = ws.tmp / "mc.log"
+    up = upstreams("nbdkit-memory", size=32 * MiB, extra=("--filter=log",), plugin_args=(f"logfile={log}",))
+    key_file, key = ws.key()
+    b = serve_remote(ws, up.uri, key_file, extra=("--backing-connections", "3"))
+    plaintext = os.urandom(8 * MiB)
+    with NBDClient(b.uri) as c:
+        c.connect()
+        # 64 requests in flight from the client; the bridge has as many upstream.
+        handles = [c.send_request(1, i * 131072, 131072, plaintext[i * 131072 : (i + 1) * 131072]) for i in range(64)]
+        replies = [c.recv_reply() for _ in handles]
+        assert all(r.error == 0 for r in replies)
+        c.flush()
+        assert c.read(0, len(plaintext)) == plaintext
+    text = log.read_text()  # before check_ciphertext's own connections to the upstream
+    assert len(re.findall(r"connection=\d+ Connect", text)) == 3, text[:2000]
+    writes = log_lines(log, "Write")
+    assert {w["connection"] for w in writes} == {1, 2, 3}, "writes are spread over the connections"
+    # Pipelining: on some connection, a request starts before the previous one has returned.
+    overlap = False
+    open_ids: dict[int, set] = {}
+    for line in text.splitlines():
+        m = re.search(r"connection=(\d+) (\.\.\.)?Write id=(\d+)", line)
+        if m:
+            conn, done, rid = int(m.group(1)), m.group(2), int(m.group(3))
+            ids = open_ids.setdefault(conn, set())
+            if done:
+                ids.discard(rid)
+            else:
+                overlap |= bool(ids)
+                ids.add(rid)
+    assert overlap, "no two requests were ever in flight on one upstream connection"
+    check_ciphertext(up, key, plaintext, 512)
+
+
+def test_one_connection_without_multi_conn(ws, upstreams):
+    log = ws.tmp / "nomc.log"
+    up = upstreams(
+        "nbdkit-memory", size=4 * MiB, extra=("--filter=log", "--filter=multi-conn"), plugin_args=(f"logfile={log}", "multi-conn-mode=disable")
+    )
+    key_file, _ = ws.key()
+    b = serve_remote(ws, up.uri, key_file, extra=("--backing-connections", "4"))
+    with NBDClient(b.uri) as c:
+        c.connect()
+        c.write(0, os.urandom(65536))
+    assert len(re.findall(r"connection=\d+ Connect", log.read_text())) == 1
+    assert "does not advertise multi-conn" in b.stderr()

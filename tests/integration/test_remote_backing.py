@@ -383,3 +383,267 @@ def test_one_connection_without_multi_conn(ws, upstreams):
         c.write(0, os.urandom(65536))
     assert len(re.findall(r"connection=\d+ Connect", log.read_text())) == 1
     assert "does not advertise multi-conn" in b.stderr()
+
+
+BLOCK = 64 * 1024
+
+
+def block_data(block: int, version: int) -> bytes:
+    seed = f"{block}:{version}:".encode()
+    return (seed * (BLOCK // len(seed) + 1))[:BLOCK]
+
+
+def test_upstream_restart_during_writes(ws, upstreams):
+    """Kill -9 the upstream in the middle of writes and start it again: every write the client
+    saw acknowledged is there afterwards (through the bridge, and as ciphertext in the upstream's
+    file); writes in flight either succeeded after a reconnect or failed, none silently lost."""
+    up = upstreams("nbdkit-file", size=8 * MiB)
+    key_file, key = ws.key()
+    b = serve_remote(ws, up.uri, key_file)
+    nblocks = 8 * MiB // BLOCK
+    acked: dict[int, int] = {}  # block -> last acknowledged version
+    failed: list[tuple[int, int]] = []
+    stop = threading.Event()
+
+    def writer(first: int):
+        version = 0
+        with NBDClient(b.uri, timeout=60) as c:
+            c.connect()
+            while not stop.is_set():
+                version += 1
+                for blk in range(first, nblocks, 4):
+                    if stop.is_set():
+                        break
+                    try:
+                        c.write(blk * BLOCK, block_data(blk, version))
+                        acked[blk] = version
+                    except NBDError as e:
+                        assert e.error == NBD_EIO, e
+                        failed.append((blk, version))
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.7)
+    up.stop(signal.SIGKILL)
+    time.sleep(1.0)
+    up.start()
+    time.sleep(1.5)
+    stop.set()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a client write hung"
+    assert "upstream connection lost" in b.stderr() and "reconnected" in b.stderr(), b.stderr()[-3000:]
+    assert acked, "no write was acknowledged"
+    with NBDClient(b.uri) as c:
+        c.connect()
+        # Writes acknowledged before the kill were not flushed: the next FLUSH may say so (EIO,
+        # once); the one after succeeds.
+        try:
+            c.flush()
+        except NBDError as e:
+            assert e.error == NBD_EIO
+        c.flush()
+        for blk, version in acked.items():
+            if (blk, version + 1) in failed:
+                continue  # a later write to it failed: its content is either version
+            assert c.read(blk * BLOCK, BLOCK) == block_data(blk, version), f"acknowledged write of block {blk} v{version} lost"
+    disk = up.file.read_bytes()
+    for blk, version in acked.items():
+        if (blk, version + 1) in failed:
+            continue
+        want = xts_ref.encrypt_sectors(key, block_data(blk, version), 512, blk * BLOCK // 512)
+        assert disk[blk * BLOCK : (blk + 1) * BLOCK] == want, f"block {blk}"
+    assert_no_panic(b.stderr())
+
+
+def test_upstream_gone_for_good_gives_eio_then_recovers(ws, upstreams):
+    up = upstreams("nbdkit-memory", size=4 * MiB)
+    key_file, _ = ws.key()
+    b = serve_remote(ws, up.uri, key_file)
+    with NBDClient(b.uri, timeout=60) as c:
+        c.connect()
+        c.write(0, bytes(4096))
+        up.stop(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(NBDError) as e:
+            c.read(0, 4096)
+        took = time.monotonic() - t0
+        assert e.value.error == NBD_EIO
+        assert 5 < took < 30, f"gave up after {took:.1f} s (the retry budget is about 10 s)"
+        up.start()
+        assert len(c.read(0, 4096)) == 4096, "a new request after the upstream is back works"
+    assert b.alive
+    assert_no_panic(b.stderr())
+
+
+class FakeUpstream:
+    """A hostile or broken NBD server: a correct handshake (unless `mode` breaks it), then
+    transmission answers broken in the way `mode` says."""
+
+    SIZE = 1 * MiB
+
+    def __init__(self, path: Path, mode: str):
+        self.path = str(path)
+        self.mode = mode
+        self.srv = socket.socket(socket.AF_UNIX)
+        self.srv.bind(self.path)
+        self.srv.listen(16)
+        self.closing = False
+        self.thread = threading.Thread(target=self.accept, daemon=True)
+        self.thread.start()
+
+    @property
+    def uri(self) -> str:
+        return f"nbd+unix:///?socket={self.path}"
+
+    def close(self):
+        self.closing = True
+        self.srv.close()
+
+    def accept(self):
+        while not self.closing:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def recv(conn, n):
+        buf = b""
+        while len(buf) < n:
+            chunk = conn.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError
+            buf += chunk
+        return buf
+
+    def serve(self, conn):
+        try:
+            with conn:
+                self.handshake(conn)
+                self.transmission(conn)
+        except (ConnectionError, OSError):
+            pass
+
+    def handshake(self, conn):
+        m = self.mode
+        if m == "bad-greeting":
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            return self.recv(conn, 1 << 20)
+        if m == "oldstyle":
+            conn.sendall(struct.pack(">QQQI", 0x4E42444D41474943, 0x00420281861253, self.SIZE, 1) + bytes(124))
+            return self.recv(conn, 1 << 20)
+        conn.sendall(struct.pack(">QQH", 0x4E42444D41474943, 0x49484156454F5054, 3))
+        self.recv(conn, 4)
+        while True:
+            _, opt, length = struct.unpack(">QII", self.recv(conn, 16))
+            self.recv(conn, length)
+            reply = lambda kind, data=b"": conn.sendall(struct.pack(">QIII", 0x3E889045565A9, opt, kind, len(data)) + data)
+            if opt != 7:
+                reply(1 << 31 | 1)
+                continue
+            if m == "huge-option-reply":
+                # An NBD_REP_INFO header promising 1 GiB.
+                conn.sendall(struct.pack(">QIII", 0x3E889045565A9, opt, 3, 1 << 30))
+                return self.recv(conn, 1 << 20)
+            if m == "silent-handshake":
+                return self.recv(conn, 1 << 20)
+            reply(3, struct.pack(">HQH", 0, self.SIZE, 1 | 4))  # INFO_EXPORT: HAS_FLAGS | SEND_FLUSH
+            reply(1)
+            return
+
+    def transmission(self, conn):
+        while True:
+            _, _, cmd, handle, _, length = struct.unpack(">IHHQQI", self.recv(conn, 28))
+            if cmd == 1:
+                self.recv(conn, length)
+            if cmd == 2:
+                return
+            data = bytes(length) if cmd == 0 else b""
+            ok = struct.pack(">IIQ", 0x67446698, 0, handle)
+            m = self.mode
+            if m == "bad-reply-magic":
+                conn.sendall(struct.pack(">IIQ", 0x668E33EF, 0, handle) + data)
+            elif m == "unknown-handle":
+                conn.sendall(struct.pack(">IIQ", 0x67446698, 0, handle ^ 0xDEAD) + data)
+            elif m == "oversized-reply":
+                conn.sendall(ok + data + os.urandom(4096))
+            elif m == "close-mid-reply":
+                conn.sendall(ok + data[: len(data) // 2])
+                return
+            elif m == "never-reply":
+                time.sleep(3600)
+            else:
+                conn.sendall(ok + data)
+
+
+@pytest.mark.parametrize("mode,expect", [
+    ("bad-greeting", "not an NBD server"),
+    ("oldstyle", "oldstyle"),
+    ("huge-option-reply", "option reply of 1073741824 bytes"),
+])
+def test_broken_upstream_handshake_is_refused_at_start(ws, mode, expect):
+    fake = FakeUpstream(ws.sockdir / "fake.sock", mode)
+    try:
+        key_file, _ = ws.key()
+        err = serve_fails(ws, fake.uri, key_file)
+        assert expect in err, err
+    finally:
+        fake.close()
+
+
+def test_silent_upstream_handshake_times_out(ws):
+    fake = FakeUpstream(ws.sockdir / "fake.sock", "silent-handshake")
+    try:
+        key_file, _ = ws.key()
+        t0 = time.monotonic()
+        err = serve_fails(ws, fake.uri, key_file)
+        assert time.monotonic() - t0 < 30
+        assert "handshake not finished" in err, err
+    finally:
+        fake.close()
+
+
+def test_oversized_upstream_reply_breaks_only_that_connection(ws):
+    """Extra bytes after a read reply: the read itself got its data; the garbage that follows is
+    a bad reply header, which ends the connection, and the next request reconnects."""
+    fake = FakeUpstream(ws.sockdir / "fake.sock", "oversized-reply")
+    try:
+        key_file, key = ws.key()
+        b = serve_remote(ws, fake.uri, key_file)
+        zeros_plain = xts_ref.decrypt_sectors(key, bytes(4096), 512)
+        with NBDClient(b.uri, timeout=60) as c:
+            c.connect()
+            for _ in range(3):
+                assert c.read(0, 4096) == zeros_plain
+                time.sleep(0.2)
+        assert "bad reply magic" in b.stderr() and "reconnected" in b.stderr(), b.stderr()[-3000:]
+        b.stop()
+        assert_no_panic(b.stderr())
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("mode", ["bad-reply-magic", "unknown-handle", "close-mid-reply", "never-reply"])
+def test_broken_upstream_replies_give_eio(ws, mode):
+    """Whatever a broken upstream answers, the client gets EIO in bounded time (after the
+    reconnect budget), the bridge stays up and never panics."""
+    fake = FakeUpstream(ws.sockdir / "fake.sock", mode)
+    try:
+        key_file, _ = ws.key()
+        b = serve_remote(ws, fake.uri, key_file, extra=("--backing-timeout", "1"))
+        with NBDClient(b.uri, timeout=90) as c:
+            c.connect()
+            t0 = time.monotonic()
+            with pytest.raises(NBDError) as e:
+                c.read(0, 65536)
+            assert e.value.error == NBD_EIO
+            assert time.monotonic() - t0 < 40
+        assert b.alive
+        b.stop()
+        assert_no_panic(b.stderr())
+        assert "upstream connection lost" in b.stderr()
+    finally:
+        fake.close()

@@ -338,7 +338,8 @@ def test_upstream_errors_reach_the_client(ws, upstreams):
 
 def test_multi_conn_and_pipelining(ws, upstreams):
     log = ws.tmp / "mc.log"
-    up = upstreams("nbdkit-memory", size=32 * MiB, extra=("--filter=log",), plugin_args=(f"logfile={log}",))
+    # Each write held 20 ms upstream, so that requests pile up on the connections.
+    up = upstreams("nbdkit-memory", size=32 * MiB, extra=("--filter=log", "--filter=delay"), plugin_args=(f"logfile={log}", "wdelay=20ms"))
     key_file, key = ws.key()
     b = serve_remote(ws, up.uri, key_file, extra=("--backing-connections", "3"))
     plaintext = os.urandom(8 * MiB)

@@ -476,10 +476,10 @@ impl Live {
     fn reply_loop(&self, sock: &Sock, reply_timeout: Duration) -> io::Result<()> {
         // Reads wake at least this often to check for requests waiting too long.
         sock.set_read_timeout(Some(reply_timeout.clamp(Duration::from_millis(10), Duration::from_secs(1))))?;
-        let mut progress = Instant::now();
+        let mut inbox = Inbox { sock, buf: vec![0u8; INBOX_LEN], start: 0, end: 0, progress: Instant::now(), reply_timeout };
         loop {
             let mut h = [0u8; REPLY_HEADER_LEN];
-            if !self.read_full(sock, &mut h, true, &mut progress, reply_timeout)? {
+            if !inbox.read_full(self, &mut h, true)? {
                 return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the upstream closed the connection"));
             }
             let (handle, error) = parse_reply_header(&h)?;
@@ -493,7 +493,7 @@ impl Live {
                 // SAFETY: see `Slot`: the caller lent this buffer exclusively and waits for the
                 // completion, which happens only after this write (or when `completion` drops).
                 let buf = unsafe { std::slice::from_raw_parts_mut(into.ptr, into.len) };
-                if !self.read_full(sock, buf, false, &mut progress, reply_timeout)? {
+                if !inbox.read_full(self, buf, false)? {
                     return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the upstream closed the connection inside a read reply"));
                 }
             }
@@ -505,32 +505,9 @@ impl Live {
         }
     }
 
-    /// Fills `buf`. `Ok(false)`: a clean end of stream before the first byte, when
-    /// `between_replies`. Fails when requests have waited `reply_timeout` without a byte.
-    fn read_full(&self, mut sock: &Sock, buf: &mut [u8], between_replies: bool, progress: &mut Instant, reply_timeout: Duration) -> io::Result<bool> {
-        let mut got = 0;
-        while got < buf.len() {
-            match sock.read(&mut buf[got..]) {
-                Ok(0) if got == 0 && between_replies => return Ok(false),
-                Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the upstream closed the connection inside a reply")),
-                Ok(n) => {
-                    got += n;
-                    *progress = Instant::now();
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                    // Waiting since the later of the last byte and the oldest request in flight.
-                    let oldest = if got == 0 && between_replies { self.lock_pending().slots.values().map(|s| s.sent).min() } else { Some(*progress) };
-                    if let Some(sent) = oldest {
-                        if (*progress).max(sent).elapsed() >= reply_timeout {
-                            return Err(io::Error::new(io::ErrorKind::TimedOut, format!("no reply from the upstream for {reply_timeout:?}")));
-                        }
-                    }
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(true)
+    /// The age of the oldest request in flight (`None`: none).
+    fn oldest_sent(&self) -> Option<Instant> {
+        self.lock_pending().slots.values().map(|s| s.sent).min()
     }
 
     /// Sends one request; the returned slot completes with its outcome (`Lost` if the connection
@@ -557,6 +534,63 @@ impl Live {
             self.die(&format!("sending a request failed: {e}"));
         }
         slot
+    }
+}
+
+/// Bytes one receive on an upstream connection may take: every reply header (and small read
+/// data) queued in the socket, so a queue of small replies costs one system call instead of two
+/// per reply. Larger read data goes straight into the caller's buffer.
+const INBOX_LEN: usize = 64 * 1024;
+
+/// The reader thread's receive buffer.
+struct Inbox<'a> {
+    sock: &'a Sock,
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    /// When the last byte came.
+    progress: Instant,
+    reply_timeout: Duration,
+}
+
+impl Inbox<'_> {
+    /// Fills `dest`. `Ok(false)`: a clean end of stream before its first byte, when
+    /// `between_replies`. Fails when requests have waited `reply_timeout` without a byte.
+    fn read_full(&mut self, live: &Live, dest: &mut [u8], between_replies: bool) -> io::Result<bool> {
+        let mut got = 0;
+        while got < dest.len() {
+            if self.start < self.end {
+                let n = (self.end - self.start).min(dest.len() - got);
+                dest[got..got + n].copy_from_slice(&self.buf[self.start..self.start + n]);
+                self.start += n;
+                got += n;
+                continue;
+            }
+            let direct = dest.len() - got >= self.buf.len();
+            let r = if direct { (&*self.sock).read(&mut dest[got..]) } else { (&*self.sock).read(&mut self.buf) };
+            match r {
+                Ok(0) if got == 0 && between_replies => return Ok(false),
+                Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the upstream closed the connection inside a reply")),
+                Ok(n) => {
+                    self.progress = Instant::now();
+                    if direct {
+                        got += n;
+                    } else {
+                        (self.start, self.end) = (0, n);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                    // Waiting since the later of the last byte and the oldest request in flight.
+                    let waiting = if got == 0 && between_replies { live.oldest_sent() } else { Some(self.progress) };
+                    if waiting.is_some_and(|sent| self.progress.max(sent).elapsed() >= self.reply_timeout) {
+                        return Err(io::Error::new(io::ErrorKind::TimedOut, format!("no reply from the upstream for {:?}", self.reply_timeout)));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
     }
 }
 

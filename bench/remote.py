@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""Remote backing benchmark: cryptbridge in front of `nbdkit memory` vs `nbdkit memory` alone.
+
+A benchmark, not a test: the target is reported as PASS/MISS and the exit status is 0 whenever
+the measurements ran (1 only for setup failures such as a missing binary or tool).
+
+Both servers are up at once on Unix sockets: nbdkit memory (the upstream), and cryptbridge serve
+--backing nbd+unix:///?socket=<upstream> (AES-XTS 512-bit, 512-byte sectors). fio (ioengine=nbd,
+one job, one connection) runs each profile against one, then the other, in alternating pairs (the
+order flips every repeat); the export is filled through the bridge first, so both read
+allocated memory. The ratio per profile is the median over repeats of bridge / direct in the
+same pair (the machine is shared and drifts); the ratio of the medians is printed beside it.
+
+Profiles: SEQ1M Q8T1 read / write, RND4K Q32T1 read / write. Target: bridge >= 0.8 x direct.
+
+Outputs: bench/out/remote.json, bench/out/remote.md (paste into a dated page under docs/bench/),
+per-job fio JSON under bench/out/fio/remote/, server logs under bench/out/logs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    DEFAULT_BINARY,
+    OUT,
+    BenchInterrupted,
+    environment,
+    fmt,
+    install_signal_handlers,
+    kill_group,
+    log,
+    median,
+    run,
+    shjoin,
+    spawn,
+    tool_version,
+    verdict,
+    warn,
+    write_json,
+)
+from bridge import PROFILES, fio_job  # noqa: E402
+
+MiB = 1 << 20
+TARGET = 0.8
+PROFILE_KEYS = ["seq1m_q8t1_read", "seq1m_q8t1_write", "rnd4k_q32t1_read", "rnd4k_q32t1_write"]
+
+
+def wait_socket(path: Path, proc, what: str, timeout: float = 30.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(path))
+            s.close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} not listening on {path} after {timeout} s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--binary", type=Path, default=DEFAULT_BINARY)
+    ap.add_argument("--size", default="512M", help="export size (nbdkit memory), default 512M")
+    ap.add_argument("--repeats", type=int, default=5, help="alternating pairs per profile (default 5)")
+    ap.add_argument("--runtime", type=float, default=5.0, help="seconds per fio job (default 5)")
+    ap.add_argument("--ramp", type=float, default=1.0, help="fio ramp time in seconds (default 1)")
+    ap.add_argument("--backing-connections", type=int, default=None, help="serve --backing-connections (default: the bridge's)")
+    ap.add_argument("--profiles", default=",".join(PROFILE_KEYS), help="comma-separated profile keys")
+    ap.add_argument("--quick", action="store_true", help="2 repeats of 2 s jobs (a smoke run)")
+    args = ap.parse_args()
+    if args.quick:
+        args.repeats, args.runtime, args.ramp = 2, 2.0, 0.5
+    install_signal_handlers()
+    for tool in ("nbdkit", "fio", "nbdcopy"):
+        if not tool_version([tool, "--version"]):
+            warn(f"{tool} not found")
+            return 1
+    if not args.binary.exists():
+        warn(f"{args.binary} not found: cargo build --release")
+        return 1
+    profiles = [p for p in PROFILES if p.key in args.profiles.split(",")]
+    size_bytes = int(args.size[:-1]) * {"K": 1 << 10, "M": MiB, "G": 1 << 30}[args.size[-1].upper()] if args.size[-1].isalpha() else int(args.size)
+
+    logdir = OUT / "logs"
+    fio_dir = OUT / "fio" / "remote"
+    logdir.mkdir(parents=True, exist_ok=True)
+    fio_dir.mkdir(parents=True, exist_ok=True)
+    rundir = Path(tempfile.mkdtemp(prefix="cbremote", dir="/tmp"))
+    up_sock, cb_sock = rundir / "up.sock", rundir / "cb.sock"
+    keyfile = rundir / "key"
+    fd = os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        key = os.urandom(64)
+        while key[:32] == key[32:]:
+            key = os.urandom(64)
+        f.write(key)
+    up_argv = ["nbdkit", "-f", "-U", up_sock, "memory", args.size]
+    cb_argv = [args.binary, "serve", "--backing", f"nbd+unix:///?socket={up_sock}", "--key-file", keyfile, "--unix", cb_sock]
+    if args.backing_connections:
+        cb_argv += ["--backing-connections", str(args.backing_connections)]
+    uris = {"direct": f"nbd+unix:///?socket={up_sock}", "bridge": f"nbd+unix:///?socket={cb_sock}"}
+    state = {
+        "environment": environment(args.binary),
+        "commands": {"upstream": shjoin(up_argv), "bridge": shjoin(cb_argv)},
+        "config": {"size": args.size, "repeats": args.repeats, "runtime": args.runtime, "ramp": args.ramp},
+        "results": {},
+    }
+    up = cb = None
+    try:
+        with open(logdir / "remote-upstream.log", "wb") as err:
+            up = spawn(up_argv, stdout=err, stderr=err)
+        wait_socket(up_sock, up, "nbdkit memory")
+        with open(logdir / "remote-bridge.stdout.log", "wb") as out, open(logdir / "remote-bridge.stderr.log", "wb") as err:
+            cb = spawn(cb_argv, stdout=out, stderr=err)
+        wait_socket(cb_sock, cb, "cryptbridge serve")
+        log(f"filling the {args.size} export through the bridge")
+        r = run(["nbdcopy", "--flush", "--", "[", "nbdkit", "-r", "pattern", args.size, "]", uris["bridge"]], timeout=600)
+        if r.returncode != 0:
+            warn(f"fill failed: {r.stderr.strip()[-400:]}")
+            return 1
+        pids = {"direct": up.pid, "bridge": cb.pid}
+        for rep in range(args.repeats):
+            for pi, prof in enumerate(profiles):
+                order = ["direct", "bridge"] if (rep + pi) % 2 == 0 else ["bridge", "direct"]
+                for who in order:
+                    sample = fio_job(uris[who], prof, size_bytes, args.runtime, args.ramp, fio_dir / f"{prof.key}-{who}-{rep}.json", pids[who])
+                    state["results"].setdefault(prof.key, {}).setdefault(who, []).append(sample)
+                    log(f"  [{rep + 1}/{args.repeats}] {prof.label:20} {who:7} {fmt(sample.get('mbps'))} MB/s"
+                        + ("" if sample["ok"] else f"  FAILED: {sample.get('error')}"))
+    except BenchInterrupted as e:
+        warn(f"interrupted: {e}")
+    finally:
+        kill_group(cb)
+        kill_group(up)
+
+    lines = [
+        f"CPU: {state['environment']['cpu']} ({state['environment']['nproc']} vCPUs), load at start "
+        f"{' '.join(f'{x:.2f}' for x in state['environment']['loadavg_start'])}; git {state['environment']['git']}",
+        "",
+        f"Upstream: `{state['commands']['upstream']}`; bridge: `{state['commands']['bridge']}`",
+        f"fio --ioengine=nbd, {args.repeats} alternating pairs of {args.runtime:g} s jobs (+{args.ramp:g} s ramp) per profile.",
+        "",
+        "| Profile | nbdkit memory MB/s (median) | bridge MB/s (median) | bridge / direct (median of pairs) | ratio of medians | target | |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    summary = {}
+    for prof in profiles:
+        res = state["results"].get(prof.key, {})
+        d = [s["mbps"] for s in res.get("direct", []) if s["ok"]]
+        b = [s["mbps"] for s in res.get("bridge", []) if s["ok"]]
+        pairs = [sb["mbps"] / sd["mbps"] for sd, sb in zip(res.get("direct", []), res.get("bridge", [])) if sd["ok"] and sb["ok"] and sd["mbps"] > 0]
+        ratio, mratio = median(pairs), (median(b) / median(d) if d and b and median(d) else None)
+        summary[prof.key] = {"direct_mbps": median(d), "bridge_mbps": median(b), "ratio": ratio, "ratio_of_medians": mratio, "pairs": pairs}
+        lines.append(f"| {prof.label} | {fmt(median(d), 0)} | {fmt(median(b), 0)} | {fmt(ratio, 2)} | {fmt(mratio, 2)} | {TARGET} | {verdict(ratio, TARGET)} |")
+    state["summary"] = summary
+    write_json(OUT / "remote.json", state)
+    (OUT / "remote.md").write_text("\n".join(lines) + "\n")
+    log("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -870,3 +870,102 @@ impl Drop for Client {
 fn annotate(uri: &NbdUri, e: io::Error) -> io::Error {
     io::Error::new(e.kind(), format!("upstream {uri}: {e}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nbd::handshake::{negotiate, Outcome};
+    use crate::nbd::transmission::{read_request, write_reply};
+    use std::os::unix::net::UnixListener;
+
+    fn export_info(name: &str) -> ExportInfo {
+        ExportInfo {
+            name: name.into(),
+            description: String::new(),
+            size: 1 << 20,
+            transmission_flags: TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_CAN_MULTI_CONN,
+            min_block: 512,
+            preferred_block: 4096,
+            max_block: 1 << 16,
+        }
+    }
+
+    /// The client half against the bridge's own server half of the handshake.
+    #[test]
+    fn handshake_against_the_server_side() {
+        let (mut srv, mut cli) = UnixStream::pair().unwrap();
+        let server = std::thread::spawn(move || negotiate(&mut srv, &export_info("vol")).unwrap());
+        let e = handshake(&mut cli, "vol").unwrap();
+        assert_eq!(server.join().unwrap(), Outcome::Transmission);
+        let flags = TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_CAN_MULTI_CONN;
+        assert_eq!(e, Export { size: 1 << 20, flags, min_block: 512, preferred_block: 4096, max_block: 1 << 16 });
+        assert!(e.can_flush() && e.can_multi_conn() && !e.can_fua() && !e.read_only() && !e.can_trim());
+        assert_eq!(e.max_request(), 1 << 16);
+    }
+
+    #[test]
+    fn unknown_export_is_a_clear_error() {
+        let (mut srv, mut cli) = UnixStream::pair().unwrap();
+        let server = std::thread::spawn(move || negotiate(&mut srv, &export_info("vol")));
+        let err = handshake(&mut cli, "nope").unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::NotFound);
+        assert!(err.to_string().contains("no export named \"nope\""), "{err}");
+        drop(cli);
+        assert!(server.join().unwrap().is_err(), "the server saw the client leave");
+    }
+
+    #[test]
+    fn block_size_rules() {
+        assert!(check_block_sizes(1, 4096, DEFAULT_MAX_REQUEST).is_ok());
+        assert!(check_block_sizes(4096, 4096, u32::MAX).is_ok());
+        assert!(check_block_sizes(3, 4096, 4096).is_err(), "minimum not a power of two");
+        assert!(check_block_sizes(1 << 17, 1 << 17, 1 << 20).is_err(), "minimum over 64 KiB");
+        assert!(check_block_sizes(4096, 512, 1 << 20).is_err(), "preferred below minimum");
+        assert!(check_block_sizes(512, 4096, 1000).is_err(), "maximum not a multiple of minimum");
+        let e = Export { size: 1 << 30, flags: 0, min_block: 4096, preferred_block: 4096, max_block: u32::MAX };
+        assert_eq!(e.max_request(), DEFAULT_MAX_REQUEST, "no limit: 32 MiB requests");
+        assert!(!e.can_flush(), "flags without HAS_FLAGS mean nothing");
+    }
+
+    /// Four reads in flight at once from four threads, answered in reverse order: each buffer
+    /// gets its own data (replies are matched by handle, not by order).
+    #[test]
+    fn replies_out_of_order_reach_their_callers() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("up.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            assert_eq!(negotiate(&mut s, &export_info("")).unwrap(), Outcome::Transmission);
+            let requests: Vec<Request> = (0..4).map(|_| read_request(&mut s).unwrap().unwrap()).collect();
+            for r in requests.iter().rev() {
+                assert_eq!(r.command, CMD_READ);
+                let data = vec![(r.offset / 4096) as u8 + 1; r.length as usize];
+                write_reply(&mut s, r.handle, 0, &data).unwrap();
+            }
+            // Then a FLUSH, and the client's goodbye.
+            let flush = read_request(&mut s).unwrap().unwrap();
+            assert_eq!(flush.command, CMD_FLUSH);
+            write_reply(&mut s, flush.handle, 0, &[]).unwrap();
+            assert_eq!(read_request(&mut s).unwrap().unwrap().command, CMD_DISC);
+        });
+        let uri = NbdUri { address: Address::Unix(path), export: String::new(), tls: false };
+        let client = Arc::new(Client::connect(&uri, ClientOptions { connections: Some(1), ..ClientOptions::default() }).unwrap());
+        let readers: Vec<_> = (0..4u64)
+            .map(|i| {
+                let client = Arc::clone(&client);
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 4096];
+                    client.read(i * 4096, &mut buf).unwrap();
+                    assert!(buf.iter().all(|&b| b == i as u8 + 1), "read {i} got another's data");
+                })
+            })
+            .collect();
+        for r in readers {
+            r.join().unwrap();
+        }
+        client.flush().unwrap();
+        drop(Arc::into_inner(client).expect("the only reference"));
+        server.join().unwrap();
+    }
+}

@@ -189,6 +189,10 @@ def test_change_key(ws, vol):
     p = ours("change-key", img, "--key-file", wrong, new, *kdf)
     assert p.returncode == 1 and b"no key available with this passphrase (tried keyslot 1)" in p.stderr, p.stderr
     unchanged(img, newer, vk, offset, digest)
+    # test-passphrase (cryptsetup open --test-passphrase) agrees with cryptsetup.
+    assert ours("test-passphrase", img, "--key-file", newer).returncode == 0
+    p = ours("test-passphrase", img, "--key-file", new)
+    assert p.returncode == 1 and b"no key available" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("luks_type", ["luks2", "luks1"])
@@ -281,3 +285,53 @@ def test_no_secret_in_the_log_and_a_refused_memory_lock_is_a_warning(ws):
     assert p.returncode == 0, p.stderr
     assert b"cannot lock key material in memory" in p.stderr and p.stderr.count(b"cannot lock") == 1, p.stderr
     assert opens(img, third)
+
+
+def on_a_terminal(argv: list, answer: bytes, expect_prompt: bytes) -> tuple[int, bytes]:
+    """Runs argv on a pty, answers `answer` once `expect_prompt` shows; (exit status, output)."""
+    import pty
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(argv[0], argv)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 60
+        while expect_prompt not in seen and time.monotonic() < deadline:
+            r, _, _ = select.select([fd], [], [], 0.2)
+            if r:
+                try:
+                    seen += os.read(fd, 4096)
+                except OSError:
+                    break
+        assert expect_prompt in seen, seen
+        os.write(fd, answer)
+        while True:
+            r, _, _ = select.select([fd], [], [], 30)
+            if not r:
+                break
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    return os.waitstatus_to_exitcode(status), seen
+
+
+def test_last_keyslot_confirmation_on_a_terminal(ws):
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    luks_format(img, pw, "--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2)
+    argv = [str(require_binary()), "luks", "kill-slot", str(img), "0", "--key-file", str(pw)]
+    rc, out = on_a_terminal(argv, b"yes\n", b"Type 'yes' in capital letters")
+    assert rc == 1 and b"NOT wiped" in out, out
+    assert cs_slots(img) == [0] and opens(img, pw)
+    rc, out = on_a_terminal(argv, b"YES\n", b"Type 'yes' in capital letters")
+    assert rc == 0, out
+    assert cs_slots(img) == [] and not opens(img, pw)

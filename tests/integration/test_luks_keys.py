@@ -335,3 +335,34 @@ def test_last_keyslot_confirmation_on_a_terminal(ws):
     rc, out = on_a_terminal(argv, b"YES\n", b"Type 'yes' in capital letters")
     assert rc == 0, out
     assert cs_slots(img) == [] and not opens(img, pw)
+
+
+def test_cryptsetup_waits_for_our_lock(ws):
+    """cryptsetup takes the same flock on an image file: a luksAddKey started while our add-key
+    holds it waits, and both keyslots survive (no lost update)."""
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    luks_format(img, pw, "--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2)
+    ours_new = write_file(ws.tmp / "ours", b"ours")
+    theirs_new = write_file(ws.tmp / "theirs", b"theirs")
+    slow = subprocess.Popen([str(require_binary()), "luks", "add-key", str(img), "-d", str(pw), str(ours_new), "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "10000000"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        time.sleep(0.5)
+        from test_luks import need
+
+        cs = subprocess.Popen([need("cryptsetup"), "luksAddKey", "--batch-mode", "--key-file", str(pw), "--pbkdf", "pbkdf2", *FAST_PBKDF2, str(img), str(theirs_new)],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        time.sleep(1.0)
+        assert slow.poll() is None, "our add-key finished too early for this test to mean anything"
+        assert cs.poll() is None, "cryptsetup did not wait for the lock"
+        _, err = slow.communicate(timeout=300)
+        assert slow.returncode == 0, err
+        _, err = cs.communicate(timeout=120)
+        assert cs.returncode == 0, err
+    finally:
+        for p in (slow, locals().get("cs")):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert cs_slots(img) == [0, 1, 2]
+    assert opens(img, ours_new) and opens(img, theirs_new) and opens(img, pw)

@@ -648,3 +648,19 @@ def test_broken_upstream_replies_give_eio(ws, mode):
         assert "upstream connection lost" in b.stderr()
     finally:
         fake.close()
+
+
+def test_qemu_img_through_the_bridge(ws, upstreams):
+    """qemu-img (qemu's NBD client) writes and compares through the bridge; the upstream
+    (qemu-nbd over TCP) holds the reference ciphertext."""
+    need_tool("qemu-img")
+    up = upstreams("qemu-nbd", tcp=True, size=16 * MiB)
+    key_file, key = ws.key()
+    b = serve_remote(ws, up.uri, key_file, sector_size=4096)
+    src = ws.tmp / "src.raw"
+    plaintext = os.urandom(16 * MiB)
+    src.write_bytes(plaintext)
+    run(["qemu-img", "convert", "-n", "-f", "raw", "-O", "raw", src, b.uri], timeout=120, check=True)
+    p = run(["qemu-img", "compare", "-f", "raw", "-F", "raw", src, b.uri], timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    check_ciphertext(up, key, plaintext, 4096)

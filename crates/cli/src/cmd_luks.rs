@@ -106,6 +106,7 @@ pub struct RemoveKeyArgs {
     #[command(flatten)]
     common: KeyslotCommon,
     /// File holding the passphrase to remove, read whole (the same as --key-file).
+    #[arg(value_name = "KEY_FILE")]
     remove_key_file: Option<PathBuf>,
     /// Only the passphrase of this keyslot is removed.
     #[arg(short = 'S', long)]
@@ -117,6 +118,7 @@ pub struct KillSlotArgs {
     #[command(flatten)]
     common: KeyslotCommon,
     /// The keyslot to wipe.
+    #[arg(value_name = "KEY_SLOT")]
     kill_slot: u32,
 }
 

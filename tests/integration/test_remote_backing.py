@@ -664,3 +664,54 @@ def test_qemu_img_through_the_bridge(ws, upstreams):
     p = run(["qemu-img", "compare", "-f", "raw", "-F", "raw", src, b.uri], timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     check_ciphertext(up, key, plaintext, 4096)
+
+
+@pytest.fixture(scope="module")
+def upstream_pki(tmp_path_factory):
+    """A CA and a server certificate for localhost / 127.0.0.1 (nbdkit's --tls-certificates
+    layout), and a CA the server's certificate does not chain to."""
+    need_tool("openssl")
+    from test_tls import SERVER_EXT, cert_dir, make_ca, make_cert
+
+    base = tmp_path_factory.mktemp("upki")
+    work = base / "work"
+    work.mkdir()
+    ca = make_ca(work, "ca")
+    other = make_ca(work, "other")
+    server = make_cert(work, ca, "server", "localhost", SERVER_EXT)
+    ns = type("PKI", (), {})()
+    ns.server_dir = cert_dir(base, "server", {"ca-cert.pem": ca[1], "server-cert.pem": server[1], "server-key.pem": server[0]})
+    ns.client_dir = cert_dir(base, "client", {"ca-cert.pem": ca[1]})
+    ns.other_dir = cert_dir(base, "other", {"ca-cert.pem": other[1]})
+    return ns
+
+
+@pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
+def test_nbds_upstream(ws, upstreams, upstream_pki, tcp):
+    """nbds:// to `nbdkit --tls=require`: the certificate is checked against the CA in
+    tls-certificates=DIR; the bytes reach the upstream as the reference ciphertext."""
+    need_tool("nbdcopy")
+    up = upstreams("nbdkit-memory", tcp=tcp, size=8 * MiB, extra=("--tls=require", f"--tls-certificates={upstream_pki.server_dir}"))
+    key_file, key = ws.key()
+    plain_uri = up.uri
+    tls_uri = plain_uri.replace("nbd://", "nbds://").replace("nbd+unix://", "nbds+unix://")
+    sep = "&" if "?" in tls_uri else "?"
+    err = serve_fails(ws, plain_uri, key_file)
+    assert "requires TLS" in err, err
+    err = serve_fails(ws, f"{tls_uri}{sep}tls-certificates={upstream_pki.other_dir}", key_file)
+    assert "TLS handshake" in err, err
+    b = serve_remote(ws, f"{tls_uri}{sep}tls-certificates={upstream_pki.client_dir}", key_file)
+    plaintext = os.urandom(3 * MiB)
+    src = ws.tmp / "src.bin"
+    src.write_bytes(plaintext)
+    run(["nbdcopy", "--flush", src, b.uri], timeout=120, check=True)
+    back = ws.tmp / "back.bin"
+    run(["nbdcopy", b.uri, back], timeout=120, check=True)
+    assert back.read_bytes()[: len(plaintext)] == plaintext
+    # The upstream's content, read from it directly over TLS (nbdcopy from the upstream).
+    dump = ws.tmp / "dump.bin"
+    run(["nbdcopy", f"{tls_uri}{sep}tls-certificates={upstream_pki.client_dir}", dump], timeout=120, check=True)
+    want = xts_ref.encrypt_sectors(key, plaintext, 512)
+    assert dump.read_bytes()[: len(plaintext)] == want
+    b.stop()
+    assert_no_panic(b.stderr())

@@ -1,5 +1,7 @@
 //! The transmission phase over TLS: one rustls session shared by a connection's reading thread
-//! and its reply writers, which use the stream from different threads at once.
+//! and its reply writers, which use the stream from different threads at once. The same stream
+//! carries the bridge's client side to an `nbds://` upstream (a reply reader and many request
+//! writers).
 //!
 //! A rustls `ServerConnection` is one state machine for both directions, so it sits under a
 //! mutex; but no thread waits on the socket while holding it. The reader receives ciphertext
@@ -15,7 +17,7 @@
 use std::io::{self, BufRead, IoSlice, Read, Write};
 use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 
-use rustls::ServerConnection;
+use rustls::{ClientConnection, Connection, ServerConnection};
 
 use crate::stream::Stream;
 
@@ -28,7 +30,7 @@ const SEAL_MAX: usize = 128 * 1024;
 pub(crate) struct TlsStream {
     /// The plain socket underneath.
     socket: Stream,
-    session: Mutex<ServerConnection>,
+    session: Mutex<Connection>,
     /// The reader's: ciphertext received and not yet handed to rustls.
     inbox: Mutex<Inbox>,
     /// Held while records are sent; holds them (kept allocated between writes).
@@ -48,7 +50,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// Moves every record rustls has sealed into `out`.
-fn take_records(session: &mut ServerConnection, out: &mut Vec<u8>) -> io::Result<()> {
+fn take_records(session: &mut Connection, out: &mut Vec<u8>) -> io::Result<()> {
     while session.wants_write() {
         session.write_tls(out)?;
     }
@@ -57,12 +59,21 @@ fn take_records(session: &mut ServerConnection, out: &mut Vec<u8>) -> io::Result
 
 impl TlsStream {
     /// `socket` (a plain stream) carries `session`, whose handshake has completed.
-    pub(crate) fn new(socket: Stream, mut session: Box<ServerConnection>) -> Self {
+    pub(crate) fn new(socket: Stream, session: Box<ServerConnection>) -> Self {
+        Self::with(socket, Connection::Server(*session))
+    }
+
+    /// The client end: `socket` carries `session`, whose handshake has completed.
+    pub(crate) fn new_client(socket: Stream, session: ClientConnection) -> Self {
+        Self::with(socket, Connection::Client(session))
+    }
+
+    fn with(socket: Stream, mut session: Connection) -> Self {
         debug_assert!(!matches!(socket, Stream::Tls(_)), "TLS inside TLS");
         session.set_buffer_limit(Some(SEAL_MAX));
         Self {
             socket,
-            session: Mutex::new(*session),
+            session: Mutex::new(session),
             inbox: Mutex::new(Inbox { buf: vec![0u8; INBOX].into_boxed_slice(), start: 0, end: 0, eof: false }),
             sending: Mutex::new(Vec::new()),
         }

@@ -49,8 +49,9 @@ When ready, prints `ready <NBD URI>` on stdout.")]
 pub struct Args {
     /// Backing file or block device (a file is created sparse at --size, mode 0600, when
     /// missing; it is removed again if the server then fails to start); or an upstream NBD
-    /// export, nbd://HOST[:PORT][/EXPORT] or nbd+unix:///EXPORT?socket=PATH, which then holds
-    /// only ciphertext (see docs/network.md).
+    /// export, nbd://HOST[:PORT][/EXPORT] or nbd+unix:///EXPORT?socket=PATH (nbds:// with
+    /// ?tls-certificates=DIR holding ca-cert.pem for TLS), which then holds only ciphertext (see
+    /// docs/network.md).
     #[arg(long, value_name = "PATH|URI")]
     backing: PathBuf,
     /// With an NBD URI as --backing: connections to the upstream (default 4 when it advertises
@@ -196,9 +197,6 @@ fn remote_backing(args: &Args) -> Result<Option<NbdUri>> {
     }
     if args.volume_type == VolumeType::Luks && args.header.is_none() {
         usage("--type luks with an NBD export as --backing needs the header in a local file (--header FILE)".into());
-    }
-    if uri.tls {
-        bail!("--backing {spec}: nbds:// (TLS to the upstream) is not supported yet; use nbd:// over a trusted network or a Unix socket");
     }
     Ok(Some(uri))
 }

@@ -33,6 +33,8 @@ use super::handshake::{
 use super::request::io_error_of;
 use super::transmission::{encode_request, parse_reply_header, write_all_vectored, Request, REPLY_HEADER_LEN};
 use super::uri::{Address, NbdUri};
+use crate::stream::Stream;
+use crate::tls_stream::TlsStream;
 use super::*;
 
 /// Largest READ or WRITE sent when the upstream advertises no maximum (proto.md: a client
@@ -115,6 +117,82 @@ fn protocol_error(msg: impl Into<String>) -> io::Error {
 /// Fixed newstyle negotiation from the client's side: NBD_OPT_GO asking for block sizes, or
 /// NBD_OPT_EXPORT_NAME for a server that does not know GO (or is not fixed newstyle).
 pub fn handshake<S: Read + Write>(s: &mut S, export_name: &str) -> io::Result<Export> {
+    handshake_tls(s, export_name, None).map(|(export, _)| export)
+}
+
+/// What an `nbds://` upstream is checked against.
+#[derive(Clone)]
+pub struct TlsClient {
+    pub config: Arc<rustls::ClientConfig>,
+    pub server_name: rustls::pki_types::ServerName<'static>,
+}
+
+impl TlsClient {
+    /// The CA in `DIR/ca-cert.pem` (libnbd's `tls-certificates=DIR`); the server's certificate
+    /// must chain to it and carry `server_name`.
+    pub fn load(uri: &NbdUri) -> io::Result<TlsClient> {
+        let dir = uri.tls_certificates.as_ref().ok_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidInput, "nbds:// needs ?tls-certificates=DIR, a directory holding ca-cert.pem (the CA of the upstream's certificate)")
+        })?;
+        let ca = dir.join(super::tls::CA_CERT);
+        let mut roots = rustls::RootCertStore::empty();
+        let bad = |e: String| io::Error::new(io::ErrorKind::InvalidInput, e);
+        for cert in super::tls::read_certs(&ca).map_err(|e| bad(e.to_string()))? {
+            roots.add(cert).map_err(|e| bad(format!("{}: not a usable CA certificate: {e}", ca.display())))?;
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| bad(e.to_string()))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let name = match (&uri.tls_hostname, &uri.address) {
+            (Some(name), _) => name.clone(),
+            (None, Address::Tcp { host, .. }) => host.clone(),
+            (None, Address::Unix(_)) => "localhost".to_string(),
+        };
+        let server_name = rustls::pki_types::ServerName::try_from(name.clone()).map_err(|e| bad(format!("TLS host name {name:?}: {e}")))?;
+        Ok(TlsClient { config: Arc::new(config), server_name })
+    }
+}
+
+/// [`handshake`], first upgrading to TLS with NBD_OPT_STARTTLS when `tls` is given: the options
+/// then travel inside TLS, and the TLS session, its handshake done, is returned with the export.
+pub fn handshake_tls<S: Read + Write>(s: &mut S, export_name: &str, tls: Option<&TlsClient>) -> io::Result<(Export, Option<rustls::ClientConnection>)> {
+    let (fixed, no_zeroes) = greeting(s)?;
+    let Some(tls) = tls else {
+        return choose_export(s, export_name, fixed, no_zeroes).map(|e| (e, None));
+    };
+    if !fixed {
+        return Err(protocol_error("the server is not fixed newstyle, so it cannot do TLS (NBD_OPT_STARTTLS)"));
+    }
+    s.write_all(&option_request(OPT_STARTTLS, &[]))?;
+    s.flush()?;
+    let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
+    s.read_exact(&mut h)?;
+    let (option, kind, len) = parse_option_reply_header(&h)?;
+    if option != OPT_STARTTLS || len > MAX_OPTION_REPLY {
+        return Err(protocol_error(format!("bad reply to NBD_OPT_STARTTLS (option {option}, {len} bytes)")));
+    }
+    let mut data = vec![0u8; len as usize];
+    s.read_exact(&mut data)?;
+    if kind != REP_ACK {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("the server refused TLS (reply {kind:#x}: {})", String::from_utf8_lossy(&data)),
+        ));
+    }
+    let mut conn = rustls::ClientConnection::new(Arc::clone(&tls.config), tls.server_name.clone())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    while conn.is_handshaking() {
+        conn.complete_io(s).map_err(|e| io::Error::new(e.kind(), format!("TLS handshake with the upstream: {e}")))?;
+    }
+    let export = choose_export(&mut rustls::Stream::new(&mut conn, s), export_name, fixed, no_zeroes)?;
+    Ok((export, Some(conn)))
+}
+
+/// The server's greeting and the client's flags: `(fixed newstyle, no zeroes)`.
+fn greeting<S: Read + Write>(s: &mut S) -> io::Result<(bool, bool)> {
     let magic = read_u64(s)?;
     if magic != NBDMAGIC {
         return Err(protocol_error(format!("not an NBD server (greeting magic {magic:#018x})")));
@@ -139,6 +217,11 @@ pub fn handshake<S: Read + Write>(s: &mut S, export_name: &str) -> io::Result<Ex
         client_flags |= CLIENT_NO_ZEROES;
     }
     s.write_all(&client_flags.to_be_bytes())?;
+    Ok((fixed, no_zeroes))
+}
+
+/// NBD_OPT_GO, or NBD_OPT_EXPORT_NAME where GO is not known (or not fixed newstyle).
+fn choose_export<S: Read + Write>(s: &mut S, export_name: &str, fixed: bool, no_zeroes: bool) -> io::Result<Export> {
     let name = export_name.as_bytes();
     if fixed {
         s.write_all(&option_request(OPT_GO, &info_request(name, &[INFO_BLOCK_SIZE])))?;
@@ -222,6 +305,8 @@ fn check_block_sizes(min: u32, preferred: u32, max: u32) -> io::Result<()> {
 enum Sock {
     Tcp(TcpStream),
     Unix(UnixStream),
+    /// `nbds://`: one TLS session, shared by the reply reader and the request writers.
+    Tls(Arc<TlsStream>),
 }
 
 impl Sock {
@@ -248,6 +333,7 @@ impl Sock {
         Ok(match self {
             Sock::Tcp(s) => Sock::Tcp(s.try_clone()?),
             Sock::Unix(s) => Sock::Unix(s.try_clone()?),
+            Sock::Tls(t) => Sock::Tls(Arc::clone(t)),
         })
     }
 
@@ -256,6 +342,10 @@ impl Sock {
         let _ = match self {
             Sock::Tcp(s) => s.shutdown(Shutdown::Both),
             Sock::Unix(s) => s.shutdown(Shutdown::Both),
+            Sock::Tls(t) => {
+                t.socket().shutdown();
+                Ok(())
+            }
         };
     }
 
@@ -263,6 +353,20 @@ impl Sock {
         match self {
             Sock::Tcp(s) => s.set_read_timeout(t),
             Sock::Unix(s) => s.set_read_timeout(t),
+            Sock::Tls(tls) => match tls.socket() {
+                Stream::Tcp(s) => s.set_read_timeout(t),
+                Stream::Unix(s) => s.set_read_timeout(t),
+                Stream::Tls(_) => Ok(()), // never built: TLS is not nested
+            },
+        }
+    }
+
+    /// The plain socket under TLS.
+    fn into_stream(self) -> Stream {
+        match self {
+            Sock::Tcp(s) => Stream::Tcp(s),
+            Sock::Unix(s) => Stream::Unix(s),
+            Sock::Tls(_) => unreachable!("TLS is set up over a plain socket"),
         }
     }
 }
@@ -272,6 +376,7 @@ impl SocketTimeouts for Sock {
         match self {
             Sock::Tcp(s) => s.set_timeouts(timeout),
             Sock::Unix(s) => s.set_timeouts(timeout),
+            Sock::Tls(t) => t.socket().set_timeouts(timeout),
         }
     }
 }
@@ -281,6 +386,7 @@ impl Read for &Sock {
         match self {
             Sock::Tcp(s) => (&*s).read(buf),
             Sock::Unix(s) => (&*s).read(buf),
+            Sock::Tls(t) => t.read(buf),
         }
     }
 }
@@ -290,12 +396,14 @@ impl Write for &Sock {
         match self {
             Sock::Tcp(s) => (&*s).write(buf),
             Sock::Unix(s) => (&*s).write(buf),
+            Sock::Tls(t) => t.write_vectored(&[IoSlice::new(buf)]),
         }
     }
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match self {
             Sock::Tcp(s) => (&*s).write_vectored(bufs),
             Sock::Unix(s) => (&*s).write_vectored(bufs),
+            Sock::Tls(t) => t.write_vectored(bufs),
         }
     }
     fn flush(&mut self) -> io::Result<()> {
@@ -318,14 +426,14 @@ impl Write for Sock {
     }
 }
 
-/// Connects and negotiates, all within `limit`.
-fn open_socket(uri: &NbdUri, limit: Duration) -> io::Result<(Sock, Export)> {
-    if uri.tls {
-        return Err(io::Error::new(io::ErrorKind::Unsupported, "nbds:// (TLS to the upstream) is not supported yet"));
-    }
+/// Connects and negotiates (TLS first with `tls`), all within `limit`.
+fn open_socket(uri: &NbdUri, limit: Duration, tls: Option<&TlsClient>) -> io::Result<(Sock, Export)> {
     let mut sock = Sock::connect(&uri.address, limit)?;
-    let export = within(&mut sock, limit, |s| handshake(s, &uri.export))?;
-    Ok((sock, export))
+    let (export, session) = within(&mut sock, limit, |s| handshake_tls(s, &uri.export, tls))?;
+    match session {
+        None => Ok((sock, export)),
+        Some(session) => Ok((Sock::Tls(Arc::new(TlsStream::new_client(sock.into_stream(), session))), export)),
+    }
 }
 
 /// How a request ended.
@@ -626,13 +734,15 @@ pub struct Client {
     conns: Vec<Conn>,
     next: AtomicUsize,
     maybe_lost: Arc<AtomicBool>,
+    tls: Option<TlsClient>,
 }
 
 impl Client {
     /// Connects to the upstream and negotiates its export, opening every connection now (so a
     /// wrong URI fails at start-up, not on the first request).
     pub fn connect(uri: &NbdUri, opts: ClientOptions) -> io::Result<Client> {
-        let (sock, export) = open_socket(uri, opts.handshake_limit).map_err(|e| annotate(uri, e))?;
+        let tls = if uri.tls { Some(TlsClient::load(uri).map_err(|e| annotate(uri, e))?) } else { None };
+        let (sock, export) = open_socket(uri, opts.handshake_limit, tls.as_ref()).map_err(|e| annotate(uri, e))?;
         let wanted = opts.connections.unwrap_or(if export.can_multi_conn() { DEFAULT_CONNECTIONS } else { 1 }).max(1);
         let count = if wanted > 1 && !export.can_multi_conn() {
             tracing::warn!("the upstream {uri} does not advertise multi-conn; using one connection, not {wanted}");
@@ -647,6 +757,7 @@ impl Client {
             conns: (0..count).map(|index| Conn { index, state: Mutex::default() }).collect(),
             next: AtomicUsize::new(0),
             maybe_lost: Arc::default(),
+            tls,
         };
         let first = client.start_live(0, sock)?;
         client.conns[0].state.get_mut().unwrap_or_else(|e| e.into_inner()).live = Some(first);
@@ -691,7 +802,7 @@ impl Client {
 
     /// A new connection `index`, which must find the export as it was.
     fn reconnect(&self, index: usize) -> io::Result<Arc<Live>> {
-        let (sock, export) = open_socket(&self.uri, self.opts.handshake_limit)?;
+        let (sock, export) = open_socket(&self.uri, self.opts.handshake_limit, self.tls.as_ref())?;
         let same = export.size == self.export.size
             && export.read_only() == self.export.read_only()
             && export.min_block == self.export.min_block
@@ -949,7 +1060,7 @@ mod tests {
             write_reply(&mut s, flush.handle, 0, &[]).unwrap();
             assert_eq!(read_request(&mut s).unwrap().unwrap().command, CMD_DISC);
         });
-        let uri = NbdUri { address: Address::Unix(path), export: String::new(), tls: false };
+        let uri = NbdUri { address: Address::Unix(path), export: String::new(), tls: false, tls_certificates: None, tls_hostname: None };
         let client = Arc::new(Client::connect(&uri, ClientOptions { connections: Some(1), ..ClientOptions::default() }).unwrap());
         let readers: Vec<_> = (0..4u64)
             .map(|i| {

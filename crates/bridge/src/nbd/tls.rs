@@ -129,7 +129,7 @@ fn pem_error(path: &Path, e: pem::Error) -> TlsError {
 }
 
 /// Every certificate in a PEM file, in order; none is an error.
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+pub(crate) fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let text = read_file(path)?;
     let certs = CertificateDer::pem_slice_iter(&text).collect::<Result<Vec<_>, _>>().map_err(|e| pem_error(path, e))?;
     if certs.is_empty() {

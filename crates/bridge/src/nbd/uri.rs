@@ -5,7 +5,9 @@
 //! - `nbds://` and `nbds+unix://`: the same over TLS.
 //!
 //! The export name is the path after the first `/`, percent-decoded; an empty one asks for the
-//! server's default export.
+//! server's default export. With TLS, libnbd's `tls-certificates=DIR` names the directory
+//! holding `ca-cert.pem` (the CA the server's certificate must chain to) and `tls-hostname=NAME`
+//! the name it must carry (default: the URI's host; `localhost` over a Unix socket).
 
 use std::fmt;
 use std::path::PathBuf;
@@ -25,16 +27,31 @@ pub struct NbdUri {
     pub export: String,
     /// `nbds`: TLS is required.
     pub tls: bool,
+    /// `tls-certificates=DIR`: where `ca-cert.pem` is.
+    pub tls_certificates: Option<PathBuf>,
+    /// `tls-hostname=NAME`: the name the server's certificate must carry.
+    pub tls_hostname: Option<String>,
 }
 
 impl fmt::Display for NbdUri {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = if self.tls { "s" } else { "" };
         let export = encode(&self.export);
+        let mut query = Vec::new();
+        if let Address::Unix(path) = &self.address {
+            query.push(format!("socket={}", path.display()));
+        }
+        if let Some(dir) = &self.tls_certificates {
+            query.push(format!("tls-certificates={}", dir.display()));
+        }
+        if let Some(name) = &self.tls_hostname {
+            query.push(format!("tls-hostname={}", encode(name)));
+        }
+        let query = if query.is_empty() { String::new() } else { format!("?{}", query.join("&")) };
         match &self.address {
-            Address::Tcp { host, port } if host.contains(':') => write!(f, "nbd{s}://[{host}]:{port}/{export}"),
-            Address::Tcp { host, port } => write!(f, "nbd{s}://{host}:{port}/{export}"),
-            Address::Unix(path) => write!(f, "nbd{s}+unix:///{export}?socket={}", path.display()),
+            Address::Tcp { host, port } if host.contains(':') => write!(f, "nbd{s}://[{host}]:{port}/{export}{query}"),
+            Address::Tcp { host, port } => write!(f, "nbd{s}://{host}:{port}/{export}{query}"),
+            Address::Unix(_) => write!(f, "nbd{s}+unix:///{export}{query}"),
         }
     }
 }
@@ -68,12 +85,16 @@ pub fn parse(s: &str) -> Result<NbdUri, String> {
     };
     let export = decode(path).ok_or_else(|| format!("{s:?}: bad percent-encoding in the export name"))?;
     let mut socket = None;
+    let (mut tls_certificates, mut tls_hostname) = (None, None);
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
         let value = decode(value).ok_or_else(|| format!("{s:?}: bad percent-encoding in {key}="))?;
         match key {
             "socket" if unix => socket = Some(PathBuf::from(value)),
             "socket" => return Err(format!("{s:?}: socket= belongs to nbd+unix:// URIs")),
+            "tls-certificates" if tls => tls_certificates = Some(PathBuf::from(value)),
+            "tls-hostname" if tls => tls_hostname = Some(value),
+            "tls-certificates" | "tls-hostname" => return Err(format!("{s:?}: {key}= belongs to nbds:// URIs")),
             _ => return Err(format!("{s:?}: query parameter {key:?} is not supported")),
         }
     }
@@ -93,7 +114,7 @@ pub fn parse(s: &str) -> Result<NbdUri, String> {
         let (host, port) = split_host_port(authority).map_err(|e| format!("{s:?}: {e}"))?;
         Address::Tcp { host, port }
     };
-    Ok(NbdUri { address, export, tls })
+    Ok(NbdUri { address, export, tls, tls_certificates, tls_hostname })
 }
 
 fn split_host_port(authority: &str) -> Result<(String, u16), String> {
@@ -154,7 +175,7 @@ mod tests {
     use super::*;
 
     fn tcp(host: &str, port: u16, export: &str) -> NbdUri {
-        NbdUri { address: Address::Tcp { host: host.into(), port }, export: export.into(), tls: false }
+        NbdUri { address: Address::Tcp { host: host.into(), port }, export: export.into(), tls: false, tls_certificates: None, tls_hostname: None }
     }
 
     #[test]
@@ -166,7 +187,10 @@ mod tests {
         assert_eq!(parse("nbd://[::1]").unwrap(), tcp("::1", 10809, ""));
         assert_eq!(parse("NBD://h/my%20vol").unwrap(), tcp("h", 10809, "my vol"));
         let u = parse("nbd+unix:///vol?socket=/run/nbd.sock").unwrap();
-        assert_eq!(u, NbdUri { address: Address::Unix("/run/nbd.sock".into()), export: "vol".into(), tls: false });
+        assert_eq!(u, NbdUri { address: Address::Unix("/run/nbd.sock".into()), export: "vol".into(), tls: false, tls_certificates: None, tls_hostname: None });
+        let t = parse("nbds://h/x?tls-certificates=/etc/pki/nbd&tls-hostname=store").unwrap();
+        assert_eq!((t.tls_certificates.as_deref(), t.tls_hostname.as_deref()), (Some(std::path::Path::new("/etc/pki/nbd")), Some("store")));
+        assert_eq!(parse(&t.to_string()).unwrap(), t);
         assert_eq!(parse("nbd+unix://?socket=/s").unwrap().export, "");
         assert!(parse("nbds://h/x").unwrap().tls);
         assert!(parse("nbds+unix:///?socket=/s").unwrap().tls);
@@ -187,6 +211,7 @@ mod tests {
             "nbd://u@h/x",
             "nbd://h/x?socket=/s",
             "nbd://h/x?foo=1",
+            "nbd://h/x?tls-certificates=/d",
             "nbd://h/%zz",
             "nbd://h/x#frag",
             "nbd+unix:///x",

@@ -57,7 +57,8 @@ pub enum BackingError {
 
 enum Store {
     File(file::FileBacking),
-    Nbd(nbd::NbdBacking),
+    /// Boxed: the client is much larger than a file.
+    Nbd(Box<nbd::NbdBacking>),
 }
 
 pub struct Backing {
@@ -81,7 +82,7 @@ impl Backing {
     /// sizes must suit `opts`.
     pub fn connect(uri: &NbdUri, opts: &BackingOptions, remote: &RemoteOptions) -> Result<Self, BackingError> {
         let n = nbd::NbdBacking::connect(uri, opts, remote)?;
-        Ok(Self { size: n.size(), store: Store::Nbd(n), offset: 0 })
+        Ok(Self { size: n.size(), store: Store::Nbd(Box::new(n)), offset: 0 })
     }
 
     pub fn size(&self) -> u64 {

@@ -327,6 +327,8 @@ fn luks2_store(dev: &HeaderDevice, h: &Luks2Header, id: u32, key: &[u8], passphr
     drop(material);
     encrypt_area(&area_cipher, &derived, &mut area[..material_len])?;
     let mut json = h.json.clone();
+    // A keyslot rewritten under its id keeps its priority (cryptsetup rewrites the object in place).
+    let priority = json["keyslots"].get(id.to_string()).and_then(|k| k.get("priority")).cloned();
     json["keyslots"][id.to_string()] = serde_json::json!({
         "type": "luks2",
         "key_size": key.len(),
@@ -334,6 +336,9 @@ fn luks2_store(dev: &HeaderDevice, h: &Luks2Header, id: u32, key: &[u8], passphr
         "area": {"type": "raw", "offset": area_offset.to_string(), "size": area_size.to_string(), "encryption": area_cipher, "key_size": area_key},
         "kdf": params.kdf.luks2_json(&salt),
     });
+    if let Some(p) = priority {
+        json["keyslots"][id.to_string()]["priority"] = p;
+    }
     if !digest.keyslots.contains(&id) {
         let slots = json["digests"][digest_id.to_string()]["keyslots"]
             .as_array_mut()
@@ -489,6 +494,25 @@ mod tests {
         let h = Header::read(&f).unwrap();
         assert_eq!(h.active_keyslots(), vec![0]);
         assert!(h.unlock(&f, b"first", None).is_ok());
+    }
+
+    #[test]
+    fn a_keyslot_changed_in_place_keeps_its_priority() {
+        let dir = tempfile::tempdir().unwrap();
+        let (f, _) = volume(dir.path(), 2, Kdf::Pbkdf2 { hash: Hash::Sha256, iterations: 1000 });
+        let Header::Luks2(h) = Header::read(&f).unwrap() else { panic!() };
+        let mut json = h.json.clone();
+        json["keyslots"]["0"]["priority"] = serde_json::json!(2);
+        let (p, s) = luks2::encode_copies(&h.binary, &json).unwrap();
+        f.write_all_at(&p, 0).unwrap();
+        f.write_all_at(&s, h.binary.hdr_size).unwrap();
+        let h = Header::read(&f).unwrap();
+        let key = h.unlock(&f, b"first", None).unwrap().volume_key;
+        let dev = HeaderDevice { file: &f, name: "v.img", detached: false };
+        assert_eq!(change(&dev, &h, &key, 0, b"other", true, &pbkdf2()).unwrap(), 0);
+        let Header::Luks2(h) = Header::read(&f).unwrap() else { panic!() };
+        assert_eq!(h.keyslots[&0].priority, 2);
+        assert!(Header::Luks2(h).unlock(&f, b"other", None).is_ok());
     }
 
     #[test]

@@ -185,8 +185,19 @@ mod tests {
         // SAFETY: getrlimit writes into the struct given.
         assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) }, 0);
         let s = Secret::new(64);
-        if lim.rlim_cur >= 1 << 20 {
-            assert!(s.is_locked(), "a 64-byte secret under a {} byte limit", lim.rlim_cur);
+        // With a finite limit, other tests' secrets in this process may use it up: a refusal
+        // then is the documented warning, not a failure.
+        // CAP_IPC_LOCK (bit 14 of the effective set) lifts the limit.
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let cap_ipc_lock = status
+            .lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+            .is_some_and(|caps| caps & (1 << 14) != 0);
+        if lim.rlim_cur == libc::RLIM_INFINITY || cap_ipc_lock {
+            assert!(s.is_locked(), "no memory-lock limit applies, yet the lock was refused");
+        } else {
+            eprintln!("SKIPPED the lock assertion: RLIMIT_MEMLOCK is {} bytes, shared with the other tests", lim.rlim_cur);
         }
     }
 }

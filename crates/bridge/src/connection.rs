@@ -253,7 +253,7 @@ impl Connection {
 
     /// Reads, checks and admits requests, running quick ones here, until a slow one comes
     /// (returned) or the connection ends (`None`).
-    fn read_until_slow(&self, side: &mut ReadSide) -> Option<Slow> {
+    fn read_until_slow(self: &Arc<Self>, side: &mut ReadSide) -> Option<Slow> {
         let ReadSide { inbound, batch, after_quick, ended } = side;
         if *ended {
             return None;
@@ -321,6 +321,10 @@ impl Connection {
                 || self.is_broken(),
             );
             let Some(permit) = permit else { break };
+            if request.command == CMD_READ && pipeline.reads_async(request.offset, request.length as usize) {
+                self.read_async(request, permit);
+                continue;
+            }
             let payload = if request.command == CMD_WRITE {
                 match pipeline.buffer(request.length as usize) {
                     Ok(mut buf) => {
@@ -363,6 +367,38 @@ impl Connection {
     fn reply(&self, r: &Request, error: u32, body: Body, permit: Option<Permit>) -> Reply {
         let structured = self.rules.negotiated.structured && matches!(r.command, CMD_READ | CMD_BLOCK_STATUS);
         Reply { handle: r.handle, error, body, chunk_at: structured.then_some(r.offset), _permit: permit }
+    }
+
+    /// A READ from an upstream NBD export, sent without waiting for it: the thread that
+    /// receives the upstream's answer makes and sends the reply (decrypting as it sends), so no
+    /// I/O thread sleeps on the network and the reading thread goes on reading. Without it a
+    /// small read woke three threads in turn (docs/bench/2026-11-25-remote.md).
+    fn read_async(self: &Arc<Self>, r: Request, permit: Permit) {
+        let conn = Arc::clone(self);
+        self.server.pipeline().read_sealed_async(r.offset, r.length as usize, move |result| {
+            let reply = match result {
+                Ok(sealed) => conn.reply(&r, 0, Body::Sealed(sealed), Some(permit)),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                    // Lost with its upstream connection: resent, with the retries, on an I/O
+                    // thread (on this one if none can be had).
+                    let again = Arc::clone(&conn);
+                    let job: Job = Box::new(move |reading| {
+                        drop(reading);
+                        let reply = again.execute(r, None, permit);
+                        again.deliver(Some(reply));
+                    });
+                    if let Err(job) = conn.server.pool().submit(job) {
+                        job(Reading::outside());
+                    }
+                    return;
+                }
+                Err(e) => {
+                    tracing::error!(conn = conn.id, request = ?r, "I/O error: {e}");
+                    conn.reply(&r, errno_of(&e), Body::Empty, Some(permit))
+                }
+            };
+            conn.deliver(Some(reply));
+        });
     }
 
     fn execute(&self, r: Request, mut payload: Option<PooledBuf>, permit: Permit) -> Reply {

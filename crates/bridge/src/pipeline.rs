@@ -128,6 +128,26 @@ impl Pipeline {
         Ok(SealedRead { buf, first_sector: start / self.sector_size, start: (offset - start) as usize, len })
     }
 
+    /// Whether [`Pipeline::read_sealed_async`] takes a read of `len` bytes at `offset`: an
+    /// upstream export, and the covering sectors within its largest request.
+    pub fn reads_async(&self, offset: u64, len: usize) -> bool {
+        let (start, end) = self.span(offset, len as u64);
+        (end - start) as usize <= self.backing.max_async_read()
+    }
+
+    /// [`Pipeline::read_sealed`] without waiting: `done` gets the ciphertext when the upstream
+    /// answers, on the thread that received the reply. `Interrupted`: lost with its connection,
+    /// to be resent with [`Pipeline::read_sealed`].
+    pub fn read_sealed_async(&self, offset: u64, len: usize, done: impl FnOnce(io::Result<SealedRead>) + Send + 'static) {
+        let (start, end) = self.span(offset, len as u64);
+        let buf = match self.pool.get((end - start) as usize) {
+            Ok(buf) => buf,
+            Err(e) => return done(Err(e)),
+        };
+        let (first_sector, at) = (start / self.sector_size, (offset - start) as usize);
+        self.backing.read_async(buf, start, move |r| done(r.map(|buf| SealedRead { buf, first_sector, start: at, len })));
+    }
+
     /// Decrypts `sealed` on this thread a piece at a time and hands each piece of the requested
     /// bytes to `sink` as soon as it is plaintext.
     ///

@@ -14,6 +14,7 @@ use thiserror::Error;
 pub use file::CREATED_FILE_MODE;
 pub use crate::nbd::client::ClientOptions as RemoteOptions;
 
+use crate::aligned::PooledBuf;
 use crate::nbd::client::Export;
 use crate::nbd::uri::NbdUri;
 
@@ -160,6 +161,26 @@ impl Backing {
                 f.flush()
             }
             Store::Nbd(n) => n.write_at(buf, self.offset + offset, true),
+        }
+    }
+
+    /// The largest read [`Backing::read_async`] takes: reads complete asynchronously only on an
+    /// upstream export (0: never).
+    pub fn max_async_read(&self) -> usize {
+        match &self.store {
+            Store::File(_) => 0,
+            Store::Nbd(n) => n.max_async_read(),
+        }
+    }
+
+    /// Starts a read of `buf.len()` bytes at `offset` (at most [`Backing::max_async_read`]);
+    /// `done` runs with the filled buffer when it completes, on the thread that received the
+    /// reply. An `Interrupted` error means the read was lost with its connection: resend it
+    /// with [`Backing::read_at`].
+    pub fn read_async(&self, buf: PooledBuf, offset: u64, done: impl FnOnce(io::Result<PooledBuf>) + Send + 'static) {
+        match &self.store {
+            Store::Nbd(n) => n.read_async(buf, self.offset + offset, done),
+            Store::File(_) => done(Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))),
         }
     }
 

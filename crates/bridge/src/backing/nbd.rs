@@ -5,6 +5,7 @@
 use std::io;
 
 use super::{BackingError, BackingOptions, RemoteOptions};
+use crate::aligned::PooledBuf;
 use crate::nbd::client::{Client, Export};
 use crate::nbd::uri::NbdUri;
 
@@ -81,6 +82,14 @@ impl NbdBacking {
 
     pub fn flush(&self) -> io::Result<()> {
         self.client.flush()
+    }
+
+    pub fn max_async_read(&self) -> usize {
+        self.client.export().max_request() as usize
+    }
+
+    pub fn read_async(&self, buf: PooledBuf, offset: u64, done: impl FnOnce(io::Result<PooledBuf>) + Send + 'static) {
+        self.client.read_async(offset, buf, done)
     }
 
     pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {

@@ -33,6 +33,7 @@ use super::handshake::{
 use super::request::io_error_of;
 use super::transmission::{encode_request, parse_reply_header, write_all_vectored, Request, REPLY_HEADER_LEN};
 use super::uri::{Address, NbdUri};
+use crate::aligned::PooledBuf;
 use crate::stream::Stream;
 use crate::tls_stream::TlsStream;
 use super::*;
@@ -467,18 +468,29 @@ unsafe impl Sync for ReadInto {}
 /// thread writes into it only after removing the slot from the pending map and before completing
 /// it, and every slot that was put into the map is completed exactly once: by the reader on its
 /// reply, or as `Lost` when the connection dies (`Live::die` empties the map under the same lock
-/// that admits slots), or by `Completion`'s drop should the reader stop half way.
+/// that admits slots), or by `Completion`'s drop should the reader stop half way. An
+/// asynchronous request's buffer is owned by its continuation (`then`) instead of a waiting
+/// caller, which runs only at completion, after the last write into the buffer.
 struct Slot {
     outcome: Mutex<Option<Outcome>>,
     ready: Condvar,
+    /// An asynchronous request's continuation, run by whichever thread completes the slot
+    /// (instead of waking a waiter). It owns the read buffer `read` points into.
+    then: Mutex<Option<Then>>,
     read: Option<ReadInto>,
     /// A WRITE, TRIM or WRITE_ZEROES: its acknowledgement counts in `Live::acked_writes`.
     write: bool,
     sent: Instant,
 }
 
+type Then = Box<dyn FnOnce(Outcome) + Send>;
+
 impl Slot {
     fn complete(&self, outcome: Outcome) {
+        if let Some(then) = self.then.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            then(outcome);
+            return;
+        }
         *self.outcome.lock().unwrap_or_else(|e| e.into_inner()) = Some(outcome);
         self.ready.notify_one();
     }
@@ -620,9 +632,9 @@ impl Live {
 
     /// Sends one request; the returned slot completes with its outcome (`Lost` if the connection
     /// is or goes down).
-    fn send(&self, request: &mut Request, payload: &[u8], read: Option<ReadInto>) -> Arc<Slot> {
+    fn send(&self, request: &mut Request, payload: &[u8], read: Option<ReadInto>, then: Option<Then>) -> Arc<Slot> {
         let write = matches!(request.command, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
-        let slot = Arc::new(Slot { outcome: Mutex::new(None), ready: Condvar::new(), read, write, sent: Instant::now() });
+        let slot = Arc::new(Slot { outcome: Mutex::new(None), ready: Condvar::new(), then: Mutex::new(then), read, write, sent: Instant::now() });
         request.handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
         {
             let mut p = self.lock_pending();
@@ -853,7 +865,7 @@ impl Client {
                     Some(live) => {
                         let mut request = Request { flags: op.flags, command: op.command, handle: 0, offset: op.offset, length: op.length };
                         let flushed_upto = live.acked_writes.load(Ordering::SeqCst);
-                        let slot = live.send(&mut request, op.payload, op.read);
+                        let slot = live.send(&mut request, op.payload, op.read, None);
                         waiting.push((op, slot, live, flushed_upto));
                     }
                     None => lost.push(op),
@@ -915,6 +927,34 @@ impl Client {
             .collect();
         // `buf` stays borrowed mutably until `run` returns, after every op has completed.
         self.run(ops)
+    }
+
+    /// Starts reading `buf.len()` bytes at `offset` (at most [`Export::max_request`]) and
+    /// returns at once; `done` gets the buffer back with the data, on the connection's reply
+    /// reader (or on this thread, should the request not go out). A request lost with its
+    /// connection is not resent here: `done` gets an `Interrupted` error, and the caller resends
+    /// it with [`Client::read`], which retries.
+    pub fn read_async(&self, offset: u64, mut buf: PooledBuf, done: impl FnOnce(io::Result<PooledBuf>) + Send + 'static) {
+        let len = buf.len();
+        debug_assert!(len <= self.export.max_request() as usize);
+        let into = ReadInto { ptr: buf.as_mut_ptr(), len };
+        // The continuation owns the buffer: a PooledBuf's bytes are on the heap, so `into` stays
+        // valid while it moves, and nothing else touches them until the continuation runs.
+        let then: Then = Box::new(move |outcome| {
+            done(match outcome {
+                Outcome::Done => Ok(buf),
+                Outcome::Errno(ESHUTDOWN) | Outcome::Lost => Err(io::Error::new(io::ErrorKind::Interrupted, "upstream connection lost")),
+                Outcome::Errno(e) => Err(io_error_of(e)),
+            })
+        });
+        let index = self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
+        match self.live(index) {
+            Some(live) => {
+                let mut request = Request { flags: 0, command: CMD_READ, handle: 0, offset, length: len as u32 };
+                live.send(&mut request, &[], Some(into), Some(then));
+            }
+            None => then(Outcome::Lost),
+        }
     }
 
     /// Writes `buf` at `offset`; with `fua`, durable before this returns (NBD_CMD_FLAG_FUA, or a

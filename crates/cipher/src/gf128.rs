@@ -941,6 +941,13 @@ pub(crate) mod x86 {
             unsafe { WideV { lo: self.lo.xor(o.lo), mid: self.mid.xor(o.mid), hi: self.hi.xor(o.hi) } }
         }
 
+        /// a * b lane-wise (schoolbook: four carry-less multiplies).
+        #[inline(always)]
+        unsafe fn mul(a: V, b: V) -> Self {
+            // SAFETY: inlined into a function of V's level.
+            unsafe { WideV { lo: a.clmul_lo_lo(b), mid: a.clmul_hi_lo(b).xor(a.clmul_lo_hi(b)), hi: a.clmul_hi_hi(b) } }
+        }
+
         /// a * b lane-wise with Karatsuba: three carry-less multiplies (the middle one on the
         /// XOR of each operand's halves) and a few shuffles and XORs, which are cheaper than the
         /// fourth multiply where carry-less multiplies are the scarce resource.
@@ -1190,7 +1197,7 @@ pub(crate) mod x86 {
                     }
                 }
                 let [x1, x2, x3, x4] = V::load_transposed(ptrs);
-                let mut z = WideV::mul_k(self.t1.xor(x1), self.t2.xor(x2));
+                let mut z = WideV::mul(self.t1.xor(x1), self.t2.xor(x2));
                 z.lo = z.lo.xor(x3);
                 PartsGroup { z, v: x4, x4 }
             }
@@ -1231,7 +1238,7 @@ pub(crate) mod x86 {
         #[inline(always)]
         pub(crate) unsafe fn group_keep<const L: usize>(&mut self, s: PartsGroup<V>) {
             // SAFETY: inlined into a function of V's level.
-            self.pending[L] = unsafe { WideV::mul_k(s.v, splat::<V>(self.p[L + 2]).xor(s.x4)) };
+            self.pending[L] = unsafe { WideV::mul(s.v, splat::<V>(self.p[L + 2]).xor(s.x4)) };
         }
 
         /// Phase 3: a left child waits as its product with the parent's multiplier; group Q - 1
@@ -1244,7 +1251,7 @@ pub(crate) mod x86 {
             } else {
                 let l = q.trailing_ones() as usize;
                 // SAFETY: inlined into a function of V's level.
-                self.pending[l] = unsafe { WideV::mul_k(s.v, splat::<V>(self.p[l + 2]).xor(s.x4)) };
+                self.pending[l] = unsafe { WideV::mul(s.v, splat::<V>(self.p[l + 2]).xor(s.x4)) };
             }
         }
 

@@ -77,6 +77,9 @@ pub(crate) trait AesVec: Copy {
     unsafe fn swap_qwords(self) -> Self;
     /// Per lane: shift right by 8 bytes (the high qword moves to the low one).
     unsafe fn lane_shr8(self) -> Self;
+    /// Per lane: the low qword of `self` times the high qword of `k`, carry-less (PCLMULQDQ
+    /// 0x10).
+    unsafe fn clmul_lo_hi(self, k: Self) -> Self;
     /// Per lane: the high qwords of both, carry-less (PCLMULQDQ 0x11).
     unsafe fn clmul_hi_hi(self, k: Self) -> Self;
     /// From two registers holding pairs (A_i, B_i) block by block, A_1 B_1 A_2 B_2 ... through
@@ -310,6 +313,10 @@ impl AesVec for Xmm {
         Xmm(unsafe { _mm_bsrli_si128::<8>(self.0) })
     }
     #[inline(always)]
+    unsafe fn clmul_lo_hi(self, k: Self) -> Self {
+        Xmm(unsafe { _mm_clmulepi64_si128::<0x10>(self.0, k.0) })
+    }
+    #[inline(always)]
     unsafe fn clmul_hi_hi(self, k: Self) -> Self {
         Xmm(unsafe { _mm_clmulepi64_si128::<0x11>(self.0, k.0) })
     }
@@ -492,6 +499,10 @@ impl AesVec for Ymm {
         Ymm(unsafe { _mm256_bsrli_epi128::<8>(self.0) })
     }
     #[inline(always)]
+    unsafe fn clmul_lo_hi(self, k: Self) -> Self {
+        Ymm(unsafe { _mm256_clmulepi64_epi128::<0x10>(self.0, k.0) })
+    }
+    #[inline(always)]
     unsafe fn clmul_hi_hi(self, k: Self) -> Self {
         Ymm(unsafe { _mm256_clmulepi64_epi128::<0x11>(self.0, k.0) })
     }
@@ -671,6 +682,10 @@ impl AesVec for Zmm {
     #[inline(always)]
     unsafe fn lane_shr8(self) -> Self {
         Zmm(unsafe { _mm512_bsrli_epi128::<8>(self.0) })
+    }
+    #[inline(always)]
+    unsafe fn clmul_lo_hi(self, k: Self) -> Self {
+        Zmm(unsafe { _mm512_clmulepi64_epi128::<0x10>(self.0, k.0) })
     }
     #[inline(always)]
     unsafe fn clmul_hi_hi(self, k: Self) -> Self {

@@ -266,9 +266,17 @@ mod tests {
     fn a_panicking_job_costs_only_itself() {
         let pool = Pool::new(1, Duration::from_secs(5));
         let done = Arc::new(AtomicUsize::new(0));
-        assert!(pool.submit(Box::new(|_| panic!("test panic in a job"))).is_ok());
-        // The panic dropped the job's reading mark; the thread lives on, idle.
-        wait_for("the panicked job's reading mark to go", || pool.readers.load(SeqCst) == 0);
+        let started = Arc::new(AtomicUsize::new(0));
+        let s = started.clone();
+        assert!(pool.submit(Box::new(move |_| {
+            s.fetch_add(1, SeqCst);
+            panic!("test panic in a job")
+        }))
+        .is_ok());
+        // The panic dropped the job's reading mark; the thread lives on, idle. (Waiting for the
+        // mark alone could pass before the job even started, under emulation, and the next
+        // submit would then find the thread busy and start a second one.)
+        wait_for("the panicked job's reading mark to go", || started.load(SeqCst) == 1 && pool.readers.load(SeqCst) == 0);
         assert_eq!(pool.threads(), 1);
         let d = done.clone();
         assert!(pool.submit(Box::new(move |_| { d.fetch_add(1, SeqCst); })).is_ok());

@@ -486,7 +486,12 @@ fn read_new_passphrase(key_file: Option<&std::path::Path>, name: &str) -> Result
     if key_file.is_some() || !std::io::stdin().is_terminal() {
         return passphrase::read(key_file, "");
     }
-    let first = passphrase::read(None, &format!("Enter passphrase for {name}: "))?;
+    typed_twice(&format!("Enter passphrase for {name}: "))
+}
+
+/// A new passphrase typed on the terminal after `prompt`, then again to confirm it.
+fn typed_twice(prompt: &str) -> Result<Secret> {
+    let first = passphrase::read(None, prompt)?;
     let again = passphrase::read(None, "Verify passphrase: ")?;
     if first != again {
         bail!("passphrases do not match");
@@ -683,15 +688,7 @@ fn read_new_passphrase_prompt(key_file: Option<&std::path::Path>, prompt: &str) 
         }
         return passphrase::read(key_file, "");
     }
-    let first = passphrase::read(None, prompt)?;
-    let again = passphrase::read(None, "Verify passphrase: ")?;
-    if first != again {
-        bail!("passphrases do not match");
-    }
-    if first.is_empty() {
-        bail!("an empty passphrase is refused");
-    }
-    Ok(first)
+    typed_twice(prompt)
 }
 
 fn test_passphrase(a: TestPassphraseArgs) -> Result<ExitCode> {

@@ -275,3 +275,19 @@ try:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "cryptbridge"))
 except ImportError:  # pragma: no cover
     pass
+
+
+def pty_read_until(fd: int, seen: bytes, needle: bytes, timeout: float) -> bytes:
+    """Appends what the pseudo-terminal `fd` prints to `seen` until `needle` shows, the terminal
+    closes or `timeout` seconds pass, and returns it (the caller asserts on it)."""
+    import select
+
+    deadline = time.monotonic() + timeout
+    while needle not in seen and time.monotonic() < deadline:
+        r, _, _ = select.select([fd], [], [], 0.2)
+        if r:
+            try:
+                seen += os.read(fd, 4096)
+            except OSError:
+                break
+    return seen

@@ -27,7 +27,7 @@ from typing import Optional
 
 import pytest
 
-from conftest import MiB, Bridge, assert_no_panic, require_binary, run
+from conftest import MiB, Bridge, assert_no_panic, pty_read_until, require_binary, run
 from nbd_client import NBDClient
 from reference.xts_ref import xts_decrypt
 
@@ -520,7 +520,6 @@ def test_passphrase_prompt_on_a_terminal_without_echo(ws):
     """Without --key-file on a terminal: a prompt, the typed passphrase not echoed, the line's
     newline not part of it."""
     import pty
-    import select
     import termios
 
     img = sparse(ws.tmp / "v.img", 20 * MiB)
@@ -535,14 +534,7 @@ def test_passphrase_prompt_on_a_terminal_without_echo(ws):
 
     def read_until(needle: bytes, timeout: float = 30) -> None:
         nonlocal seen
-        deadline = time.monotonic() + timeout
-        while needle not in seen and time.monotonic() < deadline:
-            r, _, _ = select.select([fd], [], [], 0.2)
-            if r:
-                try:
-                    seen += os.read(fd, 4096)
-                except OSError:
-                    break
+        seen = pty_read_until(fd, seen, needle, timeout)
         assert needle in seen, seen
 
     try:

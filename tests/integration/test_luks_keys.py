@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MiB, assert_no_panic, cb, require_binary
+from conftest import MiB, assert_no_panic, cb, pty_read_until, require_binary
 from test_luks import FAST_ARGON, FAST_PBKDF2, PASS, cryptsetup, data_layout, luks_format, serve_luks, sparse, volume_key, write_file
 
 # (id, luksFormat options, options for our new keyslots)
@@ -297,14 +297,7 @@ def on_a_terminal(argv: list, answer: bytes, expect_prompt: bytes) -> tuple[int,
         os.execv(argv[0], argv)
     seen = b""
     try:
-        deadline = time.monotonic() + 60
-        while expect_prompt not in seen and time.monotonic() < deadline:
-            r, _, _ = select.select([fd], [], [], 0.2)
-            if r:
-                try:
-                    seen += os.read(fd, 4096)
-                except OSError:
-                    break
+        seen = pty_read_until(fd, seen, expect_prompt, 60)
         assert expect_prompt in seen, seen
         os.write(fd, answer)
         while True:

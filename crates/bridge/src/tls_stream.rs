@@ -252,18 +252,6 @@ pub(crate) mod tests {
         cert_dir(&[("ca-cert.pem", "ca-cert.pem"), ("server-cert.pem", "server-cert.pem"), ("server-key.pem", "server-key.pem")])
     }
 
-    fn export() -> ExportInfo {
-        ExportInfo {
-            name: "x".into(),
-            description: String::new(),
-            size: 1 << 20,
-            transmission_flags: TFLAG_HAS_FLAGS,
-            min_block: 1,
-            preferred_block: 4096,
-            max_block: 1 << 25,
-        }
-    }
-
     pub(crate) fn client_config(with_cert: bool) -> Arc<rustls::ClientConfig> {
         let mut roots = rustls::RootCertStore::empty();
         roots.add(CertificateDer::from_pem_file(fixture("ca-cert.pem")).unwrap()).unwrap();
@@ -321,7 +309,7 @@ pub(crate) mod tests {
         let total: usize = sizes.iter().sum();
         let server = std::thread::spawn(move || {
             let mut stream = Stream::Unix(server);
-            let (outcome, session) = negotiate_tls_within(&mut stream, &export(), Duration::from_secs(30), Some(&policy)).unwrap();
+            let (outcome, session) = negotiate_tls_within(&mut stream, &crate::nbd::handshake::tests::export(), Duration::from_secs(30), Some(&policy)).unwrap();
             assert!(matches!(outcome, Outcome::Transmission(_)), "{outcome:?}");
             let stream = Arc::new(Stream::Tls(Box::new(TlsStream::new(stream, session.expect("a TLS session")))));
             let (tx, rx) = mpsc::channel::<Vec<u8>>();
@@ -396,7 +384,7 @@ pub(crate) mod tests {
             let policy = Arc::clone(&policy);
             std::thread::spawn(move || {
                 let mut stream = Stream::Unix(sock);
-                negotiate_tls_within(&mut stream, &export(), Duration::from_secs(30), Some(&policy)).map(|(o, s)| (o, s.is_some()))
+                negotiate_tls_within(&mut stream, &crate::nbd::handshake::tests::export(), Duration::from_secs(30), Some(&policy)).map(|(o, s)| (o, s.is_some()))
             })
         };
         let (server, mut c) = UnixStream::pair().unwrap();

@@ -558,10 +558,11 @@ pub(crate) fn read_u64<R: Read>(r: &mut R) -> io::Result<u64> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn export() -> ExportInfo {
+    /// A small export for handshake tests (also the TLS tests in `tls_stream`).
+    pub(crate) fn export() -> ExportInfo {
         ExportInfo {
             name: "x".into(),
             description: String::new(),

@@ -26,8 +26,9 @@ use crate::nbd::{
     Negotiated, BASE_ALLOCATION_ID, CMD_BLOCK_STATUS, CMD_CACHE, CMD_FLAG_FUA, CMD_FLAG_REQ_ONE, CMD_FLUSH, CMD_READ, CMD_TRIM,
     CMD_WRITE, CMD_WRITE_ZEROES, EINVAL, ENOMEM,
 };
-use crate::pipeline::{Pipeline, ReadData, SealedRead};
+use crate::pipeline::{AsyncWrite, Pipeline, ReadData, SealedRead};
 use crate::pool::{Job, Reading};
+use crate::range_lock::RangeGuard;
 use crate::server::{Server, Slot};
 use crate::stream::{Inbound, Stream};
 
@@ -86,6 +87,8 @@ struct Slow {
     request: Request,
     payload: Option<PooledBuf>,
     permit: Permit,
+    /// Its place in the order of writes (see `Pipeline::reserve`).
+    held: Option<RangeGuard>,
 }
 
 #[derive(Default)]
@@ -243,7 +246,7 @@ impl Connection {
             if handed_on {
                 drop(reading.take()); // from here this thread runs a request, it does not read
             }
-            let reply = self.execute(slow.request, slow.payload, slow.permit);
+            let reply = self.execute(slow.request, slow.payload, slow.permit, slow.held);
             self.deliver(Some(reply));
             if handed_on {
                 return;
@@ -325,7 +328,7 @@ impl Connection {
                 self.read_async(request, permit);
                 continue;
             }
-            let payload = if request.command == CMD_WRITE {
+            let mut payload = if request.command == CMD_WRITE {
                 match pipeline.buffer(request.length as usize) {
                     Ok(mut buf) => {
                         if let Err(e) = inbound.read_exact(&self.stream, &mut buf) {
@@ -347,15 +350,30 @@ impl Connection {
             } else {
                 None
             };
+            // On an upstream export, writes (and FLUSH, which waits for them) take their place
+            // in order now, as read: they complete out of order, and a later write to the same
+            // sectors must not overtake an earlier one.
+            let ordered = !quick && pipeline.orders_writes() && matches!(request.command, CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM | CMD_FLUSH);
+            let mut held = ordered.then(|| pipeline.reserve(request.offset, u64::from(request.length), request.command == CMD_FLUSH));
+            let fua = request.flags & CMD_FLAG_FUA != 0;
+            if request.command == CMD_WRITE
+                && held.as_ref().is_some_and(RangeGuard::is_held)
+                && pipeline.writes_async(request.offset, request.length as usize, fua)
+            {
+                if let (Some(buf), Some(g)) = (payload.take(), held.take()) {
+                    self.write_async(request, buf, g, permit);
+                    continue;
+                }
+            }
             if quick {
                 // Runs here, keeping the read side: handing it on costs a wake-up, which on a
                 // small machine costs more than the request.
-                batch.push(self.execute(request, payload, permit));
+                batch.push(self.execute(request, payload, permit, None));
                 *after_quick = true;
                 continue;
             }
             self.deliver(batch.drain());
-            return Some(Slow { request, payload, permit });
+            return Some(Slow { request, payload, permit, held });
         }
         *ended = true;
         self.deliver(batch.drain());
@@ -384,7 +402,7 @@ impl Connection {
                     let again = Arc::clone(&conn);
                     let job: Job = Box::new(move |reading| {
                         drop(reading);
-                        let reply = again.execute(r, None, permit);
+                        let reply = again.execute(r, None, permit, None);
                         again.deliver(Some(reply));
                     });
                     if let Err(job) = conn.server.pool().submit(job) {
@@ -401,7 +419,60 @@ impl Connection {
         });
     }
 
-    fn execute(&self, r: Request, mut payload: Option<PooledBuf>, permit: Permit) -> Reply {
+    /// A WRITE to an upstream export, sent without waiting (see `read_async`): the upstream's
+    /// reply reader answers the client once the upstream has acknowledged it, and only then.
+    /// `held` holds the write's sectors until that acknowledgement. A write lost with its
+    /// upstream connection is resent, still holding them, on a thread of its own: the I/O
+    /// threads may all be waiting for sectors it holds.
+    fn write_async(self: &Arc<Self>, r: Request, payload: PooledBuf, held: RangeGuard, permit: Permit) {
+        let conn = Arc::clone(self);
+        let fua = r.flags & CMD_FLAG_FUA != 0;
+        self.server.pipeline().write_async(held, r.offset, payload, fua, move |end| {
+            let result = match end {
+                AsyncWrite::Done(result) => result,
+                AsyncWrite::Lost(lost) => {
+                    let again = Arc::clone(&conn);
+                    let resend = move || {
+                        let result = again.server.pipeline().resend(lost);
+                        let reply = again.answer(&r, result, permit);
+                        again.deliver(Some(reply));
+                    };
+                    // The closure waits in a slot so that it survives a failed start.
+                    let slot = Arc::new(Mutex::new(Some(resend)));
+                    let theirs = Arc::clone(&slot);
+                    let spawned = std::thread::Builder::new().name("nbd-resend".into()).spawn(move || {
+                        let f = theirs.lock().unwrap_or_else(|e| e.into_inner()).take();
+                        if let Some(f) = f {
+                            f();
+                        }
+                    });
+                    if spawned.is_err() {
+                        // No thread to be had: resend on this one.
+                        let f = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+                        if let Some(f) = f {
+                            f();
+                        }
+                    }
+                    return;
+                }
+            };
+            let reply = conn.answer(&r, result, permit);
+            conn.deliver(Some(reply));
+        });
+    }
+
+    /// The reply to a request that carries no data, from how it ended.
+    fn answer(&self, r: &Request, result: io::Result<()>, permit: Permit) -> Reply {
+        match result {
+            Ok(()) => self.reply(r, 0, Body::Empty, Some(permit)),
+            Err(e) => {
+                tracing::error!(conn = self.id, request = ?r, "I/O error: {e}");
+                self.reply(r, errno_of(&e), Body::Empty, Some(permit))
+            }
+        }
+    }
+
+    fn execute(&self, r: Request, mut payload: Option<PooledBuf>, permit: Permit, held: Option<RangeGuard>) -> Reply {
         let pipeline = self.server.pipeline();
         let fua = r.flags & CMD_FLAG_FUA != 0;
         let reply = |error, body| self.reply(&r, error, body, Some(permit));
@@ -415,12 +486,12 @@ impl Connection {
                 Err(e) => Err(e),
             },
             CMD_WRITE => match payload.as_mut() {
-                Some(payload) => pipeline.write(r.offset, payload, fua),
+                Some(payload) => pipeline.write_held(held, r.offset, payload, fua),
                 None => Err(io::Error::from_raw_os_error(libc::EINVAL)),
             },
-            CMD_WRITE_ZEROES => pipeline.write_zeroes(r.offset, u64::from(r.length), fua),
-            CMD_TRIM => pipeline.discard(r.offset, u64::from(r.length), fua),
-            CMD_FLUSH => pipeline.flush(),
+            CMD_WRITE_ZEROES => pipeline.write_zeroes_held(held, r.offset, u64::from(r.length), fua),
+            CMD_TRIM => pipeline.discard_held(held, r.offset, u64::from(r.length), fua),
+            CMD_FLUSH => pipeline.flush_held(held),
             CMD_CACHE => Ok(()),
             CMD_BLOCK_STATUS => {
                 let max = if r.flags & CMD_FLAG_REQ_ONE != 0 { 1 } else { MAX_EXTENTS };

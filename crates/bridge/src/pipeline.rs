@@ -14,7 +14,7 @@ use cryptbridge_engine::Engine;
 use crate::aligned::{BufPool, PooledBuf, ALIGN};
 use crate::backing::Backing;
 use crate::nbd::{STATE_HOLE, STATE_ZERO};
-use crate::range_lock::RangeLocks;
+use crate::range_lock::{RangeGuard, RangeLocks};
 
 /// A sealed read is decrypted and handed on in pieces of this size (see [`Pipeline::open_into`]).
 const OPEN_PIECE: usize = 128 * 1024;
@@ -25,7 +25,7 @@ pub struct Pipeline {
     backing: Backing,
     engine: Engine,
     sector_size: u64,
-    locks: RangeLocks,
+    locks: Arc<RangeLocks>,
     pool: Arc<BufPool>,
     /// Sector writes running now, on every connection.
     in_flight: AtomicUsize,
@@ -46,6 +46,22 @@ impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
     }
+}
+
+/// How an asynchronous write ended ([`Pipeline::write_async`]).
+pub(crate) enum AsyncWrite {
+    /// Answered by the upstream: the write is done (or failed with this error).
+    Done(io::Result<()>),
+    /// Lost with its upstream connection, unanswered: [`Pipeline::resend`] it.
+    Lost(LostWrite),
+}
+
+/// A write lost with its upstream connection: its ciphertext and its range, still held.
+pub(crate) struct LostWrite {
+    _held: RangeGuard,
+    sealed: Arc<PooledBuf>,
+    offset: u64,
+    fua: bool,
 }
 
 /// Plaintext returned by [`Pipeline::read`]: a window into a sector-aligned buffer.
@@ -84,7 +100,7 @@ impl SealedRead {
 impl Pipeline {
     pub fn new(backing: Backing, engine: Engine) -> Self {
         let sector_size = engine.layout().sector_size as u64;
-        Self { backing, engine, sector_size, locks: RangeLocks::default(), pool: Arc::new(BufPool::new()), in_flight: AtomicUsize::new(0) }
+        Self { backing, engine, sector_size, locks: Arc::default(), pool: Arc::new(BufPool::new()), in_flight: AtomicUsize::new(0) }
     }
 
     pub fn size(&self) -> u64 {
@@ -176,17 +192,99 @@ impl Pipeline {
     /// `fua` the write is durable when this returns (the backing store's FUA write: an upstream
     /// export gets NBD_CMD_FLAG_FUA rather than a flush of everything).
     pub fn write(&self, offset: u64, data: &mut [u8], fua: bool) -> io::Result<()> {
-        let (start, end) = self.span(offset, data.len() as u64);
-        let _guard = self.locks.lock(start, end);
+        self.write_held(None, offset, data, fua)
+    }
+
+    /// [`Pipeline::write`] under `held`, a reservation from [`Pipeline::reserve`] (waited for
+    /// here), or under a lock taken now.
+    pub(crate) fn write_held(&self, held: Option<RangeGuard>, offset: u64, data: &mut [u8], fua: bool) -> io::Result<()> {
+        let _guard = self.hold(held, offset, data.len() as u64);
         self.write_locked(offset, data, fua)
+    }
+
+    /// `held` once it holds, or a lock on the sectors under `[offset, offset + len)` taken now.
+    fn hold(&self, held: Option<RangeGuard>, offset: u64, len: u64) -> RangeGuard {
+        match held {
+            Some(g) => {
+                g.wait();
+                g
+            }
+            None => {
+                let (start, end) = self.span(offset, len);
+                self.locks.lock(start, end)
+            }
+        }
+    }
+
+    /// Whether writes are reserved in the order they are received ([`Pipeline::reserve`]): on
+    /// an upstream export, where they complete asynchronously and out of order.
+    pub fn orders_writes(&self) -> bool {
+        self.backing.max_async_write(false) > 0
+    }
+
+    /// Reserves, without waiting, the sectors a WRITE, WRITE_ZEROES or TRIM of
+    /// `[offset, offset + len)` changes, behind every request reserved before (see
+    /// [`crate::range_lock`]); a FLUSH (`everything`) reserves the whole export, so that it
+    /// runs once every write received before it has been answered.
+    pub(crate) fn reserve(&self, offset: u64, len: u64, everything: bool) -> RangeGuard {
+        if everything {
+            return self.locks.reserve(0, u64::MAX);
+        }
+        let (start, end) = self.span(offset, len);
+        self.locks.reserve(start, end)
+    }
+
+    /// Whether [`Pipeline::write_async`] takes a write of `len` bytes at `offset`: whole
+    /// sectors, within the upstream's largest request (and FUA where the upstream has it).
+    pub fn writes_async(&self, offset: u64, len: usize, fua: bool) -> bool {
+        let ss = self.sector_size;
+        offset.is_multiple_of(ss) && (len as u64).is_multiple_of(ss) && len > 0 && len <= self.backing.max_async_write(fua)
+    }
+
+    /// Encrypts `data` (whole sectors at `offset`, see [`Pipeline::writes_async`]) and sends it
+    /// to the upstream without waiting. `held` must hold its range already; it is let go when
+    /// the upstream answers, and `done` runs then, on the thread that received the answer
+    /// (or on this one should the request not go out). A write lost with its upstream
+    /// connection keeps its range and its ciphertext: [`AsyncWrite::Lost`], for
+    /// [`Pipeline::resend`] on a thread that may wait.
+    pub(crate) fn write_async(&self, held: RangeGuard, offset: u64, mut data: PooledBuf, fua: bool, done: impl FnOnce(AsyncWrite) + Send + 'static) {
+        debug_assert!(held.is_held() && self.writes_async(offset, data.len(), fua));
+        if let Err(e) = self.engine.encrypt(offset / self.sector_size, &mut data) {
+            return done(AsyncWrite::Done(Err(io::Error::other(e))));
+        }
+        let sealed = Arc::new(data);
+        let keep = Arc::clone(&sealed);
+        // `sealed` outlives the send (the upstream may answer, and `done` run, before it returns).
+        self.backing.write_async(&sealed, offset, fua, move |result| match result {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => done(AsyncWrite::Lost(LostWrite { _held: held, sealed: keep, offset, fua })),
+            result => {
+                drop(held);
+                drop(keep);
+                done(AsyncWrite::Done(result))
+            }
+        });
+    }
+
+    /// Sends a write lost with its upstream connection again, with the client's retries; it
+    /// still holds its range, so nothing else wrote those sectors meanwhile.
+    pub(crate) fn resend(&self, lost: LostWrite) -> io::Result<()> {
+        if lost.fua {
+            self.backing.write_fua_at(&lost.sealed, lost.offset)
+        } else {
+            self.backing.write_at(&lost.sealed, lost.offset)
+        }
     }
 
     /// Makes `[offset, offset + len)` read back as zeros: in an encrypted export that means
     /// writing the encryption of zeros, never a hole.
     pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
-        let (start, end) = self.span(offset, len);
+        self.write_zeroes_held(None, offset, len, fua)
+    }
+
+    /// [`Pipeline::write_zeroes`] under `held` (see [`Pipeline::write_held`]).
+    pub(crate) fn write_zeroes_held(&self, held: Option<RangeGuard>, offset: u64, len: u64, fua: bool) -> io::Result<()> {
         {
-            let _guard = self.locks.lock(start, end);
+            let _guard = self.hold(held, offset, len);
             let mut pos = offset;
             let stop = offset + len;
             while pos < stop {
@@ -203,14 +301,37 @@ impl Pipeline {
     /// Deallocates the whole sectors inside `[offset, offset + len)`; partial edge sectors are
     /// left alone (a discard is advisory). Discarded sectors read back as unspecified data.
     pub fn discard(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
+        self.discard_held(None, offset, len, fua)
+    }
+
+    /// [`Pipeline::discard`] under `held` (see [`Pipeline::write_held`]; it covers the edge
+    /// sectors too, which are left alone).
+    pub(crate) fn discard_held(&self, held: Option<RangeGuard>, offset: u64, len: u64, fua: bool) -> io::Result<()> {
         let ss = self.sector_size;
         let start = offset.div_ceil(ss) * ss;
         let end = (offset + len) / ss * ss;
         if start < end {
-            let _guard = self.locks.lock(start, end);
+            let _guard = match held {
+                Some(g) => {
+                    g.wait();
+                    g
+                }
+                None => self.locks.lock(start, end),
+            };
             self.backing.discard(start, end - start)?;
         }
         self.fua(fua)
+    }
+
+    /// [`Pipeline::flush`] once `held` (a reservation of everything) holds: every write
+    /// received before the FLUSH has then been answered by the backing store.
+    pub(crate) fn flush_held(&self, held: Option<RangeGuard>) -> io::Result<()> {
+        if let Some(g) = held {
+            g.wait();
+            // Later writes need not wait for the flush: it covers those answered before it.
+            drop(g);
+        }
+        self.flush()
     }
 
     /// NBD `base:allocation` for `[offset, offset + len)`: `(length, flags)` runs, at most

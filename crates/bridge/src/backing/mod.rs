@@ -184,6 +184,26 @@ impl Backing {
         }
     }
 
+    /// The largest write [`Backing::write_async`] takes (0: none): whole sectors on an upstream
+    /// export, and with `fua` only where the upstream has FUA.
+    pub fn max_async_write(&self, fua: bool) -> usize {
+        match &self.store {
+            Store::File(_) => 0,
+            Store::Nbd(n) => n.max_async_write(fua),
+        }
+    }
+
+    /// Sends a write of `buf` (at most [`Backing::max_async_write`]) at `offset` and returns
+    /// once it is sent; `done` runs when the upstream acknowledges it, on the thread that
+    /// received the reply. An `Interrupted` error means it was lost with its connection (it
+    /// may or may not have reached the store): resend it with [`Backing::write_at`].
+    pub fn write_async(&self, buf: &[u8], offset: u64, fua: bool, done: impl FnOnce(io::Result<()>) + Send + 'static) {
+        match &self.store {
+            Store::Nbd(n) => n.write_async(buf, self.offset + offset, fua, done),
+            Store::File(_) => done(Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))),
+        }
+    }
+
     /// Makes every completed write durable (fdatasync; FLUSH on every upstream connection).
     pub fn flush(&self) -> io::Result<()> {
         match &self.store {

@@ -92,6 +92,19 @@ impl NbdBacking {
         self.client.read_async(offset, buf, done)
     }
 
+    pub fn max_async_write(&self, fua: bool) -> usize {
+        let e = self.client.export();
+        if fua && !e.can_fua() {
+            0
+        } else {
+            e.max_request() as usize
+        }
+    }
+
+    pub fn write_async(&self, buf: &[u8], offset: u64, fua: bool, done: impl FnOnce(io::Result<()>) + Send + 'static) {
+        self.client.write_async(offset, buf, fua, done)
+    }
+
     pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         self.client.trim(offset, len)
     }

@@ -957,6 +957,32 @@ impl Client {
         }
     }
 
+    /// Sends a WRITE of `payload` at `offset` (at most [`Export::max_request`]; with `fua` the
+    /// upstream must have FUA) and returns once it is sent; `done` runs when the upstream
+    /// answers, on the connection's reply reader (or on this thread, should the request not go
+    /// out). A write lost with its connection is not resent here: `done` gets an `Interrupted`
+    /// error, and the caller resends it with [`Client::write`] while it still keeps other
+    /// writes off those bytes. `payload` is only read while this runs.
+    pub fn write_async(&self, offset: u64, payload: &[u8], fua: bool, done: impl FnOnce(io::Result<()>) + Send + 'static) {
+        debug_assert!(payload.len() <= self.export.max_request() as usize && (!fua || self.export.can_fua()));
+        let then: Then = Box::new(move |outcome| {
+            done(match outcome {
+                Outcome::Done => Ok(()),
+                Outcome::Errno(ESHUTDOWN) | Outcome::Lost => Err(io::Error::new(io::ErrorKind::Interrupted, "upstream connection lost")),
+                Outcome::Errno(e) => Err(io_error_of(e)),
+            })
+        });
+        let index = self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
+        match self.live(index) {
+            Some(live) => {
+                let flags = if fua { CMD_FLAG_FUA } else { 0 };
+                let mut request = Request { flags, command: CMD_WRITE, handle: 0, offset, length: payload.len() as u32 };
+                live.send(&mut request, payload, None, Some(then));
+            }
+            None => then(Outcome::Lost),
+        }
+    }
+
     /// Writes `buf` at `offset`; with `fua`, durable before this returns (NBD_CMD_FLAG_FUA, or a
     /// FLUSH after the write where the upstream has no FUA).
     pub fn write(&self, offset: u64, buf: &[u8], fua: bool) -> io::Result<()> {

@@ -2,12 +2,12 @@
 //! pipeline them: on x86-64 from level `aesni` up this crate's own kernels (AES-128 and AES-256),
 //! otherwise the `aes` crate (which picks AES-NI, VAES or ARMv8 AES by its own detection).
 
+use aes::cipher::consts::U16;
 use aes::cipher::typenum::Unsigned;
 use aes::cipher::{
     Array, BlockCipherDecBackend, BlockCipherDecClosure, BlockCipherDecrypt, BlockCipherEncBackend,
     BlockCipherEncClosure, BlockCipherEncrypt, BlockSizeUser, KeyInit, ParBlocks,
 };
-use aes::cipher::consts::U16;
 use aes::{Aes128, Aes192, Aes256, Block};
 
 use crate::CpuLevel;

@@ -2,9 +2,11 @@
 //! 16 bytes.
 //!
 //! On x86-64 the kernels of `x86.rs` run at every level from `aesni` up (AES-128 and AES-256).
-//! The portable path here hands the `aes` crate many blocks per call and computes the tweaks of
-//! a whole batch ahead of time; it serves the `portable` level, AES-192, aarch64 (where the `aes`
-//! crate uses the ARMv8 AES instructions) and the tweak chain of ciphertext stealing.
+//! The portable path here hands the `aes` crate many blocks per call and does the tweak work
+//! inside that call (see `AesAny::crypt_masked`): the tweaks of a run as 64-bit lanes, XORed in
+//! before and after AES while the run is in L1, and the initial tweaks of several data units in
+//! one AES call. It serves the `portable` level, AES-192, aarch64 (where the `aes` crate uses the
+//! ARMv8 AES instructions) and the tweak chain of ciphertext stealing.
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -18,6 +20,8 @@ const BLOCK: usize = 16;
 /// Blocks per AES call in the portable path: a multiple of the `aes` crate's parallel widths,
 /// small enough to stay in L1.
 const BATCH: usize = 128;
+/// Data units whose initial tweaks are encrypted in one AES call by the portable path.
+const TWEAK_GROUP: usize = 16;
 
 /// XTS-AES-128, -192 or -256, chosen by key length (Key1 ‖ Key2: 32, 48 or 64 bytes).
 pub struct Xts {
@@ -103,35 +107,41 @@ impl Xts {
     }
 
     fn crypt(&self, dir: Direction, tweak: &[u8], data: &mut [u8]) -> Result<(), CipherError> {
-        if data.len() < BLOCK {
-            return Err(CipherError::DataTooShort { cipher: NAME, min: BLOCK, got: data.len() });
-        }
-        let mut t = self.initial_tweak(tweak)?;
+        check_len(data.len())?;
+        let t = self.initial_tweak(tweak)?;
+        self.crypt_from(dir, t, data, &mut None);
+        Ok(())
+    }
+
+    /// One data unit of at least a block, whose first tweak (the encrypted IV) is `t`. `mask`
+    /// holds the portable path's tweak buffers, made on first use and kept across the units of
+    /// one call.
+    fn crypt_from(&self, dir: Direction, mut t: u128, data: &mut [u8], mask: &mut Option<TweakMask>) {
         let tail = data.len() % BLOCK;
         // With stealing, the last full block is handled together with the partial one.
         let bulk_blocks = data.len() / BLOCK - usize::from(tail != 0);
         let (bulk, rest) = data.split_at_mut(bulk_blocks * BLOCK);
-        self.crypt_whole_blocks(dir, &mut t, bulk);
+        self.crypt_whole_blocks(dir, &mut t, bulk, mask);
         if tail != 0 {
-            self.steal(dir, t, rest);
+            self.steal(dir, t, rest, mask);
         }
-        Ok(())
     }
 
     /// Processes whole blocks: XOR tweaks, AES many blocks at once, XOR tweaks again.
-    fn crypt_whole_blocks(&self, dir: Direction, t: &mut u128, data: &mut [u8]) {
+    fn crypt_whole_blocks(&self, dir: Direction, t: &mut u128, data: &mut [u8], mask: &mut Option<TweakMask>) {
         #[cfg(target_arch = "x86_64")]
         if let Some(s) = &self.simd {
             return s.crypt_blocks(dir, t, data);
         }
-        let mut mask = TweakMask::new(*t);
-        self.data_key.crypt_masked(dir == Direction::Decrypt, as_blocks(data), BATCH, &mut mask);
+        let mask = mask.get_or_insert_with(TweakMask::new);
+        mask.t = *t;
+        self.data_key.crypt_masked(dir == Direction::Decrypt, as_blocks(data), BATCH, mask);
         *t = mask.t;
     }
 
     /// Ciphertext stealing over the last full block and the partial one (IEEE 1619-2007 5.3.2
     /// and 5.4.2). `rest` is 16 + b bytes with 0 < b < 16; `t` is the tweak of its first block.
-    fn steal(&self, dir: Direction, t: u128, rest: &mut [u8]) {
+    fn steal(&self, dir: Direction, t: u128, rest: &mut [u8], mask: &mut Option<TweakMask>) {
         let b = rest.len() - BLOCK;
         let mut t_next = t;
         let mut pair = [0u128; 2];
@@ -143,7 +153,7 @@ impl Xts {
         };
         let (full, partial) = rest.split_at_mut(BLOCK);
         let mut t1 = first;
-        self.crypt_whole_blocks(dir, &mut t1, full);
+        self.crypt_whole_blocks(dir, &mut t1, full, mask);
         // full now holds CC (encrypt) or PP (decrypt); swap its head with the partial block.
         let mut last = [0u8; BLOCK];
         last[..b].copy_from_slice(partial);
@@ -151,7 +161,7 @@ impl Xts {
         partial.copy_from_slice(&full[..b]);
         full.copy_from_slice(&last);
         let mut t2 = second;
-        self.crypt_whole_blocks(dir, &mut t2, full);
+        self.crypt_whole_blocks(dir, &mut t2, full, mask);
     }
 }
 
@@ -194,8 +204,39 @@ impl Xts {
                 return Ok(());
             }
         }
-        crate::for_each_unit(first, step, unit_len, data, |n, unit| self.crypt(dir, &crate::unit_tweak(n), unit))
+        if unit_len == 0 || !data.len().is_multiple_of(unit_len) {
+            return Err(CipherError::UnitLength { unit_len, got: data.len() });
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        check_len(unit_len)?;
+        // The initial tweaks of several units in one AES call, and one set of tweak buffers for
+        // the whole call.
+        let mut mask = None;
+        let mut n = first;
+        for group in data.chunks_mut(unit_len * TWEAK_GROUP) {
+            let mut tweaks = [aes::Block::default(); TWEAK_GROUP];
+            let units = group.chunks_exact_mut(unit_len);
+            let tweaks = &mut tweaks[..units.len()];
+            for tweak in tweaks.iter_mut() {
+                *tweak = crate::unit_tweak(n).into();
+                n = n.wrapping_add(step);
+            }
+            self.tweak_key.encrypt_blocks(tweaks);
+            for (unit, tweak) in units.zip(tweaks.iter()) {
+                self.crypt_from(dir, u128::from_le_bytes((*tweak).into()), unit, &mut mask);
+            }
+        }
+        Ok(())
     }
+}
+
+fn check_len(len: usize) -> Result<(), CipherError> {
+    if len < BLOCK {
+        return Err(CipherError::DataTooShort { cipher: NAME, min: BLOCK, got: len });
+    }
+    Ok(())
 }
 
 /// True when Key1 and Key2 are equal, compared in constant time.
@@ -215,8 +256,8 @@ struct TweakMask {
 }
 
 impl TweakMask {
-    fn new(t: u128) -> Self {
-        Self { t, lo: [0; BATCH], hi: [0; BATCH] }
+    fn new() -> Self {
+        Self { t: 0, lo: [0; BATCH], hi: [0; BATCH] }
     }
 }
 

@@ -6,6 +6,7 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod fast_units;
 mod tes;
 mod xts;
 
@@ -16,7 +17,7 @@ use libtest_mimic::{Arguments, Failed, Trial};
 pub type Check = fn(CpuLevel) -> Result<(), Failed>;
 
 /// (name, check) for every suite.
-const CASES: &[&[(&str, Check)]] = &[xts::CASES, tes::CASES];
+const CASES: &[&[(&str, Check)]] = &[xts::CASES, tes::CASES, fast_units::CASES];
 
 fn main() {
     let args = Arguments::from_args();

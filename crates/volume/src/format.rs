@@ -232,10 +232,8 @@ pub fn format(dev: &File, dev_name: &str, data_size: u64, p: &FormatParams, pass
     let mut slot_salt = [0u8; 32];
     os_random(&mut slot_salt)?;
     let uuid = uuid_v4()?;
-    let stripes = luks1::STRIPES;
-    let material_len = af::split_len(p.key_bytes, stripes);
     let mut split_error = None;
-    let mut material = af::split(&key, stripes, p.hash, &mut |b: &mut [u8]| {
+    let mut material = af::split(&key, luks1::STRIPES, p.hash, &mut |b: &mut [u8]| {
         if let Err(e) = os_random(b) {
             split_error.get_or_insert(e);
         }
@@ -243,27 +241,32 @@ pub fn format(dev: &File, dev_name: &str, data_size: u64, p: &FormatParams, pass
     if let Some(e) = split_error {
         return Err(e);
     }
-    if p.version == 1 {
-        format_luks1(dev, dev_name, data_size, p, passphrase, &digest, digest_salt, slot_salt, &mut material, uuid)
-    } else {
-        format_luks2(dev, dev_name, data_size, p, passphrase, &digest, digest_salt, slot_salt, &mut material, material_len, uuid)
-    }
+    let new = NewHeader { dev, dev_name, data_size, p, passphrase, digest: &digest, digest_salt, slot_salt, material: &mut material, uuid };
+    if p.version == 1 { format_luks1(new) } else { format_luks2(new) }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn format_luks2(
-    dev: &File,
-    dev_name: &str,
+/// What either header version is written from: the header device, the parameters, and the
+/// secrets and identifiers made for this volume by [`format`].
+struct NewHeader<'a> {
+    dev: &'a File,
+    dev_name: &'a str,
+    /// The data device's size in bytes.
     data_size: u64,
-    p: &FormatParams,
-    passphrase: &[u8],
-    digest: &[u8],
+    p: &'a FormatParams,
+    passphrase: &'a [u8],
+    /// The volume key's digest and its salt.
+    digest: &'a [u8],
     digest_salt: [u8; 32],
+    /// Keyslot 0's KDF salt.
     slot_salt: [u8; 32],
-    material: &mut [u8],
-    material_len: usize,
+    /// Keyslot 0's anti-forensic split of the volume key, encrypted in place.
+    material: &'a mut [u8],
     uuid: String,
-) -> Result<Formatted> {
+}
+
+fn format_luks2(new: NewHeader) -> Result<Formatted> {
+    let NewHeader { dev, dev_name, data_size, p, passphrase, digest, digest_salt, slot_salt, material, uuid } = new;
+    let material_len = material.len();
     let data_offset = p.data_offset.unwrap_or(if p.detached { 0 } else { LUKS2_DATA_OFFSET });
     let area_size = (material_len as u64).div_ceil(4096) * 4096;
     // The keyslots area runs to the data (or, detached, to the default 16 MiB).
@@ -322,19 +325,8 @@ fn format_luks2(
     Ok(Formatted { uuid, data_offset, header_len: keyslots_end })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn format_luks1(
-    dev: &File,
-    dev_name: &str,
-    data_size: u64,
-    p: &FormatParams,
-    passphrase: &[u8],
-    digest: &[u8],
-    digest_salt: [u8; 32],
-    slot_salt: [u8; 32],
-    material: &mut [u8],
-    uuid: String,
-) -> Result<Formatted> {
+fn format_luks1(new: NewHeader) -> Result<Formatted> {
+    let NewHeader { dev, dev_name, data_size, p, passphrase, digest, digest_salt, slot_salt, material, uuid } = new;
     let Kdf::Pbkdf2 { iterations, .. } = p.kdf else { unreachable!("checked: LUKS1 uses pbkdf2") };
     let (cipher_name, cipher_mode) = p.cipher.split_once('-').expect("checked: name-mode");
     // Keyslots from sector 8, each aligned to 4 KiB (8 sectors), as cryptsetup lays them out.

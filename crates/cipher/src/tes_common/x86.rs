@@ -10,7 +10,7 @@ use core::arch::x86_64::*;
 
 use crate::arch::x86::aes::{expand, RoundKeys};
 use crate::arch::x86::simd::{first_tweaks, splat_keys, AesVec, Xmm, Ymm, Zmm};
-use crate::arch::x86::{kernel_aesni, kernel_vaes256, kernel_vaes512};
+use crate::arch::x86::{call_kernel, kernel_aesni, kernel_vaes256, kernel_vaes512};
 use crate::CpuLevel;
 
 /// The AES-NI round keys (encryption and equivalent inverse cipher) and the level whose kernels
@@ -95,21 +95,7 @@ impl TesAes {
         let keys = if decrypt { &self.keys.dec } else { &self.keys.enc };
         // SAFETY: as in `ctr`.
         unsafe {
-            macro_rules! go {
-                ($f:ident) => {
-                    match (self.keys.rounds, decrypt) {
-                        (14, false) => $f::<14, false, FIRST>(keys, data, m, l),
-                        (14, true) => $f::<14, true, FIRST>(keys, data, m, l),
-                        (_, false) => $f::<10, false, FIRST>(keys, data, m, l),
-                        (_, true) => $f::<10, true, FIRST>(keys, data, m, l),
-                    }
-                };
-            }
-            match self.level {
-                CpuLevel::Vaes512 => go!(masked_ecb_vaes512),
-                CpuLevel::Vaes256 => go!(masked_ecb_vaes256),
-                _ => go!(masked_ecb_aesni),
-            }
+            call_kernel!(self.level, self.keys.rounds, decrypt, [masked_ecb_aesni, masked_ecb_vaes256, masked_ecb_vaes512], [, FIRST], (keys, data, m, l))
         }
     }
 }

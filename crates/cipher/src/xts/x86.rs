@@ -11,7 +11,7 @@ use core::arch::x86_64::*;
 use super::Direction;
 use crate::arch::x86::aes::{expand, RoundKeys};
 use crate::arch::x86::simd::{first_tweaks, mul_x_lanes, rounds, splat_keys, AesVec, Xmm, Ymm, Zmm};
-use crate::arch::x86::{kernel_aesni, kernel_vaes256, kernel_vaes512};
+use crate::arch::x86::{call_kernel, kernel_aesni, kernel_vaes256, kernel_vaes512};
 use crate::CpuLevel;
 
 /// The expanded keys and the level whose kernels run.
@@ -56,21 +56,7 @@ impl XtsX86 {
         // SAFETY: construction checked that the CPU has `self.level`, the level each kernel
         // below is compiled for.
         unsafe {
-            macro_rules! go {
-                ($f:ident) => {
-                    match (self.data.rounds, dir) {
-                        (14, Direction::Encrypt) => $f::<14, false>(keys, t, data),
-                        (14, Direction::Decrypt) => $f::<14, true>(keys, t, data),
-                        (_, Direction::Encrypt) => $f::<10, false>(keys, t, data),
-                        (_, Direction::Decrypt) => $f::<10, true>(keys, t, data),
-                    }
-                };
-            }
-            match self.level {
-                CpuLevel::Vaes512 => go!(blocks_vaes512),
-                CpuLevel::Vaes256 => go!(blocks_vaes256),
-                _ => go!(blocks_aesni),
-            }
+            call_kernel!(self.level, self.data.rounds, dir == Direction::Decrypt, [blocks_aesni, blocks_vaes256, blocks_vaes512], [], (keys, t, data))
         }
     }
 
@@ -84,21 +70,7 @@ impl XtsX86 {
         let (keys, tk) = (self.keys(dir), &self.tweak.enc);
         // SAFETY: as in `crypt_blocks`.
         unsafe {
-            macro_rules! go {
-                ($f:ident) => {
-                    match (self.data.rounds, dir) {
-                        (14, Direction::Encrypt) => $f::<14, false>(keys, tk, run, data),
-                        (14, Direction::Decrypt) => $f::<14, true>(keys, tk, run, data),
-                        (_, Direction::Encrypt) => $f::<10, false>(keys, tk, run, data),
-                        (_, Direction::Decrypt) => $f::<10, true>(keys, tk, run, data),
-                    }
-                };
-            }
-            match self.level {
-                CpuLevel::Vaes512 => go!(units_vaes512),
-                CpuLevel::Vaes256 => go!(units_vaes256),
-                _ => go!(units_aesni),
-            }
+            call_kernel!(self.level, self.data.rounds, dir == Direction::Decrypt, [units_aesni, units_vaes256, units_vaes512], [], (keys, tk, run, data))
         }
     }
 

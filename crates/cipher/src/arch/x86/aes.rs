@@ -120,23 +120,7 @@ impl EcbX86 {
         let keys = if decrypt { &self.keys.dec } else { &self.keys.enc };
         // SAFETY: construction checked that the CPU has `self.level`, the level each kernel below
         // is compiled for.
-        unsafe {
-            macro_rules! go {
-                ($f:ident) => {
-                    match (self.keys.rounds, decrypt) {
-                        (14, false) => $f::<14, false>(keys, data),
-                        (14, true) => $f::<14, true>(keys, data),
-                        (_, false) => $f::<10, false>(keys, data),
-                        (_, true) => $f::<10, true>(keys, data),
-                    }
-                };
-            }
-            match self.level {
-                CpuLevel::Vaes512 => go!(ecb_vaes512),
-                CpuLevel::Vaes256 => go!(ecb_vaes256),
-                _ => go!(ecb_aesni),
-            }
-        }
+        unsafe { super::call_kernel!(self.level, self.keys.rounds, decrypt, [ecb_aesni, ecb_vaes256, ecb_vaes512], [], (keys, data)) }
     }
 }
 

@@ -70,7 +70,31 @@ macro_rules! kernel_vaes512 {
     };
 }
 
-pub(crate) use {kernel_aesni, kernel_vaes256, kernel_vaes512};
+/// Calls the kernel of `level` (`vaes512`, `vaes256`, else `aesni`) compiled for the key
+/// schedule's round count (14 for AES-256, else 10) and direction: the chosen kernel `f` as
+/// `f::<NR, DECRYPT, EXTRA...>(ARGS...)`. Written
+/// `call_kernel!(level, rounds, decrypt, [f_aesni, f_vaes256, f_vaes512], [, EXTRA...], (ARGS...))`
+/// inside an `unsafe` block whose caller has checked that the CPU has `level`.
+macro_rules! call_kernel {
+    (@rounds $f:ident, $aes256:expr, $decrypt:expr, [$($extra:tt)*], $args:tt) => {
+        match ($aes256, $decrypt) {
+            (true, false) => $f::<14, false $($extra)*> $args,
+            (true, true) => $f::<14, true $($extra)*> $args,
+            (false, false) => $f::<10, false $($extra)*> $args,
+            (false, true) => $f::<10, true $($extra)*> $args,
+        }
+    };
+    ($level:expr, $rounds:expr, $decrypt:expr, [$aesni:ident, $vaes256:ident, $vaes512:ident], [$($extra:tt)*], $args:tt) => {{
+        let (aes256, decrypt) = ($rounds == 14, $decrypt);
+        match $level {
+            $crate::CpuLevel::Vaes512 => $crate::arch::x86::call_kernel!(@rounds $vaes512, aes256, decrypt, [$($extra)*], $args),
+            $crate::CpuLevel::Vaes256 => $crate::arch::x86::call_kernel!(@rounds $vaes256, aes256, decrypt, [$($extra)*], $args),
+            _ => $crate::arch::x86::call_kernel!(@rounds $aesni, aes256, decrypt, [$($extra)*], $args),
+        }
+    }};
+}
+
+pub(crate) use {call_kernel, kernel_aesni, kernel_vaes256, kernel_vaes512};
 
 #[cfg(test)]
 mod tests {

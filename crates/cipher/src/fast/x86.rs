@@ -13,6 +13,7 @@ use crate::tes_common::x86::Counters;
 use crate::CpuLevel;
 
 pub(super) mod asm256;
+mod asm_ymm;
 
 /// Level-1 groups per quarter of a k = 255 BRW (the vaes512 kernels).
 const Q: usize = 16;
@@ -67,7 +68,12 @@ pub(super) unsafe fn ctr_brw255(
     match level {
         // SAFETY: the caller guarantees `vaes512`.
         CpuLevel::Vaes512 => unsafe { ctr_brw255_zmm(rk, data, s, scratch, p, [a, b], head, link) },
-        CpuLevel::Vaes256 => generic!(fused_vaes256),
+        CpuLevel::Vaes256 => match (rk.rounds, a, b) {
+            // SAFETY: the caller guarantees `vaes256`; `asm_ymm::fused` checks the lengths it
+            // touches.
+            (14, Some(a), Some(b)) => unsafe { asm_ymm::fused(rk, data, s, scratch, [a, b], head, link) },
+            _ => generic!(fused_vaes256),
+        },
         _ => generic!(fused_aesni),
     }
 }

@@ -22,6 +22,7 @@ use core::arch::x86_64::*;
 
 use zeroize::{Zeroize, ZeroizeOnDrop};
 
+use super::asm_ymm::{YmmConsts, YmmPending};
 use super::{Head, Link, Linked, Q};
 use crate::arch::x86::aes::RoundKeys;
 use crate::gf128::x86::{from_u128, quarters_finish2_mul, to_u128};
@@ -29,9 +30,9 @@ use crate::gf128::x86::{from_u128, quarters_finish2_mul, to_u128};
 /// bin(i) for the counter blocks i = 1..256, four per 64 bytes (lane l of entry j is
 /// 4j + l + 1, little-endian): step q XORs entries 4q..4q+3 into the seed.
 #[repr(C, align(64))]
-struct CtrTable([u64; 2 * 256]);
+pub(super) struct CtrTable(pub(super) [u64; 2 * 256]);
 
-static CTR: CtrTable = CtrTable({
+pub(super) static CTR: CtrTable = CtrTable({
     let mut t = [0u64; 2 * 256];
     let mut i = 0;
     while i < 256 {
@@ -72,6 +73,9 @@ pub(in super::super) struct Scratch {
     p: [u128; 17],
     /// The constants of the products after the finish (see `Link`).
     mult: Mult,
+    /// The `vaes256` kernel's constants and pending products (`asm_ymm`).
+    ymm_consts: YmmConsts,
+    ymm_pend: [YmmPending; 2],
 }
 
 #[derive(Zeroize)]
@@ -87,7 +91,20 @@ impl Scratch {
             pend: [pending(), pending()],
             p: *p,
             mult: Mult(mult),
+            ymm_consts: YmmConsts::new(p),
+            ymm_pend: [YmmPending::new(), YmmPending::new()],
         }
+    }
+
+    /// tau^(2^i).
+    pub(in super::super) fn p(&self) -> &[u128; 17] {
+        &self.p
+    }
+
+    /// The `vaes256` kernel's memory operands: its constants and each hash's pending products.
+    pub(super) fn ymm(&mut self) -> (*const YmmConsts, [*mut YmmPending; 2]) {
+        let [x, y] = &mut self.ymm_pend;
+        (&self.ymm_consts, [x, y])
     }
 
     pub(in super::super) fn mult(&self) -> [u128; 4] {

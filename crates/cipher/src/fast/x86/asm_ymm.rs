@@ -4,17 +4,20 @@
 //!
 //! Same arithmetic and layout as `fused_v` with `BrwParts` for two lanes (lane j = part j of
 //! 128 blocks, Q = 32 groups of four blocks per part, the levels inside the parts as a binary
-//! counter, the one level across the parts in `finish`). A step is 8 counter blocks (four
-//! registers) through AES-256 and one group of each hash. Why assembly: compiled, the step
-//! needed the round keys, eight AES chains and both hashes' state in 16 registers, so LLVM
-//! spilled and reloaded around every product and the hash chains ran late. Here the round
-//! keys and the key-dependent constants are memory operands (loads are cheap beside the
-//! carry-less multiplies, which bound the step), the values kept from one step to a later one
-//! (the pending products) live in `YmmPending`, and every other value stays in a register, so
-//! that a step is one short stretch the out-of-order core overlaps with the next steps.
+//! counter, the one level across the parts in `finish`). Step q runs group q of each hash and
+//! the counter blocks 8q+1..8q+8 (four registers); the counter blocks are software-pipelined
+//! across steps: block q runs rounds 0 to 7 of step q's counter blocks beside rounds 8 to 14 of
+//! step q - 1's (and XORs those into the data), so that eight independent AES chains are in
+//! flight, enough to keep both AES pipes busy through their latency (four chains were not).
+//! Why assembly: compiled, the step needed the round keys, eight AES chains and both hashes'
+//! state in 16 registers, so LLVM spilled and reloaded around every product and the hash
+//! chains ran late. Here the round keys and the key-dependent constants are memory operands
+//! (loads are cheap beside the carry-less multiplies, which bound the step), each hash's group
+//! runs in four registers (its lo part waits in memory until the end of the reduction), and
+//! the values kept from one step to a later one (the pending products) live in `YmmPending`.
 //!
-//! Registers inside a step: ymm0..3 the counter blocks, ymm4..9 hash A, ymm10..15 hash B (the
-//! same instructions, register numbers + 6).
+//! Registers (allocated by the compiler, all 16 ymm): n0..n3 step q's counter blocks, o0..o3
+//! step q - 1's, a0..a3 hash A, b0..b3 hash B.
 
 use core::arch::asm;
 use core::arch::x86_64::*;
@@ -47,353 +50,370 @@ impl YmmConsts {
     }
 }
 
-/// One hash's values between steps: +96 l holds lo, mid, hi of the pending product of level l
-/// (see `BrwParts`).
+/// One hash's values between steps and within a step (the byte offsets are the template's).
 #[derive(Zeroize)]
 #[repr(C, align(32))]
-pub(super) struct YmmPending([[[u128; 2]; 3]; 5]);
+pub(super) struct YmmPending {
+    /// +96 l: lo, mid, hi of the pending product of level l (see `BrwParts`).
+    slot: [[[u128; 2]; 3]; 5],
+    /// +480: the lo part of the group's level-1 product, until the end of its reduction.
+    lo: [u128; 2],
+}
 
 impl YmmPending {
     pub(super) fn new() -> Self {
-        Self([[[0; 2]; 3]; 5])
+        Self { slot: [[[0; 2]; 3]; 5], lo: [0; 2] }
     }
 }
 
-/// A line of the fourth counter register: in every step but the last (`full`); the last
-/// step's fourth register lies past the 254-block body (`last`) and is not computed.
-macro_rules! c3 {
-    (full, $line:literal) => {
+/// A line about step q - 1's counter blocks: in every block but the first (`old`).
+macro_rules! old {
+    (old, $line:literal) => {
         $line
     };
-    (last, $line:literal) => {
+    (first, $line:literal) => {
         ""
     };
 }
 
-/// One step (see the module comment): counter blocks 8q+1..8q+8 through AES-256 and XORed
-/// into the data, group q of both hashes. The lists are the instructions that depend on q:
-/// joining the pending products of the t = trailing_ones(q) levels below (hash A, hash B)
-/// and the three parts of the end of the group (the pending product of level t, or nothing
-/// for q = Q - 1, whose v and x4 are outputs).
+/// Block q (see the module comment): rounds 0 to 7 of step q's counter blocks (n), rounds 8
+/// to 14 of step q - 1's (o, absent in the first block) and their XOR into the data, group q
+/// of both hashes. The lists are the instructions that depend on q: joining the pending
+/// products of the t = trailing_ones(q) levels below (mid and hi parts of hash A and B, then
+/// lo parts), and the end of the group (the pending product of level t, or nothing for q =
+/// Q - 1, whose v and x4 are outputs).
 macro_rules! step {
-    (@asm $w:tt [$($ja:literal),* $(,)?], [$($jb:literal),* $(,)?], [$($e1:literal),* $(,)?], [$($e2:literal),* $(,)?], [$($e3:literal),* $(,)?], $($op:tt)*) => {
+    (@asm $o:tt [$($ja:literal),* $(,)?], [$($jb:literal),* $(,)?], [$($la:literal),* $(,)?], [$($lb:literal),* $(,)?], [$($e:literal),* $(,)?], $($op:tt)*) => {
         asm!(
-            // Round 0: counter ^ seed ^ key 0. x1, x2 of both hashes: lane 0 from part 0,
-            // lane 1 (the high half of a line that ends with it) from part 1.
-            "vmovdqu ymm0, ymmword ptr [{ctr}]",
-            "vpxor ymm0, ymm0, ymmword ptr [{ks}]",
-            "vmovdqu ymm1, ymmword ptr [{ctr} + 32]",
-            "vpxor ymm1, ymm1, ymmword ptr [{ks}]",
-            "vmovdqu ymm2, ymmword ptr [{ctr} + 64]",
-            "vpxor ymm2, ymm2, ymmword ptr [{ks}]",
-            c3!($w, "vmovdqu ymm3, ymmword ptr [{ctr} + 96]"),
-            c3!($w, "vpxor ymm3, ymm3, ymmword ptr [{ks}]"),
-            "vmovdqu xmm6, xmmword ptr [{ha}]",
-            "vpblendd ymm6, ymm6, ymmword ptr [{ha1} - 16], 0xf0",
-            "vmovdqu xmm12, xmmword ptr [{hb}]",
-            "vpblendd ymm12, ymm12, ymmword ptr [{hb1} - 16], 0xf0",
-            "vmovdqu xmm7, xmmword ptr [{ha} + 16]",
-            "vpblendd ymm7, ymm7, ymmword ptr [{ha1}], 0xf0",
-            "vmovdqu xmm13, xmmword ptr [{hb} + 16]",
-            "vpblendd ymm13, ymm13, ymmword ptr [{hb1}], 0xf0",
-            // Round 1. x3, x4.
-            "vaesenc ymm0, ymm0, ymmword ptr [{ks} + 32]",
-            "vaesenc ymm1, ymm1, ymmword ptr [{ks} + 32]",
-            "vaesenc ymm2, ymm2, ymmword ptr [{ks} + 32]",
-            c3!($w, "vaesenc ymm3, ymm3, ymmword ptr [{ks} + 32]"),
-            "vmovdqu xmm8, xmmword ptr [{ha} + 32]",
-            "vpblendd ymm8, ymm8, ymmword ptr [{ha1} + 16], 0xf0",
-            "vmovdqu xmm14, xmmword ptr [{hb} + 32]",
-            "vpblendd ymm14, ymm14, ymmword ptr [{hb1} + 16], 0xf0",
-            "vmovdqu xmm9, xmmword ptr [{ha} + 48]",
-            "vpblendd ymm9, ymm9, ymmword ptr [{ha1} + 32], 0xf0",
-            "vmovdqu xmm15, xmmword ptr [{hb} + 48]",
-            "vpblendd ymm15, ymm15, ymmword ptr [{hb1} + 32], 0xf0",
-            // Round 2. Level 1: (tau ^ x1)(tau^2 ^ x2) ^ x3; lo (ymm4) first.
-            "vaesenc ymm0, ymm0, ymmword ptr [{ks} + 64]",
-            "vaesenc ymm1, ymm1, ymmword ptr [{ks} + 64]",
-            "vaesenc ymm2, ymm2, ymmword ptr [{ks} + 64]",
-            c3!($w, "vaesenc ymm3, ymm3, ymmword ptr [{ks} + 64]"),
-            "vpxor ymm6, ymm6, ymmword ptr [{kc}]",
-            "vpxor ymm12, ymm12, ymmword ptr [{kc}]",
-            "vpxor ymm7, ymm7, ymmword ptr [{kc} + 32]",
-            "vpxor ymm13, ymm13, ymmword ptr [{kc} + 32]",
-            "vpclmulqdq ymm4, ymm6, ymm7, 0x00",
-            "vpclmulqdq ymm10, ymm12, ymm13, 0x00",
-            // Round 3. The cross terms (ymm5, ymm8).
-            "vaesenc ymm0, ymm0, ymmword ptr [{ks} + 96]",
-            "vaesenc ymm1, ymm1, ymmword ptr [{ks} + 96]",
-            "vaesenc ymm2, ymm2, ymmword ptr [{ks} + 96]",
-            c3!($w, "vaesenc ymm3, ymm3, ymmword ptr [{ks} + 96]"),
-            "vpclmulqdq ymm5, ymm6, ymm7, 0x01",
-            "vpclmulqdq ymm11, ymm12, ymm13, 0x01",
-            "vpxor ymm4, ymm4, ymm8",
-            "vpxor ymm10, ymm10, ymm14",
-            // Round 4.
-            "vaesenc ymm0, ymm0, ymmword ptr [{ks} + 128]",
-            "vaesenc ymm1, ymm1, ymmword ptr [{ks} + 128]",
-            "vaesenc ymm2, ymm2, ymmword ptr [{ks} + 128]",
-            c3!($w, "vaesenc ymm3, ymm3, ymmword ptr [{ks} + 128]"),
-            "vpclmulqdq ymm8, ymm6, ymm7, 0x10",
-            "vpclmulqdq ymm14, ymm12, ymm13, 0x10",
-            // Round 5. hi (ymm7); mid (ymm5).
-            "vaesenc ymm0, ymm0, ymmword ptr [{ks} + 160]",
-            "vaesenc ymm1, ymm1, ymmword ptr [{ks} + 160]",
-            "vaesenc ymm2, ymm2, ymmword ptr [{ks} + 160]",
-            c3!($w, "vaesenc ymm3, ymm3, ymmword ptr [{ks} + 160]"),
-            "vpclmulqdq ymm7, ymm6, ymm7, 0x11",
-            "vpclmulqdq ymm13, ymm12, ymm13, 0x11",
-            "vpxor ymm5, ymm5, ymm8",
-            "vpxor ymm11, ymm11, ymm14",
-            // Round 6. Joined with the pending products of the levels group q completes.
-            "vaesenc ymm0, ymm0, ymmword ptr [{ks} + 192]",
-            "vaesenc ymm1, ymm1, ymmword ptr [{ks} + 192]",
-            "vaesenc ymm2, ymm2, ymmword ptr [{ks} + 192]",
-            c3!($w, "vaesenc ymm3, ymm3, ymmword ptr [{ks} + 192]"),
+            // Slot 0: the new counter blocks ^ seed ^ key 0, the old ones' round 8; x1 and x2 of both
+            // hashes (lane 0 from part 0, lane 1 the high half of a line that ends with it) ^ tau, tau^2.
+            "vmovdqu {n0}, ymmword ptr [{ctr}]",
+            "vpxor {n0}, {n0}, ymmword ptr [{ks}]",
+            "vmovdqu {n1}, ymmword ptr [{ctr} + 32]",
+            "vpxor {n1}, {n1}, ymmword ptr [{ks}]",
+            "vmovdqu {n2}, ymmword ptr [{ctr} + 64]",
+            "vpxor {n2}, {n2}, ymmword ptr [{ks}]",
+            "vmovdqu {n3}, ymmword ptr [{ctr} + 96]",
+            "vpxor {n3}, {n3}, ymmword ptr [{ks}]",
+            old!($o, "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 256]"),
+            old!($o, "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 256]"),
+            old!($o, "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 256]"),
+            old!($o, "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 256]"),
+            "vmovdqu {a0:x}, xmmword ptr [{ha}]",
+            "vpblendd {a0}, {a0}, ymmword ptr [{ha1} - 16], 0xf0",
+            "vpxor {a0}, {a0}, ymmword ptr [{kc}]",
+            "vmovdqu {a1:x}, xmmword ptr [{ha} + 16]",
+            "vpblendd {a1}, {a1}, ymmword ptr [{ha1}], 0xf0",
+            "vpxor {a1}, {a1}, ymmword ptr [{kc} + 32]",
+            "vmovdqu {b0:x}, xmmword ptr [{hb}]",
+            "vpblendd {b0}, {b0}, ymmword ptr [{hb1} - 16], 0xf0",
+            "vpxor {b0}, {b0}, ymmword ptr [{kc}]",
+            "vmovdqu {b1:x}, xmmword ptr [{hb} + 16]",
+            "vpblendd {b1}, {b1}, ymmword ptr [{hb1}], 0xf0",
+            "vpxor {b1}, {b1}, ymmword ptr [{kc} + 32]",
+            // Slot 1: level 1, (tau ^ x1)(tau^2 ^ x2): lo and one cross term.
+            "vaesenc {n0}, {n0}, ymmword ptr [{ks} + 32]",
+            "vaesenc {n1}, {n1}, ymmword ptr [{ks} + 32]",
+            "vaesenc {n2}, {n2}, ymmword ptr [{ks} + 32]",
+            "vaesenc {n3}, {n3}, ymmword ptr [{ks} + 32]",
+            old!($o, "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 288]"),
+            old!($o, "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 288]"),
+            old!($o, "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 288]"),
+            old!($o, "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 288]"),
+            "vpclmulqdq {a2}, {a0}, {a1}, 0x00",
+            "vpclmulqdq {a3}, {a0}, {a1}, 0x01",
+            "vpclmulqdq {b2}, {b0}, {b1}, 0x00",
+            "vpclmulqdq {b3}, {b0}, {b1}, 0x01",
+            // Slot 2: lo waits in memory (it is only added at the end); the other cross term.
+            "vaesenc {n0}, {n0}, ymmword ptr [{ks} + 64]",
+            "vaesenc {n1}, {n1}, ymmword ptr [{ks} + 64]",
+            "vaesenc {n2}, {n2}, ymmword ptr [{ks} + 64]",
+            "vaesenc {n3}, {n3}, ymmword ptr [{ks} + 64]",
+            old!($o, "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 320]"),
+            old!($o, "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 320]"),
+            old!($o, "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 320]"),
+            old!($o, "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 320]"),
+            "vmovdqa ymmword ptr [{pa} + 480], {a2}",
+            "vpclmulqdq {a2}, {a0}, {a1}, 0x10",
+            "vmovdqa ymmword ptr [{pb} + 480], {b2}",
+            "vpclmulqdq {b2}, {b0}, {b1}, 0x10",
+            // Slot 3: hi, mid; joined with the pending products (mid, hi) of the levels group q completes.
+            "vaesenc {n0}, {n0}, ymmword ptr [{ks} + 96]",
+            "vaesenc {n1}, {n1}, ymmword ptr [{ks} + 96]",
+            "vaesenc {n2}, {n2}, ymmword ptr [{ks} + 96]",
+            "vaesenc {n3}, {n3}, ymmword ptr [{ks} + 96]",
+            old!($o, "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 352]"),
+            old!($o, "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 352]"),
+            old!($o, "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 352]"),
+            old!($o, "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 352]"),
+            "vpclmulqdq {a0}, {a0}, {a1}, 0x11",
+            "vpxor {a3}, {a3}, {a2}",
+            "vpclmulqdq {b0}, {b0}, {b1}, 0x11",
+            "vpxor {b3}, {b3}, {b2}",
             $($ja,)*
             $($jb,)*
-            // Round 7. Reduction: t = h1 c (ymm6), hi << 64.
-            "vaesenc ymm0, ymm0, ymmword ptr [{ks} + 224]",
-            "vaesenc ymm1, ymm1, ymmword ptr [{ks} + 224]",
-            "vaesenc ymm2, ymm2, ymmword ptr [{ks} + 224]",
-            c3!($w, "vaesenc ymm3, ymm3, ymmword ptr [{ks} + 224]"),
-            "vpclmulqdq ymm6, ymm7, ymmword ptr [{kc} + 64], 0x01",
-            "vpclmulqdq ymm12, ymm13, ymmword ptr [{kc} + 64], 0x01",
-            "vpslldq ymm7, ymm7, 8",
-            "vpslldq ymm13, ymm13, 8",
-            // Round 8. g = (hi << 64) ^ mid ^ t: qword 1 is h0 ^ m1 ^ t1, qword 0 is m0 ^ t0;
-            // u = g1 c (ymm6).
-            "vaesenc ymm0, ymm0, ymmword ptr [{ks} + 256]",
-            "vaesenc ymm1, ymm1, ymmword ptr [{ks} + 256]",
-            "vaesenc ymm2, ymm2, ymmword ptr [{ks} + 256]",
-            c3!($w, "vaesenc ymm3, ymm3, ymmword ptr [{ks} + 256]"),
-            "vpxor ymm7, ymm7, ymm5",
-            "vpxor ymm13, ymm13, ymm11",
-            "vpxor ymm7, ymm7, ymm6",
-            "vpxor ymm13, ymm13, ymm12",
-            "vpclmulqdq ymm6, ymm7, ymmword ptr [{kc} + 64], 0x01",
-            "vpclmulqdq ymm12, ymm13, ymmword ptr [{kc} + 64], 0x01",
-            // Round 9. v = lo ^ u ^ ((m0 ^ t0) << 64) (ymm4), reduced.
-            "vaesenc ymm0, ymm0, ymmword ptr [{ks} + 288]",
-            "vaesenc ymm1, ymm1, ymmword ptr [{ks} + 288]",
-            "vaesenc ymm2, ymm2, ymmword ptr [{ks} + 288]",
-            c3!($w, "vaesenc ymm3, ymm3, ymmword ptr [{ks} + 288]"),
-            "vpslldq ymm7, ymm7, 8",
-            "vpslldq ymm13, ymm13, 8",
-            "vpxor ymm4, ymm4, ymm6",
-            "vpxor ymm10, ymm10, ymm12",
-            "vpxor ymm4, ymm4, ymm7",
-            "vpxor ymm10, ymm10, ymm13",
-            // Rounds 10 to 12: the end of the group (`$e1`, `$e2`, `$e3`).
-            "vaesenc ymm0, ymm0, ymmword ptr [{ks} + 320]",
-            "vaesenc ymm1, ymm1, ymmword ptr [{ks} + 320]",
-            "vaesenc ymm2, ymm2, ymmword ptr [{ks} + 320]",
-            c3!($w, "vaesenc ymm3, ymm3, ymmword ptr [{ks} + 320]"),
-            $($e1,)*
-            "vaesenc ymm0, ymm0, ymmword ptr [{ks} + 352]",
-            "vaesenc ymm1, ymm1, ymmword ptr [{ks} + 352]",
-            "vaesenc ymm2, ymm2, ymmword ptr [{ks} + 352]",
-            c3!($w, "vaesenc ymm3, ymm3, ymmword ptr [{ks} + 352]"),
-            $($e2,)*
-            "vaesenc ymm0, ymm0, ymmword ptr [{ks} + 384]",
-            "vaesenc ymm1, ymm1, ymmword ptr [{ks} + 384]",
-            "vaesenc ymm2, ymm2, ymmword ptr [{ks} + 384]",
-            c3!($w, "vaesenc ymm3, ymm3, ymmword ptr [{ks} + 384]"),
-            $($e3,)*
-            "vaesenc ymm0, ymm0, ymmword ptr [{ks} + 416]",
-            "vaesenc ymm1, ymm1, ymmword ptr [{ks} + 416]",
-            "vaesenc ymm2, ymm2, ymmword ptr [{ks} + 416]",
-            c3!($w, "vaesenc ymm3, ymm3, ymmword ptr [{ks} + 416]"),
-            "vaesenclast ymm0, ymm0, ymmword ptr [{ks} + 448]",
-            "vaesenclast ymm1, ymm1, ymmword ptr [{ks} + 448]",
-            "vaesenclast ymm2, ymm2, ymmword ptr [{ks} + 448]",
-            c3!($w, "vaesenclast ymm3, ymm3, ymmword ptr [{ks} + 448]"),
-            "vpxor ymm0, ymm0, ymmword ptr [{d}]",
-            "vmovdqu ymmword ptr [{d}], ymm0",
-            "vpxor ymm1, ymm1, ymmword ptr [{d} + 32]",
-            "vmovdqu ymmword ptr [{d} + 32], ymm1",
-            "vpxor ymm2, ymm2, ymmword ptr [{d} + 64]",
-            "vmovdqu ymmword ptr [{d} + 64], ymm2",
-            c3!($w, "vpxor ymm3, ymm3, ymmword ptr [{d} + 96]"),
-            c3!($w, "vmovdqu ymmword ptr [{d} + 96], ymm3"),
+            // Slot 4: reduction, t = h1 c, hi << 64; x3.
+            "vaesenc {n0}, {n0}, ymmword ptr [{ks} + 128]",
+            "vaesenc {n1}, {n1}, ymmword ptr [{ks} + 128]",
+            "vaesenc {n2}, {n2}, ymmword ptr [{ks} + 128]",
+            "vaesenc {n3}, {n3}, ymmword ptr [{ks} + 128]",
+            old!($o, "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 384]"),
+            old!($o, "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 384]"),
+            old!($o, "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 384]"),
+            old!($o, "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 384]"),
+            "vpclmulqdq {a1}, {a0}, ymmword ptr [{kc} + 64], 0x01",
+            "vpslldq {a0}, {a0}, 8",
+            "vmovdqu {a2:x}, xmmword ptr [{ha} + 32]",
+            "vpblendd {a2}, {a2}, ymmword ptr [{ha1} + 16], 0xf0",
+            "vpclmulqdq {b1}, {b0}, ymmword ptr [{kc} + 64], 0x01",
+            "vpslldq {b0}, {b0}, 8",
+            "vmovdqu {b2:x}, xmmword ptr [{hb} + 32]",
+            "vpblendd {b2}, {b2}, ymmword ptr [{hb1} + 16], 0xf0",
+            // Slot 5: g = (hi << 64) ^ mid ^ t (qword 1 h0 ^ m1 ^ t1, qword 0 m0 ^ t0), u = g1 c.
+            "vaesenc {n0}, {n0}, ymmword ptr [{ks} + 160]",
+            "vaesenc {n1}, {n1}, ymmword ptr [{ks} + 160]",
+            "vaesenc {n2}, {n2}, ymmword ptr [{ks} + 160]",
+            "vaesenc {n3}, {n3}, ymmword ptr [{ks} + 160]",
+            old!($o, "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 416]"),
+            old!($o, "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 416]"),
+            old!($o, "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 416]"),
+            old!($o, "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 416]"),
+            "vpxor {a0}, {a0}, {a3}",
+            "vpxor {a0}, {a0}, {a1}",
+            "vpclmulqdq {a1}, {a0}, ymmword ptr [{kc} + 64], 0x01",
+            "vpxor {b0}, {b0}, {b3}",
+            "vpxor {b0}, {b0}, {b1}",
+            "vpclmulqdq {b1}, {b0}, ymmword ptr [{kc} + 64], 0x01",
+            // Slot 6: v = u ^ (g0 << 64) ^ lo ^ x3 ^ the pending products' lo parts.
+            "vaesenc {n0}, {n0}, ymmword ptr [{ks} + 192]",
+            "vaesenc {n1}, {n1}, ymmword ptr [{ks} + 192]",
+            "vaesenc {n2}, {n2}, ymmword ptr [{ks} + 192]",
+            "vaesenc {n3}, {n3}, ymmword ptr [{ks} + 192]",
+            old!($o, "vaesenclast {o0}, {o0}, ymmword ptr [{ks} + 448]"),
+            old!($o, "vaesenclast {o1}, {o1}, ymmword ptr [{ks} + 448]"),
+            old!($o, "vaesenclast {o2}, {o2}, ymmword ptr [{ks} + 448]"),
+            old!($o, "vaesenclast {o3}, {o3}, ymmword ptr [{ks} + 448]"),
+            "vpslldq {a0}, {a0}, 8",
+            "vpxor {a2}, {a2}, ymmword ptr [{pa} + 480]",
+            $($la,)*
+            "vpxor {a0}, {a0}, {a1}",
+            "vpxor {a0}, {a0}, {a2}",
+            "vpslldq {b0}, {b0}, 8",
+            "vpxor {b2}, {b2}, ymmword ptr [{pb} + 480]",
+            $($lb,)*
+            "vpxor {b0}, {b0}, {b1}",
+            "vpxor {b0}, {b0}, {b2}",
+            // Slot 7: the old counter blocks into the data; x4. Then the end of the group (`$e`).
+            "vaesenc {n0}, {n0}, ymmword ptr [{ks} + 224]",
+            "vaesenc {n1}, {n1}, ymmword ptr [{ks} + 224]",
+            "vaesenc {n2}, {n2}, ymmword ptr [{ks} + 224]",
+            "vaesenc {n3}, {n3}, ymmword ptr [{ks} + 224]",
+            old!($o, "vpxor {o0}, {o0}, ymmword ptr [{d}]"),
+            old!($o, "vmovdqu ymmword ptr [{d}], {o0}"),
+            old!($o, "vpxor {o1}, {o1}, ymmword ptr [{d} + 32]"),
+            old!($o, "vmovdqu ymmword ptr [{d} + 32], {o1}"),
+            old!($o, "vpxor {o2}, {o2}, ymmword ptr [{d} + 64]"),
+            old!($o, "vmovdqu ymmword ptr [{d} + 64], {o2}"),
+            old!($o, "vpxor {o3}, {o3}, ymmword ptr [{d} + 96]"),
+            old!($o, "vmovdqu ymmword ptr [{d} + 96], {o3}"),
+            "vmovdqu {a1:x}, xmmword ptr [{ha} + 48]",
+            "vpblendd {a1}, {a1}, ymmword ptr [{ha1} + 32], 0xf0",
+            "vmovdqu {b1:x}, xmmword ptr [{hb} + 48]",
+            "vpblendd {b1}, {b1}, ymmword ptr [{hb1} + 32], 0xf0",
+            $($e,)*
             $($op)*
-            out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
-            out("ymm5") _, out("ymm6") _, out("ymm7") _, out("ymm8") _,
-            out("ymm11") _, out("ymm12") _, out("ymm13") _, out("ymm14") _,
             options(nostack, preserves_flags),
         )
     };
     // Groups q < Q - 1, t = trailing_ones(q): join levels 0..t, then the product of v and its
     // parent's multiplier tau^(2^(t+2)) ^ x4 waits in slot t for q's sibling.
-    (0; $($op:tt)*) => {
-        step!(@product [], [], slot = const 0, mult = const 96, $($op)*)
+    ($o:tt 0; $($op:tt)*) => {
+        step!(@product $o
+            [],
+            [],
+            [],
+            [],
+            slot = const 0, mult = const 96, $($op)*)
     };
-    (1; $($op:tt)*) => {
-        step!(@product
+    ($o:tt 1; $($op:tt)*) => {
+        step!(@product $o
             [
-                "vpxor ymm4, ymm4, ymmword ptr [{pa}]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 32]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 64]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 32]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 64]",
             ],
             [
-                "vpxor ymm10, ymm10, ymmword ptr [{pb}]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 32]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 64]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 32]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 64]",
+            ],
+            [
+                "vpxor {a2}, {a2}, ymmword ptr [{pa}]",
+            ],
+            [
+                "vpxor {b2}, {b2}, ymmword ptr [{pb}]",
             ],
             slot = const 96, mult = const 128, $($op)*)
     };
-    (2; $($op:tt)*) => {
-        step!(@product
+    ($o:tt 2; $($op:tt)*) => {
+        step!(@product $o
             [
-                "vpxor ymm4, ymm4, ymmword ptr [{pa}]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 32]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 64]",
-                "vpxor ymm4, ymm4, ymmword ptr [{pa} + 96]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 128]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 160]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 32]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 64]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 128]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 160]",
             ],
             [
-                "vpxor ymm10, ymm10, ymmword ptr [{pb}]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 32]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 64]",
-                "vpxor ymm10, ymm10, ymmword ptr [{pb} + 96]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 128]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 160]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 32]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 64]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 128]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 160]",
+            ],
+            [
+                "vpxor {a2}, {a2}, ymmword ptr [{pa}]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 96]",
+            ],
+            [
+                "vpxor {b2}, {b2}, ymmword ptr [{pb}]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 96]",
             ],
             slot = const 192, mult = const 160, $($op)*)
     };
-    (3; $($op:tt)*) => {
-        step!(@product
+    ($o:tt 3; $($op:tt)*) => {
+        step!(@product $o
             [
-                "vpxor ymm4, ymm4, ymmword ptr [{pa}]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 32]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 64]",
-                "vpxor ymm4, ymm4, ymmword ptr [{pa} + 96]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 128]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 160]",
-                "vpxor ymm4, ymm4, ymmword ptr [{pa} + 192]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 224]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 256]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 32]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 64]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 128]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 160]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 224]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 256]",
             ],
             [
-                "vpxor ymm10, ymm10, ymmword ptr [{pb}]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 32]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 64]",
-                "vpxor ymm10, ymm10, ymmword ptr [{pb} + 96]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 128]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 160]",
-                "vpxor ymm10, ymm10, ymmword ptr [{pb} + 192]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 224]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 256]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 32]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 64]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 128]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 160]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 224]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 256]",
+            ],
+            [
+                "vpxor {a2}, {a2}, ymmword ptr [{pa}]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 96]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 192]",
+            ],
+            [
+                "vpxor {b2}, {b2}, ymmword ptr [{pb}]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 96]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 192]",
             ],
             slot = const 288, mult = const 192, $($op)*)
     };
-    (4; $($op:tt)*) => {
-        step!(@product
+    ($o:tt 4; $($op:tt)*) => {
+        step!(@product $o
             [
-                "vpxor ymm4, ymm4, ymmword ptr [{pa}]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 32]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 64]",
-                "vpxor ymm4, ymm4, ymmword ptr [{pa} + 96]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 128]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 160]",
-                "vpxor ymm4, ymm4, ymmword ptr [{pa} + 192]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 224]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 256]",
-                "vpxor ymm4, ymm4, ymmword ptr [{pa} + 288]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 320]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 352]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 32]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 64]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 128]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 160]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 224]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 256]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 320]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 352]",
             ],
             [
-                "vpxor ymm10, ymm10, ymmword ptr [{pb}]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 32]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 64]",
-                "vpxor ymm10, ymm10, ymmword ptr [{pb} + 96]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 128]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 160]",
-                "vpxor ymm10, ymm10, ymmword ptr [{pb} + 192]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 224]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 256]",
-                "vpxor ymm10, ymm10, ymmword ptr [{pb} + 288]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 320]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 352]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 32]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 64]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 128]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 160]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 224]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 256]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 320]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 352]",
+            ],
+            [
+                "vpxor {a2}, {a2}, ymmword ptr [{pa}]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 96]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 192]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 288]",
+            ],
+            [
+                "vpxor {b2}, {b2}, ymmword ptr [{pb}]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 96]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 192]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 288]",
             ],
             slot = const 384, mult = const 224, $($op)*)
     };
-    (@product [$($ja:literal),* $(,)?], [$($jb:literal),* $(,)?], $($op:tt)*) => {
-        step!(@asm full [$($ja),*], [$($jb),*],
+    (@product $o:tt [$($ja:literal),* $(,)?], [$($jb:literal),* $(,)?], [$($la:literal),* $(,)?], [$($lb:literal),* $(,)?], $($op:tt)*) => {
+        step!(@asm $o [$($ja),*], [$($jb),*], [$($la),*], [$($lb),*],
             [
-                "vpxor ymm9, ymm9, ymmword ptr [{kc} + {mult}]",
-                "vpxor ymm15, ymm15, ymmword ptr [{kc} + {mult}]",
-                "vpclmulqdq ymm5, ymm4, ymm9, 0x00",
-                "vpclmulqdq ymm11, ymm10, ymm15, 0x00",
+                    "vpxor {a1}, {a1}, ymmword ptr [{kc} + {mult}]",
+                    "vpxor {b1}, {b1}, ymmword ptr [{kc} + {mult}]",
+                    "vpclmulqdq {a2}, {a0}, {a1}, 0x00",
+                    "vpclmulqdq {a3}, {a0}, {a1}, 0x01",
+                    "vmovdqa ymmword ptr [{pa} + {slot}], {a2}",
+                    "vpclmulqdq {b2}, {b0}, {b1}, 0x00",
+                    "vpclmulqdq {b3}, {b0}, {b1}, 0x01",
+                    "vmovdqa ymmword ptr [{pb} + {slot}], {b2}",
+                    "vpclmulqdq {a2}, {a0}, {a1}, 0x10",
+                    "vpxor {a3}, {a3}, {a2}",
+                    "vmovdqa ymmword ptr [{pa} + {slot} + 32], {a3}",
+                    "vpclmulqdq {a2}, {a0}, {a1}, 0x11",
+                    "vmovdqa ymmword ptr [{pa} + {slot} + 64], {a2}",
+                    "vpclmulqdq {b2}, {b0}, {b1}, 0x10",
+                    "vpxor {b3}, {b3}, {b2}",
+                    "vmovdqa ymmword ptr [{pb} + {slot} + 32], {b3}",
+                    "vpclmulqdq {b2}, {b0}, {b1}, 0x11",
+                    "vmovdqa ymmword ptr [{pb} + {slot} + 64], {b2}",
             ],
-            [
-                "vpclmulqdq ymm6, ymm4, ymm9, 0x01",
-                "vpclmulqdq ymm12, ymm10, ymm15, 0x01",
-                "vpclmulqdq ymm7, ymm4, ymm9, 0x10",
-                "vpclmulqdq ymm13, ymm10, ymm15, 0x10",
-                "vmovdqa ymmword ptr [{pa} + {slot}], ymm5",
-                "vmovdqa ymmword ptr [{pb} + {slot}], ymm11",
-            ],
-            [
-                "vpclmulqdq ymm8, ymm4, ymm9, 0x11",
-                "vpclmulqdq ymm14, ymm10, ymm15, 0x11",
-                "vpxor ymm6, ymm6, ymm7",
-                "vpxor ymm12, ymm12, ymm13",
-                "vmovdqa ymmword ptr [{pa} + {slot} + 32], ymm6",
-                "vmovdqa ymmword ptr [{pb} + {slot} + 32], ymm12",
-                "vmovdqa ymmword ptr [{pa} + {slot} + 64], ymm8",
-                "vmovdqa ymmword ptr [{pb} + {slot} + 64], ymm14",
-            ],
-            $($op)*
-            out("ymm4") _, out("ymm9") _, out("ymm10") _, out("ymm15") _,
-        )
+            $($op)*)
     };
-    // Group Q - 1 (t = 5) ends the part trees: v and x4 stay in ymm4 and ymm9 (hash A), ymm10
-    // and ymm15 (hash B), outputs of the block. Its fourth counter register is past the body.
-    (root; $($op:tt)*) => {
-        step!(@asm last
+    // Group Q - 1 (t = 5) ends the part trees: v and x4 stay in a0 and a1 (hash A), b0 and b1
+    // (hash B), outputs of the block.
+    ($o:tt root; $($op:tt)*) => {
+        step!(@asm $o
             [
-                "vpxor ymm4, ymm4, ymmword ptr [{pa}]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 32]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 64]",
-                "vpxor ymm4, ymm4, ymmword ptr [{pa} + 96]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 128]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 160]",
-                "vpxor ymm4, ymm4, ymmword ptr [{pa} + 192]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 224]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 256]",
-                "vpxor ymm4, ymm4, ymmword ptr [{pa} + 288]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 320]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 352]",
-                "vpxor ymm4, ymm4, ymmword ptr [{pa} + 384]",
-                "vpxor ymm5, ymm5, ymmword ptr [{pa} + 416]",
-                "vpxor ymm7, ymm7, ymmword ptr [{pa} + 448]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 32]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 64]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 128]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 160]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 224]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 256]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 320]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 352]",
+                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 416]",
+                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 448]",
             ],
             [
-                "vpxor ymm10, ymm10, ymmword ptr [{pb}]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 32]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 64]",
-                "vpxor ymm10, ymm10, ymmword ptr [{pb} + 96]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 128]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 160]",
-                "vpxor ymm10, ymm10, ymmword ptr [{pb} + 192]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 224]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 256]",
-                "vpxor ymm10, ymm10, ymmword ptr [{pb} + 288]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 320]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 352]",
-                "vpxor ymm10, ymm10, ymmword ptr [{pb} + 384]",
-                "vpxor ymm11, ymm11, ymmword ptr [{pb} + 416]",
-                "vpxor ymm13, ymm13, ymmword ptr [{pb} + 448]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 32]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 64]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 128]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 160]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 224]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 256]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 320]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 352]",
+                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 416]",
+                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 448]",
             ],
-            [],
-            [],
+            [
+                "vpxor {a2}, {a2}, ymmword ptr [{pa}]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 96]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 192]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 288]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 384]",
+            ],
+            [
+                "vpxor {b2}, {b2}, ymmword ptr [{pb}]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 96]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 192]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 288]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 384]",
+            ],
             [],
             $($op)*)
     };
 }
+
 
 /// The last group of part 1 of a hash: X_253, X_254 (the body's last two blocks), X_255 =
 /// `last`, the zero X_256, after 16 bytes that the step's line loads read and drop.
@@ -447,34 +467,70 @@ pub(in super::super) unsafe fn fused(
         let (dp, ap, bp) = (data.as_mut_ptr(), a.0.as_ptr(), b.0.as_ptr());
         let ctr = CTR.0.as_ptr();
         let (kc, [pa, pb]) = scratch.ymm();
+        // Step q - 1's counter blocks after round 7, handed from block to block.
+        let mut st: [__m256i; 4];
         macro_rules! run {
-            ($q:expr, $t:tt, $a1:expr, $b1:expr; $($extra:tt)*) => {
-                // SAFETY: step q reads 128 bytes of counters at CTR + 128q and of data at
-                // 128q (and writes the data back; the last step only 96 bytes), 64 bytes of
-                // each hash body at 64q (part 0) and 80 bytes at 2048 + 64q - 16 (part 1; in the
-                // last step from `End`, 80 bytes), all inside the 254-block bodies checked above,
-                // reads the keys and `YmmConsts` and reads and writes `YmmPending` at the
-                // offsets their layouts document. Every register it writes is an output.
-                step!($t;
-                    ctr = in(reg) ctr.add(16 * $q),
-                    d = in(reg) dp.add(128 * $q),
-                    ha = in(reg) ap.add(64 * $q),
-                    hb = in(reg) bp.add(64 * $q),
+            (first) => {{
+                let (n0, n1, n2, n3): (__m256i, __m256i, __m256i, __m256i);
+                // SAFETY: block 0 reads 128 bytes of counters at CTR, 64 bytes of each hash body
+                // at 0 (part 0) and 80 bytes at 2048 - 16 (part 1), inside the 254-block bodies
+                // checked above, reads the keys and `YmmConsts` and reads and writes
+                // `YmmPending` at the offsets their layouts document. Every register it writes
+                // is an output.
+                step!(first 0;
+                    n0 = out(ymm_reg) n0, n1 = out(ymm_reg) n1, n2 = out(ymm_reg) n2, n3 = out(ymm_reg) n3,
+                    a0 = out(ymm_reg) _, a1 = out(ymm_reg) _, a2 = out(ymm_reg) _, a3 = out(ymm_reg) _,
+                    b0 = out(ymm_reg) _, b1 = out(ymm_reg) _, b2 = out(ymm_reg) _, b3 = out(ymm_reg) _,
+                    ctr = in(reg) ctr,
+                    ha = in(reg) ap,
+                    hb = in(reg) bp,
+                    ha1 = in(reg) ap.add(2048),
+                    hb1 = in(reg) bp.add(2048),
+                    ks = in(reg) ksp,
+                    kc = in(reg) kc,
+                    pa = in(reg) pa,
+                    pb = in(reg) pb,
+                );
+                st = [n0, n1, n2, n3];
+            }};
+            ($q:expr, $t:tt, $a1:expr, $b1:expr; $($hash:tt)*) => {{
+                let q: usize = $q;
+                let [s0, s1, s2, s3] = st;
+                let (n0, n1, n2, n3): (__m256i, __m256i, __m256i, __m256i);
+                // SAFETY: block q (1 <= q < Q) reads 128 bytes of counters at CTR + 128q (the
+                // table has 256 blocks), reads and writes 128 bytes of data at 128 (q - 1)
+                // (inside the body for q - 1 < Q - 1), reads 64 bytes of each hash body at 64q
+                // (part 0) and 80 bytes at 2048 + 64q - 16 (part 1; in the last block from
+                // `End`, 80 bytes), all inside the 254-block bodies checked above, reads the
+                // keys and `YmmConsts` and reads and writes `YmmPending` at the offsets their
+                // layouts document. Every register it writes is an output.
+                step!(old $t;
+                    n0 = out(ymm_reg) n0, n1 = out(ymm_reg) n1, n2 = out(ymm_reg) n2, n3 = out(ymm_reg) n3,
+                    o0 = inout(ymm_reg) s0 => _, o1 = inout(ymm_reg) s1 => _,
+                    o2 = inout(ymm_reg) s2 => _, o3 = inout(ymm_reg) s3 => _,
+                    $($hash)*
+                    ctr = in(reg) ctr.add(16 * q),
+                    d = in(reg) dp.add(128 * (q - 1)),
+                    ha = in(reg) ap.add(64 * q),
+                    hb = in(reg) bp.add(64 * q),
                     ha1 = in(reg) $a1,
                     hb1 = in(reg) $b1,
                     ks = in(reg) ksp,
                     kc = in(reg) kc,
                     pa = in(reg) pa,
                     pb = in(reg) pb,
-                    $($extra)*
-                )
-            };
+                );
+                st = [n0, n1, n2, n3];
+            }};
             ($q:expr, $t:tt) => {
-                run!($q, $t, ap.add(2048 + 64 * $q), bp.add(2048 + 64 * $q);)
+                run!($q, $t, ap.add(2048 + 64 * ($q)), bp.add(2048 + 64 * ($q));
+                    a0 = out(ymm_reg) _, a1 = out(ymm_reg) _, a2 = out(ymm_reg) _, a3 = out(ymm_reg) _,
+                    b0 = out(ymm_reg) _, b1 = out(ymm_reg) _, b2 = out(ymm_reg) _, b3 = out(ymm_reg) _,
+                )
             };
         }
         // The head of the next unit (see `Head`): its two serial AES calls between the first
-        // steps, whose independent work the core runs beside them.
+        // blocks, whose independent work the core runs beside them.
         let aes = |x: u128| {
             let mut v = _mm_xor_si128(from_u128(x), _mm_loadu_si128(rk.enc[0].as_ptr().cast()));
             for key in &rk.enc[1..14] {
@@ -482,28 +538,25 @@ pub(in super::super) unsafe fn fused(
             }
             to_u128(_mm_aesenclast_si128(v, _mm_loadu_si128(rk.enc[14].as_ptr().cast())))
         };
-        // Eight blocks of four steps, in a loop (unrolled, the kernel would not fit the
-        // decoded-instruction cache): in block m, step 4m + j completes j's trailing ones
-        // levels for j < 3; step 4m + 3 completes 2 + trailing_ones(m) of them, or for m = 7
-        // ends the part trees.
         let mut head_out = None;
-        let mut w = 0;
+        run!(first);
+        let w = head.map(|Head { y, z }| y ^ aes(z));
+        run!(1, 1);
+        run!(2, 0);
+        if let (Some(Head { z, .. }), Some(w)) = (head, w) {
+            head_out = Some([z, w, z ^ aes(w)]);
+        }
+        run!(3, 2);
+        // The other blocks in a loop of four (unrolled, the kernel would not fit the
+        // decoded-instruction cache): block 4m + j completes j's trailing ones levels for
+        // j < 3; block 4m + 3 completes 2 + trailing_ones(m) of them, or for m = 7 ends the part
+        // trees.
         let mut roots = None;
-        for m in 0..Q / 4 {
+        for m in 1..Q / 4 {
             let q = 4 * m;
             run!(q, 0);
-            if m == 0 {
-                if let Some(Head { y, z }) = head {
-                    w = y ^ aes(z);
-                }
-            }
             run!(q + 1, 1);
             run!(q + 2, 0);
-            if m == 0 {
-                if let Some(Head { z, .. }) = head {
-                    head_out = Some([z, w, z ^ aes(w)]);
-                }
-            }
             match m {
                 1 | 5 => run!(q + 3, 3),
                 3 => run!(q + 3, 4),
@@ -513,13 +566,59 @@ pub(in super::super) unsafe fn fused(
                     let (ea, eb) = (End::new(a.0, a.1), End::new(b.0, b.1));
                     let (va, fa, vb, fb): (__m256i, __m256i, __m256i, __m256i);
                     run!(Q - 1, root, ea.0.as_ptr().add(16), eb.0.as_ptr().add(16);
-                        out("ymm4") va, out("ymm9") fa, out("ymm10") vb, out("ymm15") fb,
+                        a0 = out(ymm_reg) va, a1 = out(ymm_reg) fa, a2 = out(ymm_reg) _, a3 = out(ymm_reg) _,
+                        b0 = out(ymm_reg) vb, b1 = out(ymm_reg) fb, b2 = out(ymm_reg) _, b3 = out(ymm_reg) _,
                     );
                     roots = Some((va, fa, vb, fb));
                 }
                 _ => run!(q + 3, 2),
             }
         }
+        // Rounds 8 to 14 of the last step's counter blocks; its fourth register (blocks 255 and
+        // 256) lies past the body and is dropped.
+        let [s0, s1, s2, s3] = st;
+        // SAFETY: reads the keys, reads and writes the body's last 96 bytes (3968..4064).
+        asm!(
+            "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 256]",
+            "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 256]",
+            "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 256]",
+            "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 256]",
+            "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 288]",
+            "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 288]",
+            "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 288]",
+            "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 288]",
+            "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 320]",
+            "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 320]",
+            "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 320]",
+            "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 320]",
+            "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 352]",
+            "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 352]",
+            "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 352]",
+            "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 352]",
+            "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 384]",
+            "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 384]",
+            "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 384]",
+            "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 384]",
+            "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 416]",
+            "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 416]",
+            "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 416]",
+            "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 416]",
+            "vaesenclast {o0}, {o0}, ymmword ptr [{ks} + 448]",
+            "vaesenclast {o1}, {o1}, ymmword ptr [{ks} + 448]",
+            "vaesenclast {o2}, {o2}, ymmword ptr [{ks} + 448]",
+            "vaesenclast {o3}, {o3}, ymmword ptr [{ks} + 448]",
+            "vpxor {o0}, {o0}, ymmword ptr [{d}]",
+            "vmovdqu ymmword ptr [{d}], {o0}",
+            "vpxor {o1}, {o1}, ymmword ptr [{d} + 32]",
+            "vmovdqu ymmword ptr [{d} + 32], {o1}",
+            "vpxor {o2}, {o2}, ymmword ptr [{d} + 64]",
+            "vmovdqu ymmword ptr [{d} + 64], {o2}",
+            o0 = inout(ymm_reg) s0 => _, o1 = inout(ymm_reg) s1 => _,
+            o2 = inout(ymm_reg) s2 => _, o3 = inout(ymm_reg) s3 => _,
+            d = in(reg) dp.add(128 * (Q - 1)),
+            ks = in(reg) ksp,
+            options(nostack, preserves_flags),
+        );
         let Some((va, fa, vb, fb)) = roots else { unreachable!("asm_ymm: no last step") };
         // The level across the two parts (`BrwParts::finish`, 4Q = 2^7 blocks per part).
         let lanes = |v: __m256i| [to_u128(_mm256_castsi256_si128(v)), to_u128(_mm256_extracti128_si256::<1>(v))];

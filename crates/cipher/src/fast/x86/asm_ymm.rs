@@ -56,13 +56,15 @@ impl YmmConsts {
 pub(super) struct YmmPending {
     /// +96 l: lo, mid, hi of the pending product of level l (see `BrwParts`).
     slot: [[[u128; 2]; 3]; 5],
-    /// +480: the lo part of the group's level-1 product, until the end of its reduction.
-    lo: [u128; 2],
+    /// +480: the lo part of the group's level-1 product, until the end of its reduction;
+    /// +512: tau^2 ^ x2 and +544: the multiplier of v, operands of the products' last
+    /// multiplies (a group runs in three registers).
+    park: [[u128; 2]; 3],
 }
 
 impl YmmPending {
     pub(super) fn new() -> Self {
-        Self { slot: [[[0; 2]; 3]; 5], lo: [0; 2] }
+        Self { slot: [[[0; 2]; 3]; 5], park: [[0; 2]; 3] }
     }
 }
 
@@ -87,18 +89,16 @@ macro_rules! step {
         asm!(
             // Slot 0: the new counter blocks ^ seed ^ key 0, the old ones' round 8; x1 and x2 of both
             // hashes (lane 0 from part 0, lane 1 the high half of a line that ends with it) ^ tau, tau^2.
-            "vmovdqu {n0}, ymmword ptr [{ctr}]",
-            "vpxor {n0}, {n0}, ymmword ptr [{ks}]",
-            "vmovdqu {n1}, ymmword ptr [{ctr} + 32]",
-            "vpxor {n1}, {n1}, ymmword ptr [{ks}]",
-            "vmovdqu {n2}, ymmword ptr [{ctr} + 64]",
-            "vpxor {n2}, {n2}, ymmword ptr [{ks}]",
-            "vmovdqu {n3}, ymmword ptr [{ctr} + 96]",
-            "vpxor {n3}, {n3}, ymmword ptr [{ks}]",
-            old!($o, "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 256]"),
-            old!($o, "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 256]"),
-            old!($o, "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 256]"),
-            old!($o, "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 256]"),
+            "vmovdqa {k}, ymmword ptr [{ks}]",
+            "vpxor {n0}, {k}, ymmword ptr [{ctr}]",
+            "vpxor {n1}, {k}, ymmword ptr [{ctr} + 32]",
+            "vpxor {n2}, {k}, ymmword ptr [{ctr} + 64]",
+            "vpxor {n3}, {k}, ymmword ptr [{ctr} + 96]",
+            old!($o, "vmovdqa {k}, ymmword ptr [{ks} + 256]"),
+            old!($o, "vaesenc {o0}, {o0}, {k}"),
+            old!($o, "vaesenc {o1}, {o1}, {k}"),
+            old!($o, "vaesenc {o2}, {o2}, {k}"),
+            old!($o, "vaesenc {o3}, {o3}, {k}"),
             "vmovdqu {a0:x}, xmmword ptr [{ha}]",
             "vpblendd {a0}, {a0}, ymmword ptr [{ha1} - 16], 0xf0",
             "vpxor {a0}, {a0}, ymmword ptr [{kc}]",
@@ -111,103 +111,118 @@ macro_rules! step {
             "vmovdqu {b1:x}, xmmword ptr [{hb} + 16]",
             "vpblendd {b1}, {b1}, ymmword ptr [{hb1}], 0xf0",
             "vpxor {b1}, {b1}, ymmword ptr [{kc} + 32]",
-            // Slot 1: level 1, (tau ^ x1)(tau^2 ^ x2): lo and one cross term.
-            "vaesenc {n0}, {n0}, ymmword ptr [{ks} + 32]",
-            "vaesenc {n1}, {n1}, ymmword ptr [{ks} + 32]",
-            "vaesenc {n2}, {n2}, ymmword ptr [{ks} + 32]",
-            "vaesenc {n3}, {n3}, ymmword ptr [{ks} + 32]",
-            old!($o, "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 288]"),
-            old!($o, "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 288]"),
-            old!($o, "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 288]"),
-            old!($o, "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 288]"),
+            // Slot 1: level 1, (tau ^ x1)(tau^2 ^ x2): x2 to memory (a multiplies' operand), lo.
+            "vmovdqa {k}, ymmword ptr [{ks} + 32]",
+            "vaesenc {n0}, {n0}, {k}",
+            "vaesenc {n1}, {n1}, {k}",
+            "vaesenc {n2}, {n2}, {k}",
+            "vaesenc {n3}, {n3}, {k}",
+            old!($o, "vmovdqa {k}, ymmword ptr [{ks} + 288]"),
+            old!($o, "vaesenc {o0}, {o0}, {k}"),
+            old!($o, "vaesenc {o1}, {o1}, {k}"),
+            old!($o, "vaesenc {o2}, {o2}, {k}"),
+            old!($o, "vaesenc {o3}, {o3}, {k}"),
+            "vmovdqa ymmword ptr [{pa} + 512], {a1}",
             "vpclmulqdq {a2}, {a0}, {a1}, 0x00",
-            "vpclmulqdq {a3}, {a0}, {a1}, 0x01",
+            "vmovdqa ymmword ptr [{pb} + 512], {b1}",
             "vpclmulqdq {b2}, {b0}, {b1}, 0x00",
-            "vpclmulqdq {b3}, {b0}, {b1}, 0x01",
-            // Slot 2: lo waits in memory (it is only added at the end); the other cross term.
-            "vaesenc {n0}, {n0}, ymmword ptr [{ks} + 64]",
-            "vaesenc {n1}, {n1}, ymmword ptr [{ks} + 64]",
-            "vaesenc {n2}, {n2}, ymmword ptr [{ks} + 64]",
-            "vaesenc {n3}, {n3}, ymmword ptr [{ks} + 64]",
-            old!($o, "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 320]"),
-            old!($o, "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 320]"),
-            old!($o, "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 320]"),
-            old!($o, "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 320]"),
+            // Slot 2: lo waits in memory (it is only added at the end of the reduction); hi.
+            "vmovdqa {k}, ymmword ptr [{ks} + 64]",
+            "vaesenc {n0}, {n0}, {k}",
+            "vaesenc {n1}, {n1}, {k}",
+            "vaesenc {n2}, {n2}, {k}",
+            "vaesenc {n3}, {n3}, {k}",
+            old!($o, "vmovdqa {k}, ymmword ptr [{ks} + 320]"),
+            old!($o, "vaesenc {o0}, {o0}, {k}"),
+            old!($o, "vaesenc {o1}, {o1}, {k}"),
+            old!($o, "vaesenc {o2}, {o2}, {k}"),
+            old!($o, "vaesenc {o3}, {o3}, {k}"),
             "vmovdqa ymmword ptr [{pa} + 480], {a2}",
-            "vpclmulqdq {a2}, {a0}, {a1}, 0x10",
+            "vpclmulqdq {a2}, {a0}, {a1}, 0x11",
             "vmovdqa ymmword ptr [{pb} + 480], {b2}",
-            "vpclmulqdq {b2}, {b0}, {b1}, 0x10",
-            // Slot 3: hi, mid; joined with the pending products (mid, hi) of the levels group q completes.
-            "vaesenc {n0}, {n0}, ymmword ptr [{ks} + 96]",
-            "vaesenc {n1}, {n1}, ymmword ptr [{ks} + 96]",
-            "vaesenc {n2}, {n2}, ymmword ptr [{ks} + 96]",
-            "vaesenc {n3}, {n3}, ymmword ptr [{ks} + 96]",
-            old!($o, "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 352]"),
-            old!($o, "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 352]"),
-            old!($o, "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 352]"),
-            old!($o, "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 352]"),
-            "vpclmulqdq {a0}, {a0}, {a1}, 0x11",
-            "vpxor {a3}, {a3}, {a2}",
-            "vpclmulqdq {b0}, {b0}, {b1}, 0x11",
-            "vpxor {b3}, {b3}, {b2}",
+            "vpclmulqdq {b2}, {b0}, {b1}, 0x11",
+            // Slot 3: mid; joined with the pending products (mid, hi) of the levels group q completes.
+            "vmovdqa {k}, ymmword ptr [{ks} + 96]",
+            "vaesenc {n0}, {n0}, {k}",
+            "vaesenc {n1}, {n1}, {k}",
+            "vaesenc {n2}, {n2}, {k}",
+            "vaesenc {n3}, {n3}, {k}",
+            old!($o, "vmovdqa {k}, ymmword ptr [{ks} + 352]"),
+            old!($o, "vaesenc {o0}, {o0}, {k}"),
+            old!($o, "vaesenc {o1}, {o1}, {k}"),
+            old!($o, "vaesenc {o2}, {o2}, {k}"),
+            old!($o, "vaesenc {o3}, {o3}, {k}"),
+            "vpclmulqdq {a1}, {a0}, {a1}, 0x01",
+            "vpclmulqdq {a0}, {a0}, ymmword ptr [{pa} + 512], 0x10",
+            "vpxor {a1}, {a1}, {a0}",
+            "vpclmulqdq {b1}, {b0}, {b1}, 0x01",
+            "vpclmulqdq {b0}, {b0}, ymmword ptr [{pb} + 512], 0x10",
+            "vpxor {b1}, {b1}, {b0}",
             $($ja,)*
             $($jb,)*
-            // Slot 4: reduction, t = h1 c, hi << 64; x3.
-            "vaesenc {n0}, {n0}, ymmword ptr [{ks} + 128]",
-            "vaesenc {n1}, {n1}, ymmword ptr [{ks} + 128]",
-            "vaesenc {n2}, {n2}, ymmword ptr [{ks} + 128]",
-            "vaesenc {n3}, {n3}, ymmword ptr [{ks} + 128]",
-            old!($o, "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 384]"),
-            old!($o, "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 384]"),
-            old!($o, "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 384]"),
-            old!($o, "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 384]"),
-            "vpclmulqdq {a1}, {a0}, ymmword ptr [{kc} + 64], 0x01",
-            "vpslldq {a0}, {a0}, 8",
-            "vmovdqu {a2:x}, xmmword ptr [{ha} + 32]",
-            "vpblendd {a2}, {a2}, ymmword ptr [{ha1} + 16], 0xf0",
-            "vpclmulqdq {b1}, {b0}, ymmword ptr [{kc} + 64], 0x01",
-            "vpslldq {b0}, {b0}, 8",
-            "vmovdqu {b2:x}, xmmword ptr [{hb} + 32]",
-            "vpblendd {b2}, {b2}, ymmword ptr [{hb1} + 16], 0xf0",
+            // Slot 4: reduction (c = 0x87 in each lane), t = h1 c, hi << 64.
+            "vmovdqa {k}, ymmword ptr [{ks} + 128]",
+            "vaesenc {n0}, {n0}, {k}",
+            "vaesenc {n1}, {n1}, {k}",
+            "vaesenc {n2}, {n2}, {k}",
+            "vaesenc {n3}, {n3}, {k}",
+            old!($o, "vmovdqa {k}, ymmword ptr [{ks} + 384]"),
+            old!($o, "vaesenc {o0}, {o0}, {k}"),
+            old!($o, "vaesenc {o1}, {o1}, {k}"),
+            old!($o, "vaesenc {o2}, {o2}, {k}"),
+            old!($o, "vaesenc {o3}, {o3}, {k}"),
+            "vpclmulqdq {a0}, {a2}, {c}, 0x01",
+            "vpslldq {a2}, {a2}, 8",
+            "vpclmulqdq {b0}, {b2}, {c}, 0x01",
+            "vpslldq {b2}, {b2}, 8",
             // Slot 5: g = (hi << 64) ^ mid ^ t (qword 1 h0 ^ m1 ^ t1, qword 0 m0 ^ t0), u = g1 c.
-            "vaesenc {n0}, {n0}, ymmword ptr [{ks} + 160]",
-            "vaesenc {n1}, {n1}, ymmword ptr [{ks} + 160]",
-            "vaesenc {n2}, {n2}, ymmword ptr [{ks} + 160]",
-            "vaesenc {n3}, {n3}, ymmword ptr [{ks} + 160]",
-            old!($o, "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 416]"),
-            old!($o, "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 416]"),
-            old!($o, "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 416]"),
-            old!($o, "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 416]"),
-            "vpxor {a0}, {a0}, {a3}",
-            "vpxor {a0}, {a0}, {a1}",
-            "vpclmulqdq {a1}, {a0}, ymmword ptr [{kc} + 64], 0x01",
-            "vpxor {b0}, {b0}, {b3}",
-            "vpxor {b0}, {b0}, {b1}",
-            "vpclmulqdq {b1}, {b0}, ymmword ptr [{kc} + 64], 0x01",
+            "vmovdqa {k}, ymmword ptr [{ks} + 160]",
+            "vaesenc {n0}, {n0}, {k}",
+            "vaesenc {n1}, {n1}, {k}",
+            "vaesenc {n2}, {n2}, {k}",
+            "vaesenc {n3}, {n3}, {k}",
+            old!($o, "vmovdqa {k}, ymmword ptr [{ks} + 416]"),
+            old!($o, "vaesenc {o0}, {o0}, {k}"),
+            old!($o, "vaesenc {o1}, {o1}, {k}"),
+            old!($o, "vaesenc {o2}, {o2}, {k}"),
+            old!($o, "vaesenc {o3}, {o3}, {k}"),
+            "vpxor {a2}, {a2}, {a1}",
+            "vpxor {a2}, {a2}, {a0}",
+            "vpclmulqdq {a0}, {a2}, {c}, 0x01",
+            "vpxor {b2}, {b2}, {b1}",
+            "vpxor {b2}, {b2}, {b0}",
+            "vpclmulqdq {b0}, {b2}, {c}, 0x01",
             // Slot 6: v = u ^ (g0 << 64) ^ lo ^ x3 ^ the pending products' lo parts.
-            "vaesenc {n0}, {n0}, ymmword ptr [{ks} + 192]",
-            "vaesenc {n1}, {n1}, ymmword ptr [{ks} + 192]",
-            "vaesenc {n2}, {n2}, ymmword ptr [{ks} + 192]",
-            "vaesenc {n3}, {n3}, ymmword ptr [{ks} + 192]",
-            old!($o, "vaesenclast {o0}, {o0}, ymmword ptr [{ks} + 448]"),
-            old!($o, "vaesenclast {o1}, {o1}, ymmword ptr [{ks} + 448]"),
-            old!($o, "vaesenclast {o2}, {o2}, ymmword ptr [{ks} + 448]"),
-            old!($o, "vaesenclast {o3}, {o3}, ymmword ptr [{ks} + 448]"),
-            "vpslldq {a0}, {a0}, 8",
-            "vpxor {a2}, {a2}, ymmword ptr [{pa} + 480]",
+            "vmovdqa {k}, ymmword ptr [{ks} + 192]",
+            "vaesenc {n0}, {n0}, {k}",
+            "vaesenc {n1}, {n1}, {k}",
+            "vaesenc {n2}, {n2}, {k}",
+            "vaesenc {n3}, {n3}, {k}",
+            old!($o, "vmovdqa {k}, ymmword ptr [{ks} + 448]"),
+            old!($o, "vaesenclast {o0}, {o0}, {k}"),
+            old!($o, "vaesenclast {o1}, {o1}, {k}"),
+            old!($o, "vaesenclast {o2}, {o2}, {k}"),
+            old!($o, "vaesenclast {o3}, {o3}, {k}"),
+            "vpslldq {a2}, {a2}, 8",
+            "vmovdqu {a1:x}, xmmword ptr [{ha} + 32]",
+            "vpblendd {a1}, {a1}, ymmword ptr [{ha1} + 16], 0xf0",
+            "vpxor {a1}, {a1}, ymmword ptr [{pa} + 480]",
             $($la,)*
-            "vpxor {a0}, {a0}, {a1}",
-            "vpxor {a0}, {a0}, {a2}",
-            "vpslldq {b0}, {b0}, 8",
-            "vpxor {b2}, {b2}, ymmword ptr [{pb} + 480]",
+            "vpxor {a2}, {a2}, {a0}",
+            "vpxor {a2}, {a2}, {a1}",
+            "vpslldq {b2}, {b2}, 8",
+            "vmovdqu {b1:x}, xmmword ptr [{hb} + 32]",
+            "vpblendd {b1}, {b1}, ymmword ptr [{hb1} + 16], 0xf0",
+            "vpxor {b1}, {b1}, ymmword ptr [{pb} + 480]",
             $($lb,)*
-            "vpxor {b0}, {b0}, {b1}",
-            "vpxor {b0}, {b0}, {b2}",
+            "vpxor {b2}, {b2}, {b0}",
+            "vpxor {b2}, {b2}, {b1}",
             // Slot 7: the old counter blocks into the data; x4. Then the end of the group (`$e`).
-            "vaesenc {n0}, {n0}, ymmword ptr [{ks} + 224]",
-            "vaesenc {n1}, {n1}, ymmword ptr [{ks} + 224]",
-            "vaesenc {n2}, {n2}, ymmword ptr [{ks} + 224]",
-            "vaesenc {n3}, {n3}, ymmword ptr [{ks} + 224]",
+            "vmovdqa {k}, ymmword ptr [{ks} + 224]",
+            "vaesenc {n0}, {n0}, {k}",
+            "vaesenc {n1}, {n1}, {k}",
+            "vaesenc {n2}, {n2}, {k}",
+            "vaesenc {n3}, {n3}, {k}",
             old!($o, "vpxor {o0}, {o0}, ymmword ptr [{d}]"),
             old!($o, "vmovdqu ymmword ptr [{d}], {o0}"),
             old!($o, "vpxor {o1}, {o1}, ymmword ptr [{d} + 32]"),
@@ -226,7 +241,8 @@ macro_rules! step {
         )
     };
     // Groups q < Q - 1, t = trailing_ones(q): join levels 0..t, then the product of v and its
-    // parent's multiplier tau^(2^(t+2)) ^ x4 waits in slot t for q's sibling.
+    // parent's multiplier tau^(2^(t+2)) ^ x4 (which waits in memory as an operand) waits in
+    // slot t for q's sibling.
     ($o:tt 0; $($op:tt)*) => {
         step!(@product $o
             [],
@@ -238,176 +254,178 @@ macro_rules! step {
     ($o:tt 1; $($op:tt)*) => {
         step!(@product $o
             [
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 32]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 64]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 32]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 64]",
             ],
             [
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 32]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 64]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 32]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 64]",
             ],
             [
-                "vpxor {a2}, {a2}, ymmword ptr [{pa}]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa}]",
             ],
             [
-                "vpxor {b2}, {b2}, ymmword ptr [{pb}]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb}]",
             ],
             slot = const 96, mult = const 128, $($op)*)
     };
     ($o:tt 2; $($op:tt)*) => {
         step!(@product $o
             [
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 32]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 64]",
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 128]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 160]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 32]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 64]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 128]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 160]",
             ],
             [
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 32]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 64]",
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 128]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 160]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 32]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 64]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 128]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 160]",
             ],
             [
-                "vpxor {a2}, {a2}, ymmword ptr [{pa}]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 96]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa}]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 96]",
             ],
             [
-                "vpxor {b2}, {b2}, ymmword ptr [{pb}]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 96]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb}]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 96]",
             ],
             slot = const 192, mult = const 160, $($op)*)
     };
     ($o:tt 3; $($op:tt)*) => {
         step!(@product $o
             [
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 32]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 64]",
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 128]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 160]",
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 224]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 256]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 32]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 64]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 128]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 160]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 224]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 256]",
             ],
             [
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 32]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 64]",
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 128]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 160]",
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 224]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 256]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 32]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 64]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 128]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 160]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 224]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 256]",
             ],
             [
-                "vpxor {a2}, {a2}, ymmword ptr [{pa}]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 96]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 192]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa}]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 96]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 192]",
             ],
             [
-                "vpxor {b2}, {b2}, ymmword ptr [{pb}]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 96]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 192]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb}]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 96]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 192]",
             ],
             slot = const 288, mult = const 192, $($op)*)
     };
     ($o:tt 4; $($op:tt)*) => {
         step!(@product $o
             [
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 32]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 64]",
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 128]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 160]",
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 224]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 256]",
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 320]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 352]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 32]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 64]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 128]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 160]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 224]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 256]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 320]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 352]",
             ],
             [
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 32]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 64]",
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 128]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 160]",
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 224]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 256]",
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 320]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 352]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 32]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 64]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 128]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 160]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 224]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 256]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 320]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 352]",
             ],
             [
-                "vpxor {a2}, {a2}, ymmword ptr [{pa}]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 96]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 192]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 288]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa}]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 96]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 192]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 288]",
             ],
             [
-                "vpxor {b2}, {b2}, ymmword ptr [{pb}]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 96]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 192]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 288]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb}]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 96]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 192]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 288]",
             ],
             slot = const 384, mult = const 224, $($op)*)
     };
     (@product $o:tt [$($ja:literal),* $(,)?], [$($jb:literal),* $(,)?], [$($la:literal),* $(,)?], [$($lb:literal),* $(,)?], $($op:tt)*) => {
         step!(@asm $o [$($ja),*], [$($jb),*], [$($la),*], [$($lb),*],
             [
-                    "vpxor {a1}, {a1}, ymmword ptr [{kc} + {mult}]",
-                    "vpxor {b1}, {b1}, ymmword ptr [{kc} + {mult}]",
-                    "vpclmulqdq {a2}, {a0}, {a1}, 0x00",
-                    "vpclmulqdq {a3}, {a0}, {a1}, 0x01",
-                    "vmovdqa ymmword ptr [{pa} + {slot}], {a2}",
-                    "vpclmulqdq {b2}, {b0}, {b1}, 0x00",
-                    "vpclmulqdq {b3}, {b0}, {b1}, 0x01",
-                    "vmovdqa ymmword ptr [{pb} + {slot}], {b2}",
-                    "vpclmulqdq {a2}, {a0}, {a1}, 0x10",
-                    "vpxor {a3}, {a3}, {a2}",
-                    "vmovdqa ymmword ptr [{pa} + {slot} + 32], {a3}",
-                    "vpclmulqdq {a2}, {a0}, {a1}, 0x11",
-                    "vmovdqa ymmword ptr [{pa} + {slot} + 64], {a2}",
-                    "vpclmulqdq {b2}, {b0}, {b1}, 0x10",
-                    "vpxor {b3}, {b3}, {b2}",
-                    "vmovdqa ymmword ptr [{pb} + {slot} + 32], {b3}",
-                    "vpclmulqdq {b2}, {b0}, {b1}, 0x11",
-                    "vmovdqa ymmword ptr [{pb} + {slot} + 64], {b2}",
+                "vpxor {a1}, {a1}, ymmword ptr [{kc} + {mult}]",
+                "vmovdqa ymmword ptr [{pa} + 544], {a1}",
+                "vpxor {b1}, {b1}, ymmword ptr [{kc} + {mult}]",
+                "vmovdqa ymmword ptr [{pb} + 544], {b1}",
+                "vpclmulqdq {a0}, {a2}, {a1}, 0x00",
+                "vmovdqa ymmword ptr [{pa} + {slot}], {a0}",
+                "vpclmulqdq {a0}, {a2}, {a1}, 0x11",
+                "vmovdqa ymmword ptr [{pa} + {slot} + 64], {a0}",
+                "vpclmulqdq {b0}, {b2}, {b1}, 0x00",
+                "vmovdqa ymmword ptr [{pb} + {slot}], {b0}",
+                "vpclmulqdq {b0}, {b2}, {b1}, 0x11",
+                "vmovdqa ymmword ptr [{pb} + {slot} + 64], {b0}",
+                "vpclmulqdq {a1}, {a2}, {a1}, 0x01",
+                "vpclmulqdq {a0}, {a2}, ymmword ptr [{pa} + 544], 0x10",
+                "vpxor {a1}, {a1}, {a0}",
+                "vmovdqa ymmword ptr [{pa} + {slot} + 32], {a1}",
+                "vpclmulqdq {b1}, {b2}, {b1}, 0x01",
+                "vpclmulqdq {b0}, {b2}, ymmword ptr [{pb} + 544], 0x10",
+                "vpxor {b1}, {b1}, {b0}",
+                "vmovdqa ymmword ptr [{pb} + {slot} + 32], {b1}",
             ],
             $($op)*)
     };
-    // Group Q - 1 (t = 5) ends the part trees: v and x4 stay in a0 and a1 (hash A), b0 and b1
+    // Group Q - 1 (t = 5) ends the part trees: v and x4 stay in a2 and a1 (hash A), b2 and b1
     // (hash B), outputs of the block.
     ($o:tt root; $($op:tt)*) => {
         step!(@asm $o
             [
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 32]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 64]",
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 128]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 160]",
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 224]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 256]",
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 320]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 352]",
-                "vpxor {a3}, {a3}, ymmword ptr [{pa} + 416]",
-                "vpxor {a0}, {a0}, ymmword ptr [{pa} + 448]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 32]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 64]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 128]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 160]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 224]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 256]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 320]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 352]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 416]",
+                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 448]",
             ],
             [
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 32]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 64]",
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 128]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 160]",
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 224]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 256]",
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 320]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 352]",
-                "vpxor {b3}, {b3}, ymmword ptr [{pb} + 416]",
-                "vpxor {b0}, {b0}, ymmword ptr [{pb} + 448]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 32]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 64]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 128]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 160]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 224]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 256]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 320]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 352]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 416]",
+                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 448]",
             ],
             [
-                "vpxor {a2}, {a2}, ymmword ptr [{pa}]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 96]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 192]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 288]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 384]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa}]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 96]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 192]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 288]",
+                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 384]",
             ],
             [
-                "vpxor {b2}, {b2}, ymmword ptr [{pb}]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 96]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 192]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 288]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 384]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb}]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 96]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 192]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 288]",
+                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 384]",
             ],
             [],
             $($op)*)
@@ -469,6 +487,8 @@ pub(in super::super) unsafe fn fused(
         let (kc, [pa, pb]) = scratch.ymm();
         // Step q - 1's counter blocks after round 7, handed from block to block.
         let mut st: [__m256i; 4];
+        // The reduction constant 0x87 in the low qword of each lane.
+        let poly = _mm256_set_epi64x(0, 0x87, 0, 0x87);
         macro_rules! run {
             (first) => {{
                 let (n0, n1, n2, n3): (__m256i, __m256i, __m256i, __m256i);
@@ -479,8 +499,9 @@ pub(in super::super) unsafe fn fused(
                 // is an output.
                 step!(first 0;
                     n0 = out(ymm_reg) n0, n1 = out(ymm_reg) n1, n2 = out(ymm_reg) n2, n3 = out(ymm_reg) n3,
-                    a0 = out(ymm_reg) _, a1 = out(ymm_reg) _, a2 = out(ymm_reg) _, a3 = out(ymm_reg) _,
-                    b0 = out(ymm_reg) _, b1 = out(ymm_reg) _, b2 = out(ymm_reg) _, b3 = out(ymm_reg) _,
+                    a0 = out(ymm_reg) _, a1 = out(ymm_reg) _, a2 = out(ymm_reg) _,
+                    b0 = out(ymm_reg) _, b1 = out(ymm_reg) _, b2 = out(ymm_reg) _,
+                    k = out(ymm_reg) _, c = in(ymm_reg) poly,
                     ctr = in(reg) ctr,
                     ha = in(reg) ap,
                     hb = in(reg) bp,
@@ -509,6 +530,7 @@ pub(in super::super) unsafe fn fused(
                     o0 = inout(ymm_reg) s0 => _, o1 = inout(ymm_reg) s1 => _,
                     o2 = inout(ymm_reg) s2 => _, o3 = inout(ymm_reg) s3 => _,
                     $($hash)*
+                    k = out(ymm_reg) _, c = in(ymm_reg) poly,
                     ctr = in(reg) ctr.add(16 * q),
                     d = in(reg) dp.add(128 * (q - 1)),
                     ha = in(reg) ap.add(64 * q),
@@ -524,8 +546,8 @@ pub(in super::super) unsafe fn fused(
             }};
             ($q:expr, $t:tt) => {
                 run!($q, $t, ap.add(2048 + 64 * ($q)), bp.add(2048 + 64 * ($q));
-                    a0 = out(ymm_reg) _, a1 = out(ymm_reg) _, a2 = out(ymm_reg) _, a3 = out(ymm_reg) _,
-                    b0 = out(ymm_reg) _, b1 = out(ymm_reg) _, b2 = out(ymm_reg) _, b3 = out(ymm_reg) _,
+                    a0 = out(ymm_reg) _, a1 = out(ymm_reg) _, a2 = out(ymm_reg) _,
+                    b0 = out(ymm_reg) _, b1 = out(ymm_reg) _, b2 = out(ymm_reg) _,
                 )
             };
         }
@@ -566,8 +588,8 @@ pub(in super::super) unsafe fn fused(
                     let (ea, eb) = (End::new(a.0, a.1), End::new(b.0, b.1));
                     let (va, fa, vb, fb): (__m256i, __m256i, __m256i, __m256i);
                     run!(Q - 1, root, ea.0.as_ptr().add(16), eb.0.as_ptr().add(16);
-                        a0 = out(ymm_reg) va, a1 = out(ymm_reg) fa, a2 = out(ymm_reg) _, a3 = out(ymm_reg) _,
-                        b0 = out(ymm_reg) vb, b1 = out(ymm_reg) fb, b2 = out(ymm_reg) _, b3 = out(ymm_reg) _,
+                        a0 = out(ymm_reg) _, a1 = out(ymm_reg) fa, a2 = out(ymm_reg) va,
+                        b0 = out(ymm_reg) _, b1 = out(ymm_reg) fb, b2 = out(ymm_reg) vb,
                     );
                     roots = Some((va, fa, vb, fb));
                 }

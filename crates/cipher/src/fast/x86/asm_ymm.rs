@@ -451,15 +451,16 @@ macro_rules! step {
 
 /// The last group of part 1 of a hash: X_253, X_254 (the body's last two blocks), X_255 =
 /// `last`, the zero X_256, after 16 bytes that the step's line loads read and drop.
-#[repr(C, align(16))]
-struct End([u8; 80]);
+struct End([u128; 5]);
 
 impl End {
     fn new(body: &[u8], last: u128) -> Self {
-        let mut e = [0u8; 80];
-        e[16..48].copy_from_slice(&body[16 * 252..16 * 254]);
-        e[48..64].copy_from_slice(&last.to_le_bytes());
-        Self(e)
+        let block = |i: usize| u128::from_le_bytes(body[16 * i..16 * i + 16].try_into().expect("16 bytes"));
+        Self([0, block(252), block(253), last, 0])
+    }
+
+    fn ptr(&self) -> *const u8 {
+        self.0.as_ptr().cast()
     }
 }
 
@@ -603,7 +604,7 @@ pub(in super::super) unsafe fn fused(
                     // the previous unit's output, stored just before this call.
                     let (ea, eb) = (End::new(a.0, a.1), End::new(b.0, b.1));
                     let (va, fa, vb, fb): (__m256i, __m256i, __m256i, __m256i);
-                    run!(Q - 1, root, ea.0.as_ptr().add(16), eb.0.as_ptr().add(16);
+                    run!(Q - 1, root, ea.ptr().add(16), eb.ptr().add(16);
                         a0 = out(ymm_reg) _, a1 = out(ymm_reg) fa, a2 = out(ymm_reg) va,
                         b0 = out(ymm_reg) _, b1 = out(ymm_reg) fb, b2 = out(ymm_reg) vb,
                     );

@@ -448,14 +448,14 @@ macro_rules! step {
     };
 }
 
-
 /// The last group of part 1 of a hash: X_253, X_254 (the body's last two blocks), X_255 =
 /// `last`, the zero X_256, after 16 bytes that the step's line loads read and drop.
 struct End([u128; 5]);
 
 impl End {
     fn new(body: &[u8], last: u128) -> Self {
-        let block = |i: usize| u128::from_le_bytes(body[16 * i..16 * i + 16].try_into().expect("16 bytes"));
+        let block =
+            |i: usize| u128::from_le_bytes(body[16 * i..16 * i + 16].try_into().expect("16 bytes"));
         Self([0, block(252), block(253), last, 0])
     }
 

@@ -1,6 +1,8 @@
 //! FAST-BRW's fused counter-mode + BRW kernel for 4096-byte units: at `vaes512` the
-//! four-lane BRW (with the assembly step loop for AES-256), at `vaes256` and `aesni` the same
-//! loop written once over the vector trait (`fused_v`).
+//! four-lane BRW (with the assembly step loop for AES-256, `asm256`), at `vaes256` an assembly
+//! step loop on ymm registers for AES-256 with both hashes (`asm_ymm`), and otherwise (`aesni`,
+//! AES-128, the units with one hash) the same loop written once over the vector trait
+//! (`fused_v`).
 
 use core::arch::x86_64::*;
 

@@ -11,13 +11,14 @@
 //! flight, enough to keep both AES pipes busy through their latency (four chains were not).
 //! Why assembly: compiled, the step needed the round keys, eight AES chains and both hashes'
 //! state in 16 registers, so LLVM spilled and reloaded around every product and the hash
-//! chains ran late. Here the round keys and the key-dependent constants are memory operands
-//! (loads are cheap beside the carry-less multiplies, which bound the step), each hash's group
-//! runs in four registers (its lo part waits in memory until the end of the reduction), and
-//! the values kept from one step to a later one (the pending products) live in `YmmPending`.
+//! chains ran late. Here each round key is loaded once per round into one register (k) and
+//! used by the four chains of that round, the key-dependent constants are memory operands, each
+//! hash's group runs in three registers (the products are Karatsuba: three multiplies each, the
+//! parts that wait for a later instruction wait in `YmmPending`'s parking slots), and the
+//! values kept from one step to a later one (the pending products) live in `YmmPending`.
 //!
 //! Registers (allocated by the compiler, all 16 ymm): n0..n3 step q's counter blocks, o0..o3
-//! step q - 1's, a0..a3 hash A, b0..b3 hash B.
+//! step q - 1's, k the round key, c the reduction constant, a0..a2 hash A, b0..b2 hash B.
 
 use core::arch::asm;
 use core::arch::x86_64::*;
@@ -56,15 +57,14 @@ impl YmmConsts {
 pub(super) struct YmmPending {
     /// +96 l: lo, mid, hi of the pending product of level l (see `BrwParts`).
     slot: [[[u128; 2]; 3]; 5],
-    /// +480: the lo part of the group's level-1 product, until the end of its reduction;
-    /// +512: tau^2 ^ x2 and +544: the multiplier of v, operands of the products' last
-    /// multiplies (a group runs in three registers).
-    park: [[u128; 2]; 3],
+    /// +480, +512: the lo and hi parts of the group's level-1 product, while their registers
+    /// are used for the Karatsuba middle product (lo until the end of the reduction).
+    park: [[u128; 2]; 2],
 }
 
 impl YmmPending {
     pub(super) fn new() -> Self {
-        Self { slot: [[[0; 2]; 3]; 5], park: [[0; 2]; 3] }
+        Self { slot: [[[0; 2]; 3]; 5], park: [[0; 2]; 2] }
     }
 }
 

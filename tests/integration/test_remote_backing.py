@@ -715,3 +715,160 @@ def test_nbds_upstream(ws, upstreams, upstream_pki, tcp):
     assert dump.read_bytes()[: len(plaintext)] == want
     b.stop()
     assert_no_panic(b.stderr())
+
+
+def upstream_writes(log: Path) -> list[dict]:
+    """The upstream's WRITEs in the order they started, each with the log line indexes of its
+    start and of its end (nbdkit --filter=log writes both, in time order, to one file)."""
+    writes: dict[tuple[int, int], dict] = {}
+    for i, line in enumerate(log.read_text().splitlines()):
+        m = re.search(r"connection=(\d+) (\.\.\.)?Write id=(\d+)(.*)", line)
+        if not m:
+            continue
+        key = (int(m.group(1)), int(m.group(3)))
+        if m.group(2):
+            writes[key]["end"] = i
+        else:
+            fields = dict(kv.split("=", 1) for kv in m.group(4).split() if "=" in kv)
+            writes[key] = {"start": i, "end": None, "offset": int(fields["offset"], 0), "count": int(fields["count"], 0)}
+    return sorted(writes.values(), key=lambda w: w["start"])
+
+
+def test_pipelined_overlapping_writes_keep_their_order(ws, upstreams):
+    """150 writes to a 512 KiB region sent back to back on one connection, most overlapping
+    others, a fifth of them partial sectors (read-modify-write): the upstream gets several in
+    flight at once, yet never two overlapping ones at once, and overlapping ones in the order
+    sent; what it holds is the reference XTS of the writes applied in that order."""
+    log = ws.tmp / "order.log"
+    # Each write held 3 ms upstream, so that requests pile up on the four connections.
+    up = upstreams("nbdkit-memory", size=4 * MiB, extra=("--filter=log", "--filter=delay"), plugin_args=(f"logfile={log}", "wdelay=3ms"))
+    key_file, key = ws.key()
+    b = serve_remote(ws, up.uri, key_file)
+    region, ss = 512 * 1024, 512
+    rng = __import__("random").Random(1818)
+    writes: list[tuple[int, bytes]] = []
+    spans: set[tuple[int, int]] = set()
+    while len(writes) < 150:
+        if rng.random() < 0.2:
+            off, length = rng.randrange(0, region - 20000), rng.randrange(1, 20000)
+        else:
+            off, length = rng.randrange(0, region // ss - 40) * ss, rng.randrange(1, 33) * ss
+        span = (off // ss * ss, -(-(off + length) // ss) * ss)
+        if span in spans:
+            continue  # each write is told apart upstream by its span
+        spans.add(span)
+        writes.append((off, os.urandom(length)))
+    with NBDClient(b.uri, timeout=60) as c:
+        c.connect()
+        c.write(0, bytes(region))
+        model = bytearray(region)
+        for off, data in writes:
+            c.send_request(1, off, len(data), data)
+            model[off : off + len(data)] = data
+        replies = [c.recv_reply() for _ in writes]
+        assert all(r.error == 0 for r in replies), [r.error for r in replies if r.error]
+        c.flush()
+        assert c.read(0, region) == bytes(model)
+    ups = upstream_writes(log)[1:]  # after the zero fill
+    by_span = {(w["offset"], w["offset"] + w["count"]): w for w in ups}
+    order = [by_span[(off // ss * ss, -(-(off + len(d)) // ss) * ss)] for off, d in writes]
+    assert all(w["end"] is not None for w in order), "a write acknowledged to the client was never answered upstream"
+    in_flight = max(sum(1 for w in ups if w["start"] < x["start"] < w["end"]) + 1 for x in ups)
+    assert in_flight >= 4, f"at most {in_flight} writes in flight upstream: not pipelined"
+    overlapping = 0
+    for i, wi in enumerate(order):
+        for j in range(i + 1, len(order)):
+            wj = order[j]
+            if wi["offset"] < wj["offset"] + wj["count"] and wj["offset"] < wi["offset"] + wi["count"]:
+                overlapping += 1
+                assert order[j]["start"] > order[i]["end"], f"write {j} overlaps write {i} and started upstream before it was answered"
+    assert overlapping > 100, overlapping
+    check_ciphertext(up, key, bytes(model), ss)
+    assert_no_panic(b.stderr())
+
+
+def test_pipelined_writes_survive_upstream_restart(ws, upstreams):
+    """32 writes in flight on one connection, to 16 blocks (so two versions of a block are in
+    flight at once), while the upstream is killed (SIGKILL) and started again on the same file:
+    every write acknowledged to the client is there, in order (a block holds its last
+    acknowledged version unless a later one failed), through the bridge and as ciphertext in
+    the file; the failed ones failed with EIO, and no reply went missing."""
+    up = upstreams("nbdkit-file", size=4 * MiB)
+    key_file, key = ws.key()
+    b = serve_remote(ws, up.uri, key_file)
+    nblocks, window = 16, 32
+    version = [0] * nblocks
+    acked: dict[int, int] = {}
+    failed: dict[int, set] = {}
+    pending: dict[int, tuple[int, int]] = {}
+    killed = restarted = False
+    t0 = time.monotonic()
+    n = 0
+    with NBDClient(b.uri, timeout=60) as c:
+        c.connect()
+        while True:
+            now = time.monotonic() - t0
+            if not killed and now > 0.7:
+                up.stop(signal.SIGKILL)
+                killed = True
+            if killed and not restarted and now > 1.7:
+                up.start()
+                restarted = True
+            sending = now < 3.2
+            if sending and len(pending) < window:
+                blk = n % nblocks
+                n += 1
+                version[blk] += 1
+                h = c.send_request(1, blk * BLOCK, BLOCK, block_data(blk, version[blk]))
+                pending[h] = (blk, version[blk])
+                continue
+            if not pending:
+                break
+            r = c.recv_reply()
+            blk, v = pending.pop(r.handle)
+            if r.error == 0:
+                acked[blk] = max(acked.get(blk, 0), v)
+            else:
+                assert r.error == NBD_EIO, r.error
+                failed.setdefault(blk, set()).add(v)
+        assert restarted and len(acked) == nblocks, (restarted, acked)
+        try:
+            c.flush()  # may report, once, acknowledged writes that were never flushed
+        except NBDError as e:
+            assert e.error == NBD_EIO
+        c.flush()
+        contents = {blk: c.read(blk * BLOCK, BLOCK) for blk in range(nblocks)}
+    assert "upstream connection lost" in b.stderr() and "reconnected" in b.stderr(), b.stderr()[-3000:]
+    disk = up.file.read_bytes()
+    for blk, v in acked.items():
+        allowed = {v} | {f for f in failed.get(blk, ()) if f > v}
+        got = [w for w in allowed if contents[blk] == block_data(blk, w)]
+        assert got, f"block {blk}: the acknowledged version {v} is lost"
+        want = xts_ref.encrypt_sectors(key, block_data(blk, got[0]), 512, blk * BLOCK // 512)
+        assert disk[blk * BLOCK : (blk + 1) * BLOCK] == want, f"block {blk}: upstream ciphertext"
+    assert_no_panic(b.stderr())
+
+
+def test_flush_waits_for_the_writes_before_it(ws, upstreams):
+    """A FLUSH sent right behind 24 writes, without waiting for their replies, reaches the
+    upstream only once all of them have been answered there."""
+    log = ws.tmp / "flush.log"
+    up = upstreams("nbdkit-memory", size=4 * MiB, extra=("--filter=log", "--filter=delay"), plugin_args=(f"logfile={log}", "wdelay=20ms"))
+    key_file, key = ws.key()
+    b = serve_remote(ws, up.uri, key_file, extra=("--backing-connections", "2"))
+    data = os.urandom(24 * 65536)
+    with NBDClient(b.uri, timeout=60) as c:
+        c.connect()
+        handles = [c.send_request(1, i * 65536, 65536, data[i * 65536 : (i + 1) * 65536]) for i in range(24)]
+        flush = c.send_request(3, 0, 0)
+        replies = [c.recv_reply() for _ in range(25)]
+        assert all(r.error == 0 for r in replies)
+        assert sorted(r.handle for r in replies) == sorted(handles + [flush])
+    lines = log.read_text().splitlines()
+    flushes = [i for i, line in enumerate(lines) if re.search(r"connection=\d+ Flush id=", line)]
+    ups = upstream_writes(log)
+    assert len(ups) == 24 and flushes
+    assert min(flushes) > max(w["end"] for w in ups), "a FLUSH reached the upstream before the writes sent ahead of it were answered"
+    assert sum(1 for w in ups if w["start"] < ups[-1]["start"] < w["end"]) >= 1, "the writes were not in flight together"
+    check_ciphertext(up, key, data, 512)
+    assert_no_panic(b.stderr())

@@ -12,6 +12,7 @@
 //! holds a bounded number of threads. The socket closes when the last thread lets go of the
 //! connection.
 
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,6 +54,11 @@ const BATCH_MAX_BYTES: usize = 1 << 20;
 const MAX_WRITE_WAITERS: usize = 4;
 /// Extents in one BLOCK_STATUS reply at most; a client asks again for the rest.
 const MAX_EXTENTS: usize = 1024;
+
+thread_local! {
+    /// Replies held by `Connection::deliver_soon`, per connection.
+    static HELD_REPLIES: RefCell<Vec<(Arc<Connection>, Vec<Reply>)>> = const { RefCell::new(Vec::new()) };
+}
 
 pub(crate) struct Connection {
     pub(crate) id: u64,
@@ -387,6 +393,29 @@ impl Connection {
         Reply { handle: r.handle, error, body, chunk_at: structured.then_some(r.offset), _permit: permit }
     }
 
+    /// Sends `reply`, or, on an upstream connection's reply reader, holds it until that thread
+    /// has handled the replies it has already received (`client::after_burst`), so that the
+    /// answers to a burst go to each client in one send.
+    fn deliver_soon(self: &Arc<Self>, reply: Reply) {
+        let first = HELD_REPLIES.with(|h| {
+            let mut h = h.borrow_mut();
+            let first = h.is_empty();
+            match h.iter_mut().find(|(c, _)| Arc::ptr_eq(c, self)) {
+                Some((_, replies)) => replies.push(reply),
+                None => h.push((Arc::clone(self), vec![reply])),
+            }
+            first
+        });
+        if first {
+            crate::nbd::client::after_burst(Box::new(|| {
+                let held = HELD_REPLIES.with(|h| std::mem::take(&mut *h.borrow_mut()));
+                for (conn, replies) in held {
+                    conn.deliver(replies);
+                }
+            }));
+        }
+    }
+
     /// A READ from an upstream NBD export, sent without waiting for it: the thread that
     /// receives the upstream's answer makes and sends the reply (decrypting as it sends), so no
     /// I/O thread sleeps on the network and the reading thread goes on reading. Without it a
@@ -415,7 +444,7 @@ impl Connection {
                     conn.reply(&r, errno_of(&e), Body::Empty, Some(permit))
                 }
             };
-            conn.deliver(Some(reply));
+            conn.deliver_soon(reply);
         });
     }
 
@@ -457,7 +486,7 @@ impl Connection {
                 }
             };
             let reply = conn.answer(&r, result, permit);
-            conn.deliver(Some(reply));
+            conn.deliver_soon(reply);
         });
     }
 

@@ -18,6 +18,7 @@
 //! flushed when a connection was lost may be gone if the upstream restarted: the next FLUSH then
 //! fails with EIO, once, so that a client that relies on FLUSH learns of it.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
@@ -586,11 +587,14 @@ impl Live {
 
     /// The reader thread: replies to slots, until the connection fails.
     fn read_replies(self: Arc<Self>, sock: Sock, reply_timeout: Duration) {
+        BURST_END.with(|b| *b.borrow_mut() = Some(Vec::new()));
         let why = match self.reply_loop(&sock, reply_timeout) {
             Ok(()) => "closed".to_string(),
             Err(e) => e.to_string(),
         };
         self.die(&why);
+        end_burst();
+        BURST_END.with(|b| *b.borrow_mut() = None);
     }
 
     fn reply_loop(&self, sock: &Sock, reply_timeout: Duration) -> io::Result<()> {
@@ -657,6 +661,42 @@ impl Live {
     }
 }
 
+thread_local! {
+    /// On a reply reader: work to run once every reply received so far is handled (see
+    /// [`after_burst`]). `None` on any other thread.
+    static BURST_END: RefCell<Option<Vec<Box<dyn FnOnce()>>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` once the reply reader this is called on has handled every reply it has received,
+/// before it next waits on its socket; on any other thread, at once. A continuation that
+/// answers a client can so let the answers to a burst of upstream replies go out together, one
+/// send (and one wake-up of the client) instead of one each.
+pub fn after_burst(f: Box<dyn FnOnce()>) {
+    let now = BURST_END.with(|b| match &mut *b.borrow_mut() {
+        Some(hooks) => {
+            hooks.push(f);
+            None
+        }
+        None => Some(f),
+    });
+    if let Some(f) = now {
+        f();
+    }
+}
+
+/// Runs the work [`after_burst`] put off, and whatever that puts off in turn.
+fn end_burst() {
+    loop {
+        let hooks = BURST_END.with(|b| b.borrow_mut().as_mut().map(std::mem::take).unwrap_or_default());
+        if hooks.is_empty() {
+            return;
+        }
+        for f in hooks {
+            f();
+        }
+    }
+}
+
 /// Bytes one receive on an upstream connection may take: every reply header (and small read
 /// data) queued in the socket, so a queue of small replies costs one system call instead of two
 /// per reply. Larger read data goes straight into the caller's buffer.
@@ -686,6 +726,9 @@ impl Inbox<'_> {
                 got += n;
                 continue;
             }
+            // Nothing received is left unhandled: what waits for that goes now, before this
+            // thread may wait on the socket.
+            end_burst();
             let direct = dest.len() - got >= self.buf.len();
             let r = if direct { (&*self.sock).read(&mut dest[got..]) } else { (&*self.sock).read(&mut self.buf) };
             match r {

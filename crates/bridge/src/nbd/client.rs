@@ -661,17 +661,20 @@ impl Live {
     }
 }
 
+/// Work put off by [`after_burst`].
+type Hook = Box<dyn FnOnce()>;
+
 thread_local! {
     /// On a reply reader: work to run once every reply received so far is handled (see
     /// [`after_burst`]). `None` on any other thread.
-    static BURST_END: RefCell<Option<Vec<Box<dyn FnOnce()>>>> = const { RefCell::new(None) };
+    static BURST_END: RefCell<Option<Vec<Hook>>> = const { RefCell::new(None) };
 }
 
 /// Runs `f` once the reply reader this is called on has handled every reply it has received,
 /// before it next waits on its socket; on any other thread, at once. A continuation that
 /// answers a client can so let the answers to a burst of upstream replies go out together, one
 /// send (and one wake-up of the client) instead of one each.
-pub fn after_burst(f: Box<dyn FnOnce()>) {
+pub fn after_burst(f: Hook) {
     let now = BURST_END.with(|b| match &mut *b.borrow_mut() {
         Some(hooks) => {
             hooks.push(f);

@@ -213,6 +213,10 @@ def test_nbdcopy_roundtrip_over_tls_encrypts_on_disk(ws, pki):
     dst = ws.tmp / "dst.img"
     run(["nbdcopy", uri, dst], timeout=120, check=True)
     assert dst.read_bytes() == plaintext
+    # 1 MiB READs: under TLS each is decrypted piece by piece while it is sealed and sent.
+    dst.unlink()
+    run(["nbdcopy", "--request-size=1048576", uri, dst], timeout=120, check=True)
+    assert dst.read_bytes() == plaintext
     err = log_of(b)
     assert "client certificate verified" in err, err[-2000:]
 

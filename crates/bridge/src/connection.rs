@@ -192,9 +192,13 @@ fn is_quick(pipeline: &Pipeline, r: &Request) -> bool {
     !pipeline.is_direct() && r.length <= QUICK_MAX_LEN && r.flags & CMD_FLAG_FUA == 0 && matches!(r.command, CMD_READ | CMD_WRITE | CMD_CACHE)
 }
 
-/// Large READs on an O_DIRECT backing (see `STREAMED_MIN_LEN`).
-fn streams(pipeline: &Pipeline, r: &Request) -> bool {
-    pipeline.is_direct() && r.command == CMD_READ && r.length >= STREAMED_MIN_LEN
+/// Large READs on an O_DIRECT backing (see `STREAMED_MIN_LEN`), and on a TLS connection
+/// whatever the backing. Under TLS the client's side (decrypting the records) is the busiest
+/// thread of the machine; a decryption split over the crypto pool takes CPU time from it while
+/// the reply waits its turn to be sealed anyway, whereas one decrypted a piece at a time by the
+/// thread that seals and sends it keeps the reply flowing and takes one CPU at most.
+fn streams(pipeline: &Pipeline, r: &Request, tls: bool) -> bool {
+    (pipeline.is_direct() || tls) && r.command == CMD_READ && r.length >= STREAMED_MIN_LEN
 }
 
 /// The bytes a request holds while in flight: a WRITE's payload or a READ's data.
@@ -506,7 +510,7 @@ impl Connection {
         let fua = r.flags & CMD_FLAG_FUA != 0;
         let reply = |error, body| self.reply(&r, error, body, Some(permit));
         let result = match r.command {
-            CMD_READ if streams(pipeline, &r) => match pipeline.read_sealed(r.offset, r.length as usize) {
+            CMD_READ if streams(pipeline, &r, self.stream.is_tls()) => match pipeline.read_sealed(r.offset, r.length as usize) {
                 Ok(sealed) => return reply(0, Body::Sealed(sealed)),
                 Err(e) => Err(e),
             },
@@ -515,7 +519,10 @@ impl Connection {
                 Err(e) => Err(e),
             },
             CMD_WRITE => match payload.as_mut() {
-                Some(payload) => pipeline.write_held(held, r.offset, payload, fua),
+                // Under TLS the client's record decryption is the busiest thread of the
+                // machine; a split over the crypto pool would take CPU time from it (as for
+                // READs, see `streams`).
+                Some(payload) => pipeline.write_held(held, r.offset, payload, fua, self.stream.is_tls()),
                 None => Err(io::Error::from_raw_os_error(libc::EINVAL)),
             },
             CMD_WRITE_ZEROES => pipeline.write_zeroes_held(held, r.offset, u64::from(r.length), fua),

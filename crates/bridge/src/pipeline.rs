@@ -192,14 +192,16 @@ impl Pipeline {
     /// `fua` the write is durable when this returns (the backing store's FUA write: an upstream
     /// export gets NBD_CMD_FLAG_FUA rather than a flush of everything).
     pub fn write(&self, offset: u64, data: &mut [u8], fua: bool) -> io::Result<()> {
-        self.write_held(None, offset, data, fua)
+        self.write_held(None, offset, data, fua, false)
     }
 
     /// [`Pipeline::write`] under `held`, a reservation from [`Pipeline::reserve`] (waited for
-    /// here), or under a lock taken now.
-    pub(crate) fn write_held(&self, held: Option<RangeGuard>, offset: u64, data: &mut [u8], fua: bool) -> io::Result<()> {
+    /// here), or under a lock taken now. With `here` the encryption runs on the calling thread
+    /// whatever the size, never split over the crypto pool: for a caller whose client needs the
+    /// other cores (a TLS client decrypting its records, see `connection.rs`).
+    pub(crate) fn write_held(&self, held: Option<RangeGuard>, offset: u64, data: &mut [u8], fua: bool, here: bool) -> io::Result<()> {
         let _guard = self.hold(held, offset, data.len() as u64);
-        self.write_locked(offset, data, fua)
+        self.write_locked(offset, data, fua, here)
     }
 
     /// `held` once it holds, or a lock on the sectors under `[offset, offset + len)` taken now.
@@ -291,7 +293,7 @@ impl Pipeline {
                 let piece_end = ((pos / ZERO_CHUNK + 1) * ZERO_CHUNK).min(stop);
                 let mut zeros = self.pool.get((piece_end - pos) as usize)?;
                 zeros.fill(0);
-                self.write_locked(pos, &mut zeros, false)?;
+                self.write_locked(pos, &mut zeros, false, false)?;
                 pos = piece_end;
             }
         }
@@ -373,13 +375,13 @@ impl Pipeline {
 
     /// Writes `data` at `offset`, widening to whole sectors with read-modify-write. The caller
     /// holds the range lock for the widened span.
-    fn write_locked(&self, offset: u64, data: &mut [u8], fua: bool) -> io::Result<()> {
+    fn write_locked(&self, offset: u64, data: &mut [u8], fua: bool, here: bool) -> io::Result<()> {
         let ss = self.sector_size;
         let (start, end) = self.span(offset, data.len() as u64);
         let aligned = start == offset && end == offset + data.len() as u64;
         let direct_ok = !self.backing.is_direct() || (data.as_ptr() as usize).is_multiple_of(ALIGN);
         if aligned && direct_ok {
-            return self.write_sectors(start, data, fua);
+            return self.write_sectors(start, data, fua, here);
         }
         let mut buf = self.pool.get((end - start) as usize)?;
         let head_partial = offset != start;
@@ -393,7 +395,7 @@ impl Pipeline {
         }
         let at = (offset - start) as usize;
         buf[at..at + data.len()].copy_from_slice(data);
-        self.write_sectors(start, &mut buf, fua)
+        self.write_sectors(start, &mut buf, fua, here)
     }
 
     fn read_sectors(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
@@ -407,10 +409,10 @@ impl Pipeline {
     // pool (when the engine finds it large enough): there the client's queue depth, not the CPU,
     // limits throughput, so what counts is how soon each write completes (the pool was the
     // faster of the two in paired runs, for a little more server CPU; docs/bench/2026-11-23-bridge.md).
-    fn write_sectors(&self, offset: u64, buf: &mut [u8], fua: bool) -> io::Result<()> {
+    fn write_sectors(&self, offset: u64, buf: &mut [u8], fua: bool, here: bool) -> io::Result<()> {
         let (_running, busy) = InFlight::enter(&self.in_flight);
         let sector = offset / self.sector_size;
-        let own_thread = busy && !self.backing.is_direct();
+        let own_thread = here || (busy && !self.backing.is_direct());
         let done = if own_thread { self.engine.encrypt_here(sector, buf) } else { self.engine.encrypt(sector, buf) };
         done.map_err(io::Error::other)?;
         if fua {

@@ -119,6 +119,11 @@ impl Stream {
         Ok(())
     }
 
+    /// Whether the stream is under TLS.
+    pub(crate) fn is_tls(&self) -> bool {
+        matches!(self, Stream::Tls(_))
+    }
+
     /// Ends both directions: a thread blocked reading or writing returns.
     pub(crate) fn shutdown(&self) {
         // Already-closed sockets make this fail; there is nothing left to do then.

@@ -290,7 +290,7 @@ impl Fast {
             x86::Head { y, z: first ^ mul(tau, y) }
         });
         let mut prev_saved = saved;
-        let mut scratch = x86::asm256::Scratch::new(&self.brw.0, mult);
+        let mut scratch = x86::asm256::Scratch::new(&self.brw.0, mult, rk);
         for u in 0..n {
             let (before, rest) = data.split_at_mut(u * L);
             let (cur, after) = rest.split_at_mut(L);

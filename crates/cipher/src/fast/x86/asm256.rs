@@ -22,7 +22,7 @@ use core::arch::x86_64::*;
 
 use zeroize::{Zeroize, ZeroizeOnDrop};
 
-use super::asm_ymm::{YmmConsts, YmmPending};
+use super::asm_ymm::{YmmConsts, YmmKeys, YmmPending};
 use super::{Head, Link, Linked, Q};
 use crate::arch::x86::aes::RoundKeys;
 use crate::gf128::x86::{from_u128, quarters_finish2_mul, to_u128};
@@ -76,6 +76,7 @@ pub(in super::super) struct Scratch {
     /// The `vaes256` kernel's constants and pending products (`asm_ymm`).
     ymm_consts: YmmConsts,
     ymm_pend: [YmmPending; 2],
+    ymm_keys: YmmKeys,
 }
 
 #[derive(Zeroize)]
@@ -84,7 +85,7 @@ struct Mult([u128; 4]);
 
 impl Scratch {
     /// `mult`: see `Link`.
-    pub(in super::super) fn new(p: &[u128; 17], mult: [u128; 4]) -> Self {
+    pub(in super::super) fn new(p: &[u128; 17], mult: [u128; 4], rk: &RoundKeys) -> Self {
         let pending = || Pending { slot: [[[0; 4]; 3]; 4] };
         Self {
             consts: Consts { tau: [[p[0]; 4], [p[1]; 4]], poly: [0x87; 4], mult: [[p[2]; 4], [p[3]; 4], [p[4]; 4], [p[5]; 4]] },
@@ -93,6 +94,7 @@ impl Scratch {
             mult: Mult(mult),
             ymm_consts: YmmConsts::new(p),
             ymm_pend: [YmmPending::new(), YmmPending::new()],
+            ymm_keys: YmmKeys::new(rk),
         }
     }
 
@@ -105,6 +107,13 @@ impl Scratch {
     pub(super) fn ymm(&mut self) -> (*const YmmConsts, [*mut YmmPending; 2]) {
         let [x, y] = &mut self.ymm_pend;
         (&self.ymm_consts, [x, y])
+    }
+
+    /// The `vaesenc` round keys in both lanes for a unit of seed `s` (key 0 with the seed in
+    /// it), as the `vaes256` kernel reads them.
+    pub(super) fn ymm_keys(&mut self, s: u128) -> *const YmmKeys {
+        self.ymm_keys.seed(s);
+        &self.ymm_keys
     }
 
     pub(in super::super) fn mult(&self) -> [u128; 4] {

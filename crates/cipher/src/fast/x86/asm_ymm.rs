@@ -68,6 +68,30 @@ impl YmmPending {
     }
 }
 
+/// The round keys in both lanes (32 bytes each, key r at +32 r), key 0 with the unit's seed
+/// in it: set up once for a run of units, key 0 once per unit.
+#[derive(Zeroize)]
+#[repr(C, align(32))]
+pub(super) struct YmmKeys {
+    k: [[u128; 2]; 15],
+    k0: u128,
+}
+
+impl YmmKeys {
+    /// Keys past the schedule's last (AES-128) are zero and never read.
+    pub(super) fn new(rk: &RoundKeys) -> Self {
+        let mut k = [[0u128; 2]; 15];
+        for (r, key) in k.iter_mut().zip(rk.enc.iter()).take(rk.rounds + 1) {
+            *r = [u128::from_le_bytes(*key); 2];
+        }
+        Self { k0: k[0][0], k }
+    }
+
+    pub(super) fn seed(&mut self, s: u128) {
+        self.k[0] = [self.k0 ^ s; 2];
+    }
+}
+
 /// A line about step q - 1's counter blocks: in every block but the first (`old`).
 macro_rules! old {
     (old, $line:literal) => {
@@ -491,14 +515,7 @@ pub(in super::super) unsafe fn fused(
         const BODY: usize = 16 * 254;
         assert!(rk.rounds == 14, "asm_ymm: not an AES-256 schedule");
         assert!(data.len() == BODY && a.0.len() == BODY && b.0.len() == BODY, "asm_ymm: not 4096-byte sector bodies");
-        // The round keys in both lanes, key 0 with the seed in it: one array, read as memory
-        // operands, wiped at the end.
-        #[repr(C, align(32))]
-        struct Keys([__m256i; 15]);
-        let bc = |v: __m128i| _mm256_broadcastsi128_si256(v);
-        let mut ks = Keys(core::array::from_fn(|r| bc(_mm_loadu_si128(rk.enc[r].as_ptr().cast()))));
-        ks.0[0] = _mm256_xor_si256(ks.0[0], bc(from_u128(s)));
-        let ksp: *const Keys = &ks;
+        let ksp = scratch.ymm_keys(s);
         let (dp, ap, bp) = (data.as_mut_ptr(), a.0.as_ptr(), b.0.as_ptr());
         let ctr = CTR.0.as_ptr();
         let (kc, [pa, pb]) = scratch.ymm();
@@ -673,8 +690,6 @@ pub(in super::super) unsafe fn fused(
         let m = scratch.mult();
         let y = link.second ^ mul_le(m[1], hb);
         let out = Linked { tail: [mul_le(m[0], ha), mul_le(m[3], link.s)], head: [y, link.first ^ mul_le(scratch.p()[0], y)] };
-        ks.0 = [_mm256_setzero_si256(); 15];
-        core::hint::black_box(&ks);
         (out, head_out)
     }
 }

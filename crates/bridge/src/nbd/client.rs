@@ -5,8 +5,12 @@
 //! pipelines: a caller takes the connection's writer lock only to send its request, then waits
 //! on its own completion slot; one reader thread per connection matches replies to slots by
 //! handle, in whatever order they come, and reads a READ's data straight into the caller's
-//! buffer. Several connections are opened when the upstream advertises NBD_FLAG_CAN_MULTI_CONN
-//! (its caches are then coherent across connections and a FLUSH on any one covers them all).
+//! buffer. [`Client::read_async`] and [`Client::write_async`] return once the request is sent
+//! and run a continuation on the reader thread instead of waking a caller; continuations that
+//! answer clients can put that off to the end of the reader's burst ([`after_burst`]), so that
+//! one burst of upstream replies makes one send to each client. Several connections are opened
+//! when the upstream advertises NBD_FLAG_CAN_MULTI_CONN (its caches are then coherent across
+//! connections and a FLUSH on any one covers them all).
 //!
 //! Failures: an upstream errno is handed on as the same errno. A lost connection (closed, reset,
 //! a protocol violation, no reply within the reply timeout) fails every request in flight on it

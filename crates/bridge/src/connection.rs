@@ -52,6 +52,10 @@ const BATCH_MAX_BYTES: usize = 1 << 20;
 /// queue theirs and go on (see `Connection::deliver`). So a client that never reads its replies
 /// holds at most this many threads and the writer.
 const MAX_WRITE_WAITERS: usize = 4;
+/// Writes to an upstream export up to this size are encrypted and sent by the reading thread
+/// itself; larger ones go to an I/O thread first, so that their encryption runs beside the
+/// reading of the next request rather than before it (see `Connection::write_async`).
+const ASYNC_INLINE_MAX_LEN: u32 = QUICK_MAX_LEN;
 /// Extents in one BLOCK_STATUS reply at most; a client asks again for the rest.
 const MAX_EXTENTS: usize = 1024;
 
@@ -256,8 +260,20 @@ impl Connection {
             if handed_on {
                 drop(reading.take()); // from here this thread runs a request, it does not read
             }
-            let reply = self.execute(slow.request, slow.payload, slow.permit, slow.held);
-            self.deliver(Some(reply));
+            let Slow { request, payload, permit, held } = slow;
+            let fua = request.flags & CMD_FLAG_FUA != 0;
+            match (payload, held) {
+                // A large write, or one that waits for sectors an earlier write holds: encrypted
+                // here, while the read side reads on, and sent without waiting for the answer.
+                (Some(buf), Some(g)) if self.server.pipeline().writes_async(request.offset, request.length as usize, fua) => {
+                    g.wait();
+                    self.write_async(request, buf, g, permit);
+                }
+                (payload, held) => {
+                    let reply = self.execute(request, payload, permit, held);
+                    self.deliver(Some(reply));
+                }
+            }
             if handed_on {
                 return;
             }
@@ -367,6 +383,7 @@ impl Connection {
             let mut held = ordered.then(|| pipeline.reserve(request.offset, u64::from(request.length), request.command == CMD_FLUSH));
             let fua = request.flags & CMD_FLAG_FUA != 0;
             if request.command == CMD_WRITE
+                && request.length <= ASYNC_INLINE_MAX_LEN
                 && held.as_ref().is_some_and(RangeGuard::is_held)
                 && pipeline.writes_async(request.offset, request.length as usize, fua)
             {

@@ -135,8 +135,35 @@ impl Xts {
         }
         let mask = mask.get_or_insert_with(TweakMask::new);
         mask.t = *t;
+        mask.chain_left = usize::MAX;
         self.data_key.crypt_masked(dir == Direction::Decrypt, as_blocks(data), BATCH, mask);
         *t = mask.t;
+    }
+
+    /// The portable path over whole data units without stealing, `unit_blocks` blocks each, whose
+    /// initial tweaks are `starts`: one run of blocks through the `aes` crate, each unit's tweak
+    /// chain restarting at its own start, so that short units (512 bytes: 32 blocks) still
+    /// fill the back end's parallel width.
+    fn crypt_unit_group(&self, dir: Direction, starts: &[u128], unit_blocks: usize, data: &mut [u8], mask: &mut Option<TweakMask>) {
+        debug_assert_eq!(data.len(), starts.len() * unit_blocks * BLOCK);
+        let mask = mask.get_or_insert_with(TweakMask::new);
+        mask.starts[..starts.len()].copy_from_slice(starts);
+        mask.next = 0;
+        mask.chain_left = 0;
+        mask.unit_blocks = unit_blocks;
+        self.data_key.crypt_masked(dir == Direction::Decrypt, as_blocks(data), BATCH, mask);
+    }
+
+    /// Whether whole blocks go through the portable path (no x86 kernel for this level and key).
+    fn portable_blocks(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self.simd.is_none()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            true
+        }
     }
 
     /// Ciphertext stealing over the last full block and the partial one (IEEE 1619-2007 5.3.2
@@ -224,6 +251,14 @@ impl Xts {
                 n = n.wrapping_add(step);
             }
             self.tweak_key.encrypt_blocks(tweaks);
+            if unit_len.is_multiple_of(BLOCK) && self.portable_blocks() {
+                let mut starts = [0u128; TWEAK_GROUP];
+                for (start, tweak) in starts.iter_mut().zip(tweaks.iter()) {
+                    *start = u128::from_le_bytes((*tweak).into());
+                }
+                self.crypt_unit_group(dir, &starts[..tweaks.len()], unit_len / BLOCK, group, &mut mask);
+                continue;
+            }
             for (unit, tweak) in units.zip(tweaks.iter()) {
                 self.crypt_from(dir, u128::from_le_bytes((*tweak).into()), unit, &mut mask);
             }
@@ -249,15 +284,21 @@ pub fn key_halves_equal(key: &[u8]) -> bool {
 /// XORed in again after it. Plain 64-bit lane code, so that the compiler vectorizes it with
 /// whatever instructions the `aes` crate's back end was compiled for (see `AesAny::crypt_masked`).
 struct TweakMask {
-    /// The tweak of the next run's first block.
+    /// The tweak of the next block.
     t: u128,
+    /// Blocks left in the current data unit's tweak chain (`usize::MAX`: one chain throughout).
+    /// At zero the next block starts a unit: `t` becomes `starts[next]`.
+    chain_left: usize,
+    unit_blocks: usize,
+    starts: [u128; TWEAK_GROUP],
+    next: usize,
     lo: [u64; BATCH],
     hi: [u64; BATCH],
 }
 
 impl TweakMask {
     fn new() -> Self {
-        Self { t: 0, lo: [0; BATCH], hi: [0; BATCH] }
+        Self { t: 0, chain_left: usize::MAX, unit_blocks: 0, starts: [0; TWEAK_GROUP], next: 0, lo: [0; BATCH], hi: [0; BATCH] }
     }
 }
 
@@ -265,7 +306,18 @@ impl Mask for TweakMask {
     #[inline(always)]
     fn before(&mut self, run: &mut [aes::Block]) {
         let n = run.len();
-        fill_xts_tweaks_split(&mut self.t, &mut self.lo[..n], &mut self.hi[..n]);
+        let mut at = 0;
+        while at < n {
+            if self.chain_left == 0 {
+                self.t = self.starts[self.next];
+                self.next += 1;
+                self.chain_left = self.unit_blocks;
+            }
+            let len = (n - at).min(self.chain_left);
+            fill_xts_tweaks_split(&mut self.t, &mut self.lo[at..at + len], &mut self.hi[at..at + len]);
+            at += len;
+            self.chain_left -= len;
+        }
         xor_tweaks(run, &self.lo[..n], &self.hi[..n]);
     }
 

@@ -28,7 +28,7 @@ use zeroize::Zeroize;
 use super::asm256::{Scratch, CTR};
 use super::{Head, Link, Linked};
 use crate::arch::x86::aes::RoundKeys;
-use crate::gf128::x86::{from_u128, mul_le, to_u128};
+use crate::gf128::x86::{from_u128, to_u128};
 
 /// Groups per part.
 const Q: usize = 32;
@@ -472,6 +472,26 @@ macro_rules! step {
     };
 }
 
+/// a b in each 128-bit lane, in FAST's field (x^128 = x^7 + x^2 + x + 1, the reduction of
+/// the steps' slots 4 to 6).
+///
+/// # Safety
+/// Only inlined into a function of level `vaes256`.
+#[inline(always)]
+unsafe fn mul2(a: __m256i, b: __m256i) -> __m256i {
+    // SAFETY: inlined into a function of level `vaes256` (AVX2, VPCLMULQDQ).
+    unsafe {
+        let c = _mm256_set_epi64x(0, 0x87, 0, 0x87);
+        let lo = _mm256_clmulepi64_epi128::<0x00>(a, b);
+        let hi = _mm256_clmulepi64_epi128::<0x11>(a, b);
+        let mid = _mm256_xor_si256(_mm256_clmulepi64_epi128::<0x01>(a, b), _mm256_clmulepi64_epi128::<0x10>(a, b));
+        let t = _mm256_clmulepi64_epi128::<0x01>(hi, c);
+        let g = _mm256_xor_si256(_mm256_xor_si256(_mm256_slli_si256::<8>(hi), mid), t);
+        let u = _mm256_clmulepi64_epi128::<0x01>(g, c);
+        _mm256_xor_si256(_mm256_xor_si256(u, _mm256_slli_si256::<8>(g)), lo)
+    }
+}
+
 /// The last group of part 1 of a hash: X_253, X_254 (the body's last two blocks), X_255 =
 /// `last`, the zero X_256, after 16 bytes that the step's line loads read and drop.
 struct End([u128; 5]);
@@ -676,20 +696,22 @@ pub(in super::super) unsafe fn fused(
             options(nostack, preserves_flags),
         );
         let Some((va, fa, vb, fb)) = roots else { unreachable!("asm_ymm: no last step") };
-        // The level across the two parts (`BrwParts::finish`, 4Q = 2^7 blocks per part).
-        let lanes = |v: __m256i| [to_u128(_mm256_castsi256_si128(v)), to_u128(_mm256_extracti128_si256::<1>(v))];
-        let p7 = scratch.p()[7];
-        let finish = |v: __m256i, f: __m256i| {
-            let (mut v, mut f) = (lanes(v), lanes(f));
-            let h = mul_le(v[0], p7 ^ f[0]) ^ v[1];
-            v.zeroize();
-            f.zeroize();
-            h
-        };
-        let (ha, hb) = (finish(va, fa), finish(vb, fb));
-        let m = scratch.mult();
-        let y = link.second ^ mul_le(m[1], hb);
-        let out = Linked { tail: [mul_le(m[0], ha), mul_le(m[3], link.s)], head: [y, link.first ^ mul_le(scratch.p()[0], y)] };
+        // The level across the two parts (`BrwParts::finish`, 4Q = 2^7 blocks per part) and
+        // the products after it (see `Link`), two to a ymm product: [ha, hb] = [va0, vb0]
+        // [p7 ^ fa0, p7 ^ fb0] ^ [va1, vb1], then [m0 ha, m1 hb], then [tau y, m3 s]. In
+        // registers, without a round trip through the general registers per product.
+        let (p, m) = (scratch.p(), scratch.mult());
+        let pair = |lo: u128, hi: u128| _mm256_set_m128i(from_u128(hi), from_u128(lo));
+        let lane1 = |v: __m256i| to_u128(_mm256_extracti128_si256::<1>(v));
+        let lane0 = |v: __m256i| to_u128(_mm256_castsi256_si128(v));
+        let roots0 = _mm256_permute2x128_si256::<0x20>(va, vb);
+        let roots1 = _mm256_permute2x128_si256::<0x31>(va, vb);
+        let mults = _mm256_xor_si256(_mm256_permute2x128_si256::<0x20>(fa, fb), pair(p[7], p[7]));
+        let h = _mm256_xor_si256(mul2(roots0, mults), roots1);
+        let mh = mul2(pair(m[0], m[1]), h);
+        let y = link.second ^ lane1(mh);
+        let last = mul2(pair(y, link.s), pair(p[0], m[3]));
+        let out = Linked { tail: [lane0(mh), lane1(last)], head: [y, link.first ^ lane0(last)] };
         (out, head_out)
     }
 }

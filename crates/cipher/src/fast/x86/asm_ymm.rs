@@ -484,7 +484,8 @@ unsafe fn mul2(a: __m256i, b: __m256i) -> __m256i {
         let c = _mm256_set_epi64x(0, 0x87, 0, 0x87);
         let lo = _mm256_clmulepi64_epi128::<0x00>(a, b);
         let hi = _mm256_clmulepi64_epi128::<0x11>(a, b);
-        let mid = _mm256_xor_si256(_mm256_clmulepi64_epi128::<0x01>(a, b), _mm256_clmulepi64_epi128::<0x10>(a, b));
+        let m1 = _mm256_clmulepi64_epi128::<0x01>(a, b);
+        let mid = _mm256_xor_si256(m1, _mm256_clmulepi64_epi128::<0x10>(a, b));
         let t = _mm256_clmulepi64_epi128::<0x01>(hi, c);
         let g = _mm256_xor_si256(_mm256_xor_si256(_mm256_slli_si256::<8>(hi), mid), t);
         let u = _mm256_clmulepi64_epi128::<0x01>(g, c);

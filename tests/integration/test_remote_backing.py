@@ -743,7 +743,7 @@ def test_pipelined_overlapping_writes_keep_their_order(ws, upstreams):
     # Each write held 3 ms upstream, so that requests pile up on the four connections.
     up = upstreams("nbdkit-memory", size=4 * MiB, extra=("--filter=log", "--filter=delay"), plugin_args=(f"logfile={log}", "wdelay=3ms"))
     key_file, key = ws.key()
-    b = serve_remote(ws, up.uri, key_file)
+    b = serve_remote(ws, up.uri, key_file, extra=("--backing-connections", "4"))
     region, ss = 512 * 1024, 512
     rng = __import__("random").Random(1818)
     writes: list[tuple[int, bytes]] = []

@@ -54,8 +54,8 @@ pub struct Args {
     /// docs/network.md).
     #[arg(long, value_name = "PATH|URI")]
     backing: PathBuf,
-    /// With an NBD URI as --backing: connections to the upstream (default 4 when it advertises
-    /// multi-conn, else 1; more than 1 needs multi-conn).
+    /// With an NBD URI as --backing: connections to the upstream (default 4, or the number of
+    /// CPUs if fewer, when it advertises multi-conn, else 1; more than 1 needs multi-conn).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
     backing_connections: Option<u64>,
     /// With an NBD URI as --backing: seconds requests may wait for the upstream's reply before

@@ -49,14 +49,15 @@ pub const DEFAULT_MAX_REQUEST: u32 = 32 << 20;
 /// Largest option reply accepted during the handshake; larger ones end it (a sane server's are
 /// a few dozen bytes).
 const MAX_OPTION_REPLY: u32 = 64 * 1024;
-/// Connections to an upstream that allows several, unless told otherwise.
+/// Connections to an upstream that allows several, unless told otherwise: at most this many,
+/// and no more than the machine has CPUs (see [`default_connections`]).
 pub const DEFAULT_CONNECTIONS: usize = 4;
 /// A failed connection attempt is not repeated sooner than this, whichever caller asks.
 const RECONNECT_GAP: Duration = Duration::from_millis(50);
 
 #[derive(Debug, Clone)]
 pub struct ClientOptions {
-    /// Connections to open; `None`: [`DEFAULT_CONNECTIONS`] if the upstream allows several, else 1.
+    /// Connections to open; `None`: [`default_connections`] if the upstream allows several, else 1.
     pub connections: Option<usize>,
     /// Connecting plus the whole handshake must end within this.
     pub handshake_limit: Duration,
@@ -799,13 +800,22 @@ pub struct Client {
     tls: Option<TlsClient>,
 }
 
+/// The connections opened to a multi-conn upstream when not told: [`DEFAULT_CONNECTIONS`], but
+/// not more than the CPUs this process may use. Each connection has a reply reader thread, and
+/// with more readers than CPUs small requests pay a wake-up of a descheduled reader each
+/// (docs/bench/2026-11-25-remote-pipelined.md compares 1, 2 and 4 on two vCPUs).
+pub fn default_connections() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    DEFAULT_CONNECTIONS.min(cpus).max(1)
+}
+
 impl Client {
     /// Connects to the upstream and negotiates its export, opening every connection now (so a
     /// wrong URI fails at start-up, not on the first request).
     pub fn connect(uri: &NbdUri, opts: ClientOptions) -> io::Result<Client> {
         let tls = if uri.tls { Some(TlsClient::load(uri).map_err(|e| annotate(uri, e))?) } else { None };
         let (sock, export) = open_socket(uri, opts.handshake_limit, tls.as_ref()).map_err(|e| annotate(uri, e))?;
-        let wanted = opts.connections.unwrap_or(if export.can_multi_conn() { DEFAULT_CONNECTIONS } else { 1 }).max(1);
+        let wanted = opts.connections.unwrap_or(if export.can_multi_conn() { default_connections() } else { 1 }).max(1);
         let count = if wanted > 1 && !export.can_multi_conn() {
             tracing::warn!("the upstream {uri} does not advertise multi-conn; using one connection, not {wanted}");
             1

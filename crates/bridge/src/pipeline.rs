@@ -200,21 +200,18 @@ impl Pipeline {
     /// whatever the size, never split over the crypto pool: for a caller whose client needs the
     /// other cores (a TLS client decrypting its records, see `connection.rs`).
     pub(crate) fn write_held(&self, held: Option<RangeGuard>, offset: u64, data: &mut [u8], fua: bool, here: bool) -> io::Result<()> {
-        let _guard = self.hold(held, offset, data.len() as u64);
+        let _guard = self.hold(held, self.span(offset, data.len() as u64));
         self.write_locked(offset, data, fua, here)
     }
 
-    /// `held` once it holds, or a lock on the sectors under `[offset, offset + len)` taken now.
-    fn hold(&self, held: Option<RangeGuard>, offset: u64, len: u64) -> RangeGuard {
+    /// `held` once it holds, or a lock on the bytes `[start, end)` (whole sectors) taken now.
+    fn hold(&self, held: Option<RangeGuard>, (start, end): (u64, u64)) -> RangeGuard {
         match held {
             Some(g) => {
                 g.wait();
                 g
             }
-            None => {
-                let (start, end) = self.span(offset, len);
-                self.locks.lock(start, end)
-            }
+            None => self.locks.lock(start, end),
         }
     }
 
@@ -286,7 +283,7 @@ impl Pipeline {
     /// [`Pipeline::write_zeroes`] under `held` (see [`Pipeline::write_held`]).
     pub(crate) fn write_zeroes_held(&self, held: Option<RangeGuard>, offset: u64, len: u64, fua: bool) -> io::Result<()> {
         {
-            let _guard = self.hold(held, offset, len);
+            let _guard = self.hold(held, self.span(offset, len));
             let mut pos = offset;
             let stop = offset + len;
             while pos < stop {
@@ -313,13 +310,7 @@ impl Pipeline {
         let start = offset.div_ceil(ss) * ss;
         let end = (offset + len) / ss * ss;
         if start < end {
-            let _guard = match held {
-                Some(g) => {
-                    g.wait();
-                    g
-                }
-                None => self.locks.lock(start, end),
-            };
+            let _guard = self.hold(held, (start, end));
             self.backing.discard(start, end - start)?;
         }
         self.fua(fua)

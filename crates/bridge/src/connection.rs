@@ -20,6 +20,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::aligned::PooledBuf;
 use crate::budget::{Flow, FlowLimits, Permit};
+use crate::nbd::client;
 use crate::nbd::request::{check, errno_of, Verdict};
 use crate::nbd::request::Rules;
 use crate::nbd::transmission::{block_status_payload, holds_whole_request, parse_request, ReplyHead, Request};
@@ -205,6 +206,23 @@ fn streams(pipeline: &Pipeline, r: &Request, tls: bool) -> bool {
     (pipeline.is_direct() || tls) && r.command == CMD_READ && r.length >= STREAMED_MIN_LEN
 }
 
+/// Keeps the reading thread corked (`client::cork`) while alive; uncorks, sending what is
+/// queued, when dropped.
+struct Corked;
+
+impl Corked {
+    fn new() -> Self {
+        client::cork();
+        Self
+    }
+}
+
+impl Drop for Corked {
+    fn drop(&mut self) {
+        client::uncork();
+    }
+}
+
 /// The bytes a request holds while in flight: a WRITE's payload or a READ's data.
 fn request_bytes(r: &Request) -> u64 {
     match r.command {
@@ -291,9 +309,15 @@ impl Connection {
         let config = server.config();
         let pipeline = server.pipeline();
         let limits = FlowLimits { max_tasks: config.io_workers.max(1), max_bytes: config.max_inflight_bytes_per_connection };
+        // Upstream requests made for the requests of one receive go out together (see
+        // `client::cork`); sent before this thread could wait, and when it lets go.
+        let _corked = Corked::new();
         loop {
             // Held-back replies go out before anything could wait on the socket, so a client
             // that waits for them before sending more is never stuck.
+            if !holds_whole_request(inbound.buffered()) {
+                client::flush_corked();
+            }
             if batch.is_full() || !holds_whole_request(inbound.buffered()) {
                 self.deliver(batch.drain());
             }
@@ -346,7 +370,10 @@ impl Connection {
                 limits,
                 request_bytes(&request),
                 !quick,
-                || self.deliver(batch.drain()),
+                || {
+                    client::flush_corked();
+                    self.deliver(batch.drain())
+                },
                 || self.is_broken(),
             );
             let Some(permit) = permit else { break };
@@ -428,7 +455,7 @@ impl Connection {
             first
         });
         if first {
-            crate::nbd::client::after_burst(Box::new(|| {
+            client::after_burst(Box::new(|| {
                 let held = HELD_REPLIES.with(|h| std::mem::take(&mut *h.borrow_mut()));
                 for (conn, replies) in held {
                     conn.deliver(replies);

@@ -8,7 +8,8 @@
 //! buffer. [`Client::read_async`] and [`Client::write_async`] return once the request is sent
 //! and run a continuation on the reader thread instead of waking a caller; continuations that
 //! answer clients can put that off to the end of the reader's burst ([`after_burst`]), so that
-//! one burst of upstream replies makes one send to each client. Several connections are opened
+//! one burst of upstream replies makes one send to each client. A thread can also [`cork`] its
+//! requests, so that a burst of them goes to the upstream in one send. Several connections are opened
 //! when the upstream advertises NBD_FLAG_CAN_MULTI_CONN (its caches are then coherent across
 //! connections and a FLUSH on any one covers them all).
 //!
@@ -639,9 +640,10 @@ impl Live {
         self.lock_pending().slots.values().map(|s| s.sent).min()
     }
 
-    /// Sends one request; the returned slot completes with its outcome (`Lost` if the connection
-    /// is or goes down).
-    fn send(&self, request: &mut Request, payload: &[u8], read: Option<ReadInto>, then: Option<Then>) -> Arc<Slot> {
+    /// Sends one request (or, on a corked thread, queues it for one send with the others: see
+    /// [`cork`]); the returned slot completes with its outcome (`Lost` if the connection is or
+    /// goes down).
+    fn send(self: &Arc<Self>, request: &mut Request, payload: &[u8], read: Option<ReadInto>, then: Option<Then>) -> Arc<Slot> {
         let write = matches!(request.command, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
         let slot = Arc::new(Slot { outcome: Mutex::new(None), ready: Condvar::new(), then: Mutex::new(then), read, write, sent: Instant::now() });
         request.handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
@@ -654,16 +656,125 @@ impl Live {
             p.slots.insert(request.handle, Arc::clone(&slot));
         }
         let header = encode_request(request);
-        let sent = {
-            let w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-            write_all_vectored(&mut &*w, &mut [IoSlice::new(&header), IoSlice::new(payload)])
-        };
-        if let Err(e) = sent {
-            // Completes this slot (and every other in flight) as lost.
-            self.die(&format!("sending a request failed: {e}"));
+        if corks(request) && Cork::queue(self, &header, payload) {
+            return slot;
         }
+        self.send_bytes(&mut [IoSlice::new(&header), IoSlice::new(payload)]);
         slot
     }
+
+    /// Writes encoded requests whose slots are in flight already; a failure ends the connection
+    /// (which completes them as lost).
+    fn send_bytes(&self, bufs: &mut [IoSlice<'_>]) {
+        let sent = {
+            let w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+            write_all_vectored(&mut &*w, bufs)
+        };
+        if let Err(e) = sent {
+            // Completes these slots (and every other in flight) as lost.
+            self.die(&format!("sending a request failed: {e}"));
+        }
+    }
+}
+
+/// Largest READ or WRITE that a corked thread queues (a WRITE's payload is copied into the
+/// queue). Larger ones go at once, each to the next connection in turn: the replies to a burst
+/// of large reads are then received and decrypted by several reply readers at once.
+const CORK_MAX_LEN: u32 = 64 * 1024;
+
+/// Whether a corked thread queues `request` rather than sending it at once.
+fn corks(request: &Request) -> bool {
+    request.length <= CORK_MAX_LEN || !matches!(request.command, CMD_READ | CMD_WRITE)
+}
+/// A cork's queue is sent when it holds this much, whatever follows.
+const CORK_MAX_BYTES: usize = 256 * 1024;
+
+/// Requests queued on a corked thread: all for one connection, in the order they were made.
+#[derive(Default)]
+struct Cork {
+    live: Option<Arc<Live>>,
+    queued: Vec<u8>,
+}
+
+thread_local! {
+    /// `Some` while this thread is corked (see [`cork`]).
+    static CORK: RefCell<Option<Cork>> = const { RefCell::new(None) };
+}
+
+impl Cork {
+    /// Queues a request for `live` if this thread is corked (`false`: it is not; send it now).
+    /// Requests queued for another connection are sent first.
+    fn queue(live: &Arc<Live>, header: &[u8], payload: &[u8]) -> bool {
+        let (queued, other, full) = CORK.with(|c| {
+            let mut c = c.borrow_mut();
+            let Some(cork) = c.as_mut() else { return (false, None, false) };
+            let other = match &cork.live {
+                Some(l) if !Arc::ptr_eq(l, live) => cork.take(),
+                _ => None,
+            };
+            cork.live = Some(Arc::clone(live));
+            cork.queued.extend_from_slice(header);
+            cork.queued.extend_from_slice(payload);
+            (true, other, cork.queued.len() >= CORK_MAX_BYTES)
+        });
+        // Sent with the thread-local let go: a failed send completes continuations, which may
+        // send requests in turn.
+        if let Some((l, bytes)) = other {
+            l.send_bytes(&mut [IoSlice::new(&bytes)]);
+        }
+        if full {
+            flush_corked();
+        }
+        queued
+    }
+
+    fn take(&mut self) -> Option<(Arc<Live>, Vec<u8>)> {
+        let live = self.live.take()?;
+        Some((live, std::mem::take(&mut self.queued)))
+    }
+
+    /// The connection the queued requests are for: the next request should join them.
+    fn connection() -> Option<Arc<Live>> {
+        CORK.with(|c| c.borrow().as_ref().and_then(|cork| cork.live.clone()))
+    }
+}
+
+/// From now on this thread queues the requests it makes instead of sending each at once
+/// (a READ, a small WRITE, ...), and sends them to the upstream together, in one write to one
+/// connection, at [`flush_corked`] or [`uncork`]: the upstream then wakes once for a burst of
+/// requests instead of once for each. The caller must flush before it waits for anything that
+/// a queued request may hold up (an answer, a range another request holds, its client's next
+/// bytes). Requests made by [`Client`]'s waiting calls are flushed before they wait.
+pub fn cork() {
+    CORK.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.is_none() {
+            *c = Some(Cork::default());
+        }
+    });
+}
+
+/// Sends what this thread has queued, if anything, and stays corked.
+pub fn flush_corked() {
+    let taken = CORK.with(|c| c.borrow_mut().as_mut().and_then(Cork::take));
+    if let Some((live, mut bytes)) = taken {
+        live.send_bytes(&mut [IoSlice::new(&bytes)]);
+        bytes.clear();
+        // The allocation goes back for the next burst.
+        CORK.with(|c| {
+            if let Some(cork) = c.borrow_mut().as_mut() {
+                if cork.queued.capacity() == 0 {
+                    cork.queued = bytes;
+                }
+            }
+        });
+    }
+}
+
+/// Sends what this thread has queued and stops queueing.
+pub fn uncork() {
+    flush_corked();
+    CORK.with(|c| *c.borrow_mut() = None);
 }
 
 /// Work put off by [`after_burst`].
@@ -931,6 +1042,8 @@ impl Client {
                     None => lost.push(op),
                 }
             }
+            // This thread may be corked: what it queued must go before it waits for the answers.
+            flush_corked();
             let mut errno = None;
             for (op, slot, live, flushed_upto) in waiting {
                 match slot.wait() {
@@ -960,6 +1073,19 @@ impl Client {
             todo = lost;
         }
         unreachable!("the retry loop returns")
+    }
+
+    /// The connection for the next asynchronous request: the one this thread's corked requests
+    /// are queued for (so that a burst goes out in one send), else the next in turn.
+    fn next_live(&self, request: &Request) -> Option<Arc<Live>> {
+        if let Some(live) = Cork::connection().filter(|_| corks(request)) {
+            // The queue may be another client's (`maybe_lost` is this client's own).
+            if Arc::ptr_eq(&live.maybe_lost, &self.maybe_lost) && !live.is_dead() {
+                return Some(live);
+            }
+        }
+        let index = self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
+        self.live(index)
     }
 
     /// Splits `[offset, offset + len)` at the upstream's maximum request size.
@@ -1007,10 +1133,9 @@ impl Client {
                 Outcome::Errno(e) => Err(io_error_of(e)),
             })
         });
-        let index = self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
-        match self.live(index) {
+        let mut request = Request { flags: 0, command: CMD_READ, handle: 0, offset, length: len as u32 };
+        match self.next_live(&request) {
             Some(live) => {
-                let mut request = Request { flags: 0, command: CMD_READ, handle: 0, offset, length: len as u32 };
                 live.send(&mut request, &[], Some(into), Some(then));
             }
             None => then(Outcome::Lost),
@@ -1032,11 +1157,10 @@ impl Client {
                 Outcome::Errno(e) => Err(io_error_of(e)),
             })
         });
-        let index = self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
-        match self.live(index) {
+        let flags = if fua { CMD_FLAG_FUA } else { 0 };
+        let mut request = Request { flags, command: CMD_WRITE, handle: 0, offset, length: payload.len() as u32 };
+        match self.next_live(&request) {
             Some(live) => {
-                let flags = if fua { CMD_FLAG_FUA } else { 0 };
-                let mut request = Request { flags, command: CMD_WRITE, handle: 0, offset, length: payload.len() as u32 };
                 live.send(&mut request, payload, None, Some(then));
             }
             None => then(Outcome::Lost),
@@ -1112,6 +1236,7 @@ fn annotate(uri: &NbdUri, e: io::Error) -> io::Error {
 mod tests {
     use super::*;
     use crate::nbd::handshake::{negotiate, Outcome};
+    use crate::aligned::BufPool;
     use crate::nbd::transmission::{read_request, write_reply};
     use std::os::unix::net::UnixListener;
 
@@ -1203,6 +1328,66 @@ mod tests {
         }
         client.flush().unwrap();
         drop(Arc::into_inner(client).expect("the only reference"));
+        server.join().unwrap();
+    }
+
+    /// A corked thread's requests reach the upstream only when it flushes, all on one
+    /// connection; a waiting call made while corked sends its own (and the queued ones) before
+    /// it waits, so it cannot stall on them.
+    #[test]
+    fn corked_requests_go_out_together_at_the_flush() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("up.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let (seen_tx, seen) = std::sync::mpsc::channel();
+        let server = std::thread::spawn(move || {
+            // Two connections, each answered by its own thread; every request is reported.
+            let handlers: Vec<_> = (0..2)
+                .map(|conn| {
+                    let (mut s, _) = listener.accept().unwrap();
+                    let seen_tx = seen_tx.clone();
+                    std::thread::spawn(move || {
+                        assert!(matches!(negotiate(&mut s, &export_info("")).unwrap(), Outcome::Transmission(_)));
+                        while let Some(r) = read_request(&mut s).unwrap() {
+                            if r.command == CMD_DISC {
+                                break;
+                            }
+                            seen_tx.send((conn, r.command, r.offset)).unwrap();
+                            let data = if r.command == CMD_READ { vec![(r.offset / 4096) as u8 + 1; r.length as usize] } else { Vec::new() };
+                            write_reply(&mut s, r.handle, 0, &data).unwrap();
+                        }
+                    })
+                })
+                .collect();
+            for h in handlers {
+                h.join().unwrap();
+            }
+        });
+        let uri = NbdUri { address: Address::Unix(path), export: String::new(), tls: false, tls_certificates: None, tls_hostname: None };
+        let client = Client::connect(&uri, ClientOptions { connections: Some(2), ..ClientOptions::default() }).unwrap();
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let pool = Arc::new(BufPool::new());
+        cork();
+        for i in 0..3u64 {
+            let done_tx = done_tx.clone();
+            client.read_async(i * 4096, pool.get(4096).unwrap(), move |r| done_tx.send((i, r.map(|b| b.to_vec()))).unwrap());
+        }
+        assert!(seen.recv_timeout(Duration::from_millis(200)).is_err(), "a corked request was sent before the flush");
+        flush_corked();
+        let got: Vec<_> = (0..3).map(|_| seen.recv_timeout(Duration::from_secs(10)).unwrap()).collect();
+        assert!(got.iter().all(|&(conn, command, _)| conn == got[0].0 && command == CMD_READ), "one connection for the burst: {got:?}");
+        for _ in 0..3 {
+            let (i, data) = done.recv_timeout(Duration::from_secs(10)).unwrap();
+            assert!(data.unwrap().iter().all(|&b| b == i as u8 + 1), "read {i} got another's data");
+        }
+        // Still corked: a waiting read flushes before it waits.
+        let mut buf = vec![0u8; 4096];
+        client.read(8 * 4096, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 9));
+        uncork();
+        assert_eq!(seen.recv_timeout(Duration::from_secs(10)).unwrap().1, CMD_READ);
+        client.flush().unwrap();
+        drop(client);
         server.join().unwrap();
     }
 }

@@ -14,6 +14,31 @@ use crate::gf128::Field;
 use crate::tes_common::x86::Counters;
 use crate::CpuLevel;
 
+/// One of two pieces of an assembly template by a step's kind, for the kernels below: the
+/// first for `head` (the step carries the next unit's head block), `full` (its fourth
+/// counter register lies inside the body) and `old` (it has the previous step's counter
+/// blocks), the second for `nohead`, `half` and `first`.
+macro_rules! pick {
+    (head, $a:expr, $b:expr) => {
+        $a
+    };
+    (nohead, $a:expr, $b:expr) => {
+        $b
+    };
+    (full, $a:expr, $b:expr) => {
+        $a
+    };
+    (half, $a:expr, $b:expr) => {
+        $b
+    };
+    (old, $a:expr, $b:expr) => {
+        $a
+    };
+    (first, $a:expr, $b:expr) => {
+        $b
+    };
+}
+
 pub(super) mod asm256;
 mod asm_ymm;
 

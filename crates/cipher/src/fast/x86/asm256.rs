@@ -121,66 +121,43 @@ impl Scratch {
     }
 }
 
-/// x << 64 in each lane: as an unpack with the zero in zmm17 where zmm17 is free (the
-/// unpack does not compete with the AES rounds for a pipe, the byte shift does), else
-/// as a byte shift.
-macro_rules! shl64 {
-    (nohead, $unpack:literal, $shift:literal) => {
-        $unpack
+/// Joins the pending products listed (byte offsets in `Pending` of their lo, mid and hi
+/// parts, level 0 first) into a hash's level-1 product: lo into zmm`$lo`, hi into zmm`$hi`,
+/// and into mid (zmm`$mid`) also zmm`$fix`, the middle product's other half (with level 0, in
+/// one three-way XOR).
+macro_rules! zjoin {
+    ($lo:literal, $mid:literal, $hi:literal, $fix:literal, $p:literal, [] [] []) => {
+        concat!("vpxorq zmm", $mid, ", zmm", $mid, ", zmm", $fix)
     };
-    (head, $unpack:literal, $shift:literal) => {
-        $shift
-    };
-}
-
-/// A line of the head's block (xmm17) in the steps that carry it, else nothing.
-macro_rules! head {
-    (head, $line:literal) => {
-        $line
-    };
-    (nohead, $line:literal) => {
-        ""
-    };
-}
-
-/// A line of the fourth counter register: all 512 bits (`full`), or in the last step,
-/// whose fourth register has only two blocks inside the body (`half`), its low 256 bits
-/// only (a 256-bit AES round takes one pass of the AES pipe, a 512-bit one two).
-macro_rules! c3 {
-    (full, $zmm:literal, $ymm:literal) => {
-        $zmm
-    };
-    (half, $zmm:literal, $ymm:literal) => {
-        $ymm
-    };
-}
-
-/// The load of quarter 3's line of a hash in every step but the last (`full`); the last
-/// step (`half`) takes that line in a register (see `step!(root ..)`).
-macro_rules! line3 {
-    (full, $load:literal) => {
-        $load
-    };
-    (half, $load:literal) => {
-        ""
+    ($lo:literal, $mid:literal, $hi:literal, $fix:literal, $p:literal, [0 $(, $l:literal)*] [64 $(, $m:literal)*] [128 $(, $h:literal)*]) => {
+        concat!(
+            "vpxorq zmm", $lo, ", zmm", $lo, ", zmmword ptr [{", $p, "}]\n",
+            "vpternlogq zmm", $mid, ", zmm", $fix, ", zmmword ptr [{", $p, "} + 64], 0x96\n",
+            "vpxorq zmm", $hi, ", zmm", $hi, ", zmmword ptr [{", $p, "} + 128]\n",
+            $(
+                "vpxorq zmm", $lo, ", zmm", $lo, ", zmmword ptr [{", $p, "} + ", $l, "]\n",
+                "vpxorq zmm", $mid, ", zmm", $mid, ", zmmword ptr [{", $p, "} + ", $m, "]\n",
+                "vpxorq zmm", $hi, ", zmm", $hi, ", zmmword ptr [{", $p, "} + ", $h, "]\n",
+            )*
+        )
     };
 }
 
 /// One step (see the module comment): counter blocks 16q+1..16q+16 through AES-256 and
 /// XORed into the data, group q of both hashes, and with `head` one round of the head's
-/// block per round. The lists are the instructions that depend on q: joining the
-/// pending products of the t = trailing_ones(q) levels below (hash A, hash B), the three
-/// parts of the end of the group (the pending product of level t, or for q = Q - 1 the
-/// quarter trees), and the data lines (the last step's fourth register is half outside
+/// block per round. What depends on q: the pending products of the t = trailing_ones(q)
+/// levels below that the group joins (the offsets of their lo, mid and hi parts), the
+/// three parts of the end of the group (the pending product of level t, or for q = Q - 1
+/// the quarter trees), and the data lines (the last step's fourth register is half outside
 /// the body).
 macro_rules! step {
-    (@asm $h:tt $w:tt [$($ja:literal),* $(,)?], [$($jb:literal),* $(,)?], [$($e1:literal),* $(,)?], [$($e2:literal),* $(,)?], [$($e3:literal),* $(,)?], [$($dl:literal),* $(,)?], $($op:tt)*) => {
+    (@asm $h:tt $w:tt $lo:tt $mid:tt $hi:tt, [$($e1:literal),* $(,)?], [$($e2:literal),* $(,)?], [$($e3:literal),* $(,)?], [$($dl:literal),* $(,)?], $($op:tt)*) => {
         asm!(
             // Round 0: counter ^ seed ^ key 0. Hash loads: a, b = group q of quarters 0, 1.
             "vpxorq zmm0, zmm16, zmmword ptr [{ctr}]",
             "vpxorq zmm1, zmm16, zmmword ptr [{ctr} + 64]",
             "vpxorq zmm2, zmm16, zmmword ptr [{ctr} + 128]",
-            c3!($w, "vpxorq zmm3, zmm16, zmmword ptr [{ctr} + 192]", "vpxorq ymm3, ymm16, ymmword ptr [{ctr} + 192]"),
+            pick!($w, "vpxorq zmm3, zmm16, zmmword ptr [{ctr} + 192]", "vpxorq ymm3, ymm16, ymmword ptr [{ctr} + 192]"),
             "vmovdqu64 zmm4, zmmword ptr [{ha}]",
             "vmovdqu64 zmm10, zmmword ptr [{hb}]",
             "vmovdqu64 zmm5, zmmword ptr [{ha} + 1024]",
@@ -189,8 +166,8 @@ macro_rules! step {
             "vaesenc zmm0, zmm0, zmm18",
             "vaesenc zmm1, zmm1, zmm18",
             "vaesenc zmm2, zmm2, zmm18",
-            c3!($w, "vaesenc zmm3, zmm3, zmm18", "vaesenc ymm3, ymm3, ymm18"),
-            head!($h, "vaesenc xmm17, xmm17, xmm18"),
+            pick!($w, "vaesenc zmm3, zmm3, zmm18", "vaesenc ymm3, ymm3, ymm18"),
+            pick!($h, "vaesenc xmm17, xmm17, xmm18", ""),
             "vshufi64x2 zmm8, zmm4, zmm5, 0x44",
             "vshufi64x2 zmm14, zmm10, zmm11, 0x44",
             "vshufi64x2 zmm9, zmm4, zmm5, 0xee",
@@ -199,18 +176,18 @@ macro_rules! step {
             "vaesenc zmm0, zmm0, zmm19",
             "vaesenc zmm1, zmm1, zmm19",
             "vaesenc zmm2, zmm2, zmm19",
-            c3!($w, "vaesenc zmm3, zmm3, zmm19", "vaesenc ymm3, ymm3, ymm19"),
-            head!($h, "vaesenc xmm17, xmm17, xmm19"),
+            pick!($w, "vaesenc zmm3, zmm3, zmm19", "vaesenc ymm3, ymm3, ymm19"),
+            pick!($h, "vaesenc xmm17, xmm17, xmm19", ""),
             "vmovdqu64 zmm6, zmmword ptr [{ha} + 2048]",
             "vmovdqu64 zmm12, zmmword ptr [{hb} + 2048]",
-            line3!($w, "vmovdqu64 zmm7, zmmword ptr [{ha3}]"),
-            line3!($w, "vmovdqu64 zmm13, zmmword ptr [{hb3}]"),
+            pick!($w, "vmovdqu64 zmm7, zmmword ptr [{ha3}]", ""),
+            pick!($w, "vmovdqu64 zmm13, zmmword ptr [{hb3}]", ""),
             // Round 3. u2 = c0 c1 d0 d1 (zmm4), u3 = c2 c3 d2 d3 (zmm5).
             "vaesenc zmm0, zmm0, zmm20",
             "vaesenc zmm1, zmm1, zmm20",
             "vaesenc zmm2, zmm2, zmm20",
-            c3!($w, "vaesenc zmm3, zmm3, zmm20", "vaesenc ymm3, ymm3, ymm20"),
-            head!($h, "vaesenc xmm17, xmm17, xmm20"),
+            pick!($w, "vaesenc zmm3, zmm3, zmm20", "vaesenc ymm3, ymm3, ymm20"),
+            pick!($h, "vaesenc xmm17, xmm17, xmm20", ""),
             "vshufi64x2 zmm4, zmm6, zmm7, 0x44",
             "vshufi64x2 zmm10, zmm12, zmm13, 0x44",
             "vshufi64x2 zmm5, zmm6, zmm7, 0xee",
@@ -219,8 +196,8 @@ macro_rules! step {
             "vaesenc zmm0, zmm0, zmm21",
             "vaesenc zmm1, zmm1, zmm21",
             "vaesenc zmm2, zmm2, zmm21",
-            c3!($w, "vaesenc zmm3, zmm3, zmm21", "vaesenc ymm3, ymm3, ymm21"),
-            head!($h, "vaesenc xmm17, xmm17, xmm21"),
+            pick!($w, "vaesenc zmm3, zmm3, zmm21", "vaesenc ymm3, ymm3, ymm21"),
+            pick!($h, "vaesenc xmm17, xmm17, xmm21", ""),
             "vshufi64x2 zmm6, zmm8, zmm4, 0x88",
             "vshufi64x2 zmm12, zmm14, zmm10, 0x88",
             "vshufi64x2 zmm7, zmm8, zmm4, 0xdd",
@@ -229,8 +206,8 @@ macro_rules! step {
             "vaesenc zmm0, zmm0, zmm22",
             "vaesenc zmm1, zmm1, zmm22",
             "vaesenc zmm2, zmm2, zmm22",
-            c3!($w, "vaesenc zmm3, zmm3, zmm22", "vaesenc ymm3, ymm3, ymm22"),
-            head!($h, "vaesenc xmm17, xmm17, xmm22"),
+            pick!($w, "vaesenc zmm3, zmm3, zmm22", "vaesenc ymm3, ymm3, ymm22"),
+            pick!($h, "vaesenc xmm17, xmm17, xmm22", ""),
             "vshufi64x2 zmm8, zmm9, zmm5, 0x88",
             "vshufi64x2 zmm14, zmm15, zmm11, 0x88",
             "vshufi64x2 zmm9, zmm9, zmm5, 0xdd",
@@ -239,8 +216,8 @@ macro_rules! step {
             "vaesenc zmm0, zmm0, zmm23",
             "vaesenc zmm1, zmm1, zmm23",
             "vaesenc zmm2, zmm2, zmm23",
-            c3!($w, "vaesenc zmm3, zmm3, zmm23", "vaesenc ymm3, ymm3, ymm23"),
-            head!($h, "vaesenc xmm17, xmm17, xmm23"),
+            pick!($w, "vaesenc zmm3, zmm3, zmm23", "vaesenc ymm3, ymm3, ymm23"),
+            pick!($h, "vaesenc xmm17, xmm17, xmm23", ""),
             "vpxorq zmm6, zmm6, zmmword ptr [{kc}]",
             "vpxorq zmm12, zmm12, zmmword ptr [{kc}]",
             "vpxorq zmm7, zmm7, zmmword ptr [{kc} + 64]",
@@ -251,8 +228,8 @@ macro_rules! step {
             "vaesenc zmm0, zmm0, zmm24",
             "vaesenc zmm1, zmm1, zmm24",
             "vaesenc zmm2, zmm2, zmm24",
-            c3!($w, "vaesenc zmm3, zmm3, zmm24", "vaesenc ymm3, ymm3, ymm24"),
-            head!($h, "vaesenc xmm17, xmm17, xmm24"),
+            pick!($w, "vaesenc zmm3, zmm3, zmm24", "vaesenc ymm3, ymm3, ymm24"),
+            pick!($h, "vaesenc xmm17, xmm17, xmm24", ""),
             "vpxorq zmm4, zmm4, zmm8",
             "vpxorq zmm10, zmm10, zmm14",
             "vpclmulqdq zmm5, zmm6, zmm7, 0x01",
@@ -264,28 +241,30 @@ macro_rules! step {
             "vaesenc zmm0, zmm0, zmm25",
             "vaesenc zmm1, zmm1, zmm25",
             "vaesenc zmm2, zmm2, zmm25",
-            c3!($w, "vaesenc zmm3, zmm3, zmm25", "vaesenc ymm3, ymm3, ymm25"),
-            head!($h, "vaesenc xmm17, xmm17, xmm25"),
+            pick!($w, "vaesenc zmm3, zmm3, zmm25", "vaesenc ymm3, ymm3, ymm25"),
+            pick!($h, "vaesenc xmm17, xmm17, xmm25", ""),
             "vpclmulqdq zmm7, zmm6, zmm7, 0x11",
             "vpclmulqdq zmm13, zmm12, zmm13, 0x11",
-            $($ja,)*
-            $($jb,)*
+            zjoin!(4, 5, 7, 8, "pa", $lo $mid $hi),
+            zjoin!(10, 11, 13, 14, "pb", $lo $mid $hi),
             // Round 9. Reduction (`reduce4_le`): t = h1 c (zmm6), hi << 64.
             "vaesenc zmm0, zmm0, zmm26",
             "vaesenc zmm1, zmm1, zmm26",
             "vaesenc zmm2, zmm2, zmm26",
-            c3!($w, "vaesenc zmm3, zmm3, zmm26", "vaesenc ymm3, ymm3, ymm26"),
-            head!($h, "vaesenc xmm17, xmm17, xmm26"),
+            pick!($w, "vaesenc zmm3, zmm3, zmm26", "vaesenc ymm3, ymm3, ymm26"),
+            pick!($h, "vaesenc xmm17, xmm17, xmm26", ""),
             "vpclmulqdq zmm6, zmm7, zmmword ptr [{kc} + 128], 0x01",
             "vpclmulqdq zmm12, zmm13, zmmword ptr [{kc} + 128], 0x01",
-            shl64!($h, "vpunpcklqdq zmm7, zmm17, zmm7", "vpslldq zmm7, zmm7, 8"),
-            shl64!($h, "vpunpcklqdq zmm13, zmm17, zmm13", "vpslldq zmm13, zmm13, 8"),
+            // x << 64: an unpack with the zero in zmm17 where zmm17 is free (the unpack does
+            // not compete with the AES rounds for a pipe, the byte shift does).
+            pick!($h, "vpslldq zmm7, zmm7, 8", "vpunpcklqdq zmm7, zmm17, zmm7"),
+            pick!($h, "vpslldq zmm13, zmm13, 8", "vpunpcklqdq zmm13, zmm17, zmm13"),
             // Round 10. g = (hi << 64) ^ mid ^ t: qword 1 is h0 ^ m1 ^ t1, qword 0 is m0 ^ t0; u = g1 c (zmm6).
             "vaesenc zmm0, zmm0, zmm27",
             "vaesenc zmm1, zmm1, zmm27",
             "vaesenc zmm2, zmm2, zmm27",
-            c3!($w, "vaesenc zmm3, zmm3, zmm27", "vaesenc ymm3, ymm3, ymm27"),
-            head!($h, "vaesenc xmm17, xmm17, xmm27"),
+            pick!($w, "vaesenc zmm3, zmm3, zmm27", "vaesenc ymm3, ymm3, ymm27"),
+            pick!($h, "vaesenc xmm17, xmm17, xmm27", ""),
             "vpternlogq zmm7, zmm5, zmm6, 0x96",
             "vpternlogq zmm13, zmm11, zmm12, 0x96",
             "vpclmulqdq zmm6, zmm7, zmmword ptr [{kc} + 128], 0x01",
@@ -294,30 +273,30 @@ macro_rules! step {
             "vaesenc zmm0, zmm0, zmm28",
             "vaesenc zmm1, zmm1, zmm28",
             "vaesenc zmm2, zmm2, zmm28",
-            c3!($w, "vaesenc zmm3, zmm3, zmm28", "vaesenc ymm3, ymm3, ymm28"),
-            head!($h, "vaesenc xmm17, xmm17, xmm28"),
-            shl64!($h, "vpunpcklqdq zmm7, zmm17, zmm7", "vpslldq zmm7, zmm7, 8"),
-            shl64!($h, "vpunpcklqdq zmm13, zmm17, zmm13", "vpslldq zmm13, zmm13, 8"),
+            pick!($w, "vaesenc zmm3, zmm3, zmm28", "vaesenc ymm3, ymm3, ymm28"),
+            pick!($h, "vaesenc xmm17, xmm17, xmm28", ""),
+            pick!($h, "vpslldq zmm7, zmm7, 8", "vpunpcklqdq zmm7, zmm17, zmm7"),
+            pick!($h, "vpslldq zmm13, zmm13, 8", "vpunpcklqdq zmm13, zmm17, zmm13"),
             "vpternlogq zmm4, zmm6, zmm7, 0x96",
             "vpternlogq zmm10, zmm12, zmm13, 0x96",
             // Rounds 12 to 14: the end of the group (`$e1`, `$e2`, `$e3`).
             "vaesenc zmm0, zmm0, zmm29",
             "vaesenc zmm1, zmm1, zmm29",
             "vaesenc zmm2, zmm2, zmm29",
-            c3!($w, "vaesenc zmm3, zmm3, zmm29", "vaesenc ymm3, ymm3, ymm29"),
-            head!($h, "vaesenc xmm17, xmm17, xmm29"),
+            pick!($w, "vaesenc zmm3, zmm3, zmm29", "vaesenc ymm3, ymm3, ymm29"),
+            pick!($h, "vaesenc xmm17, xmm17, xmm29", ""),
             $($e1,)*
             "vaesenc zmm0, zmm0, zmm30",
             "vaesenc zmm1, zmm1, zmm30",
             "vaesenc zmm2, zmm2, zmm30",
-            c3!($w, "vaesenc zmm3, zmm3, zmm30", "vaesenc ymm3, ymm3, ymm30"),
-            head!($h, "vaesenc xmm17, xmm17, xmm30"),
+            pick!($w, "vaesenc zmm3, zmm3, zmm30", "vaesenc ymm3, ymm3, ymm30"),
+            pick!($h, "vaesenc xmm17, xmm17, xmm30", ""),
             $($e2,)*
             "vaesenclast zmm0, zmm0, zmm31",
             "vaesenclast zmm1, zmm1, zmm31",
             "vaesenclast zmm2, zmm2, zmm31",
-            c3!($w, "vaesenclast zmm3, zmm3, zmm31", "vaesenclast ymm3, ymm3, ymm31"),
-            head!($h, "vaesenclast xmm17, xmm17, xmm31"),
+            pick!($w, "vaesenclast zmm3, zmm3, zmm31", "vaesenclast ymm3, ymm3, ymm31"),
+            pick!($h, "vaesenclast xmm17, xmm17, xmm31", ""),
             $($e3,)*
             $($dl,)*
             $($op)*
@@ -326,80 +305,23 @@ macro_rules! step {
             options(nostack, preserves_flags),
         )
     };
-    // Groups q < Q - 1, t = trailing_ones(q): join levels 0..t, then the product of
-    // v and its parent's multiplier tau^(2^(t+2)) ^ x4 waits in slot t for q's sibling.
+    // Groups q < Q - 1, t = trailing_ones(q): join levels 0..t (the offsets of their pending
+    // products' lo, mid and hi parts), then the product of v and its parent's multiplier
+    // tau^(2^(t+2)) ^ x4 waits in slot t for q's sibling.
     (0 $h:tt; $($op:tt)*) => {
-        step!(@product $h
-            [
-                "vpxorq zmm5, zmm5, zmm8",
-            ],
-            [
-                "vpxorq zmm11, zmm11, zmm14",
-            ],
-            slot = const 0, mult = const 192, $($op)*)
+        step!(@product $h [] [] []; slot = const 0, mult = const 192, $($op)*)
     };
     (1 $h:tt; $($op:tt)*) => {
-        step!(@product $h
-            [
-                "vpxorq zmm4, zmm4, zmmword ptr [{pa}]",
-                "vpternlogq zmm5, zmm8, zmmword ptr [{pa} + 64], 0x96",
-                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 128]",
-            ],
-            [
-                "vpxorq zmm10, zmm10, zmmword ptr [{pb}]",
-                "vpternlogq zmm11, zmm14, zmmword ptr [{pb} + 64], 0x96",
-                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 128]",
-            ],
-            slot = const 192, mult = const 256, $($op)*)
+        step!(@product $h [0] [64] [128]; slot = const 192, mult = const 256, $($op)*)
     };
     (2 $h:tt; $($op:tt)*) => {
-        step!(@product $h
-            [
-                "vpxorq zmm4, zmm4, zmmword ptr [{pa}]",
-                "vpternlogq zmm5, zmm8, zmmword ptr [{pa} + 64], 0x96",
-                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 128]",
-                "vpxorq zmm4, zmm4, zmmword ptr [{pa} + 192]",
-                "vpxorq zmm5, zmm5, zmmword ptr [{pa} + 256]",
-                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 320]",
-            ],
-            [
-                "vpxorq zmm10, zmm10, zmmword ptr [{pb}]",
-                "vpternlogq zmm11, zmm14, zmmword ptr [{pb} + 64], 0x96",
-                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 128]",
-                "vpxorq zmm10, zmm10, zmmword ptr [{pb} + 192]",
-                "vpxorq zmm11, zmm11, zmmword ptr [{pb} + 256]",
-                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 320]",
-            ],
-            slot = const 384, mult = const 320, $($op)*)
+        step!(@product $h [0, 192] [64, 256] [128, 320]; slot = const 384, mult = const 320, $($op)*)
     };
     (3 $h:tt; $($op:tt)*) => {
-        step!(@product $h
-            [
-                "vpxorq zmm4, zmm4, zmmword ptr [{pa}]",
-                "vpternlogq zmm5, zmm8, zmmword ptr [{pa} + 64], 0x96",
-                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 128]",
-                "vpxorq zmm4, zmm4, zmmword ptr [{pa} + 192]",
-                "vpxorq zmm5, zmm5, zmmword ptr [{pa} + 256]",
-                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 320]",
-                "vpxorq zmm4, zmm4, zmmword ptr [{pa} + 384]",
-                "vpxorq zmm5, zmm5, zmmword ptr [{pa} + 448]",
-                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 512]",
-            ],
-            [
-                "vpxorq zmm10, zmm10, zmmword ptr [{pb}]",
-                "vpternlogq zmm11, zmm14, zmmword ptr [{pb} + 64], 0x96",
-                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 128]",
-                "vpxorq zmm10, zmm10, zmmword ptr [{pb} + 192]",
-                "vpxorq zmm11, zmm11, zmmword ptr [{pb} + 256]",
-                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 320]",
-                "vpxorq zmm10, zmm10, zmmword ptr [{pb} + 384]",
-                "vpxorq zmm11, zmm11, zmmword ptr [{pb} + 448]",
-                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 512]",
-            ],
-            slot = const 576, mult = const 384, $($op)*)
+        step!(@product $h [0, 192, 384] [64, 256, 448] [128, 320, 512]; slot = const 576, mult = const 384, $($op)*)
     };
-    (@product $h:tt [$($ja:literal),* $(,)?], [$($jb:literal),* $(,)?], $($op:tt)*) => {
-        step!(@asm $h full [$($ja),*], [$($jb),*],
+    (@product $h:tt $lo:tt $mid:tt $hi:tt; $($op:tt)*) => {
+        step!(@asm $h full $lo $mid $hi,
             [
                 "vpxorq zmm9, zmm9, zmmword ptr [{kc} + {mult}]",
                 "vpxorq zmm15, zmm15, zmmword ptr [{kc} + {mult}]",
@@ -442,34 +364,7 @@ macro_rules! step {
     // register is half past the body (bytes 4064..4096): only its low 256 bits are used.
     (root $h:tt; $($op:tt)*) => {
         step!(@asm $h half
-            [
-                "vpxorq zmm4, zmm4, zmmword ptr [{pa}]",
-                "vpternlogq zmm5, zmm8, zmmword ptr [{pa} + 64], 0x96",
-                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 128]",
-                "vpxorq zmm4, zmm4, zmmword ptr [{pa} + 192]",
-                "vpxorq zmm5, zmm5, zmmword ptr [{pa} + 256]",
-                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 320]",
-                "vpxorq zmm4, zmm4, zmmword ptr [{pa} + 384]",
-                "vpxorq zmm5, zmm5, zmmword ptr [{pa} + 448]",
-                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 512]",
-                "vpxorq zmm4, zmm4, zmmword ptr [{pa} + 576]",
-                "vpxorq zmm5, zmm5, zmmword ptr [{pa} + 640]",
-                "vpxorq zmm7, zmm7, zmmword ptr [{pa} + 704]",
-            ],
-            [
-                "vpxorq zmm10, zmm10, zmmword ptr [{pb}]",
-                "vpternlogq zmm11, zmm14, zmmword ptr [{pb} + 64], 0x96",
-                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 128]",
-                "vpxorq zmm10, zmm10, zmmword ptr [{pb} + 192]",
-                "vpxorq zmm11, zmm11, zmmword ptr [{pb} + 256]",
-                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 320]",
-                "vpxorq zmm10, zmm10, zmmword ptr [{pb} + 384]",
-                "vpxorq zmm11, zmm11, zmmword ptr [{pb} + 448]",
-                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 512]",
-                "vpxorq zmm10, zmm10, zmmword ptr [{pb} + 576]",
-                "vpxorq zmm11, zmm11, zmmword ptr [{pb} + 640]",
-                "vpxorq zmm13, zmm13, zmmword ptr [{pb} + 704]",
-            ],
+            [0, 192, 384, 576] [64, 256, 448, 640] [128, 320, 512, 704],
             [],
             [],
             [],

@@ -92,24 +92,35 @@ impl YmmKeys {
     }
 }
 
-/// A line about step q - 1's counter blocks: in every block but the first (`old`).
-macro_rules! old {
-    (old, $line:literal) => {
-        $line
+/// One AES round of four counter registers (`n` or `o`): round key `$off / 32` into {k}, then
+/// `$insn` (`vaesenc` or `vaesenclast`) on each register.
+macro_rules! round4 {
+    ($insn:literal, $r:literal, $off:literal) => {
+        concat!(
+            "vmovdqa {k}, ymmword ptr [{ks} + ", $off, "]\n",
+            $insn, " {", $r, "0}, {", $r, "0}, {k}\n",
+            $insn, " {", $r, "1}, {", $r, "1}, {k}\n",
+            $insn, " {", $r, "2}, {", $r, "2}, {k}\n",
+            $insn, " {", $r, "3}, {", $r, "3}, {k}"
+        )
     };
-    (first, $line:literal) => {
-        ""
+}
+
+/// XORs the listed parts of pending products (byte offsets in `YmmPending`) into `$r`.
+macro_rules! join {
+    ($r:literal, $p:literal, [$($off:literal),*]) => {
+        concat!($("vpxor {", $r, "}, {", $r, "}, ymmword ptr [{", $p, "} + ", $off, "]\n",)* "")
     };
 }
 
 /// Block q (see the module comment): rounds 0 to 7 of step q's counter blocks (n), rounds 8
 /// to 14 of step q - 1's (o, absent in the first block) and their XOR into the data, group q
-/// of both hashes. The lists are the instructions that depend on q: joining the pending
-/// products of the t = trailing_ones(q) levels below (mid and hi parts of hash A and B, then
-/// lo parts), and the end of the group (the pending product of level t, or nothing for q =
-/// Q - 1, whose v and x4 are outputs).
+/// of both hashes. What depends on q: the pending products of the t = trailing_ones(q)
+/// levels below that the group joins (the offsets of their mid, hi and lo parts), and the end
+/// of the group (the pending product of level t, or nothing for q = Q - 1, whose v and x4 are
+/// outputs).
 macro_rules! step {
-    (@asm $o:tt [$($ja:literal),* $(,)?], [$($jb:literal),* $(,)?], [$($la:literal),* $(,)?], [$($lb:literal),* $(,)?], [$($e:literal),* $(,)?], $($op:tt)*) => {
+    (@asm $o:tt [$($mid:literal),*] [$($hi:literal),*] [$($lo:literal),*], [$($e:literal),* $(,)?], $($op:tt)*) => {
         asm!(
             // Slot 0: the new counter blocks ^ seed ^ key 0, the old ones' round 8; x1 and x2 of both
             // hashes (lane 0 from part 0, lane 1 the high half of a line that ends with it) ^ tau, tau^2.
@@ -118,11 +129,7 @@ macro_rules! step {
             "vpxor {n1}, {k}, ymmword ptr [{ctr} + 32]",
             "vpxor {n2}, {k}, ymmword ptr [{ctr} + 64]",
             "vpxor {n3}, {k}, ymmword ptr [{ctr} + 96]",
-            old!($o, "vmovdqa {k}, ymmword ptr [{ks} + 256]"),
-            old!($o, "vaesenc {o0}, {o0}, {k}"),
-            old!($o, "vaesenc {o1}, {o1}, {k}"),
-            old!($o, "vaesenc {o2}, {o2}, {k}"),
-            old!($o, "vaesenc {o3}, {o3}, {k}"),
+            pick!($o, round4!("vaesenc", "o", 256), ""),
             "vmovdqu {a0:x}, xmmword ptr [{ha}]",
             "vpblendd {a0}, {a0}, ymmword ptr [{ha1} - 16], 0xf0",
             "vpxor {a0}, {a0}, ymmword ptr [{kc}]",
@@ -136,31 +143,15 @@ macro_rules! step {
             "vpblendd {b1}, {b1}, ymmword ptr [{hb1}], 0xf0",
             "vpxor {b1}, {b1}, ymmword ptr [{kc} + 32]",
             // Slot 1: level 1, (tau ^ x1)(tau^2 ^ x2) (Karatsuba): lo, which waits in memory.
-            "vmovdqa {k}, ymmword ptr [{ks} + 32]",
-            "vaesenc {n0}, {n0}, {k}",
-            "vaesenc {n1}, {n1}, {k}",
-            "vaesenc {n2}, {n2}, {k}",
-            "vaesenc {n3}, {n3}, {k}",
-            old!($o, "vmovdqa {k}, ymmword ptr [{ks} + 288]"),
-            old!($o, "vaesenc {o0}, {o0}, {k}"),
-            old!($o, "vaesenc {o1}, {o1}, {k}"),
-            old!($o, "vaesenc {o2}, {o2}, {k}"),
-            old!($o, "vaesenc {o3}, {o3}, {k}"),
+            round4!("vaesenc", "n", 32),
+            pick!($o, round4!("vaesenc", "o", 288), ""),
             "vpclmulqdq {a2}, {a0}, {a1}, 0x00",
             "vmovdqa ymmword ptr [{pa} + 480], {a2}",
             "vpclmulqdq {b2}, {b0}, {b1}, 0x00",
             "vmovdqa ymmword ptr [{pb} + 480], {b2}",
             // Slot 2: hi (in memory while its register makes (a0 ^ a1) and (b0 ^ b1) in both qwords).
-            "vmovdqa {k}, ymmword ptr [{ks} + 64]",
-            "vaesenc {n0}, {n0}, {k}",
-            "vaesenc {n1}, {n1}, {k}",
-            "vaesenc {n2}, {n2}, {k}",
-            "vaesenc {n3}, {n3}, {k}",
-            old!($o, "vmovdqa {k}, ymmword ptr [{ks} + 320]"),
-            old!($o, "vaesenc {o0}, {o0}, {k}"),
-            old!($o, "vaesenc {o1}, {o1}, {k}"),
-            old!($o, "vaesenc {o2}, {o2}, {k}"),
-            old!($o, "vaesenc {o3}, {o3}, {k}"),
+            round4!("vaesenc", "n", 64),
+            pick!($o, round4!("vaesenc", "o", 320), ""),
             "vpclmulqdq {a2}, {a0}, {a1}, 0x11",
             "vmovdqa ymmword ptr [{pa} + 512], {a2}",
             "vpshufd {a2}, {a0}, 0x4e",
@@ -174,16 +165,8 @@ macro_rules! step {
             "vpshufd {b2}, {b1}, 0x4e",
             "vpxor {b1}, {b1}, {b2}",
             // Slot 3: mid = (a0 ^ a1)(b0 ^ b1) ^ lo ^ hi; joined with the pending products (mid, hi) of the levels group q completes.
-            "vmovdqa {k}, ymmword ptr [{ks} + 96]",
-            "vaesenc {n0}, {n0}, {k}",
-            "vaesenc {n1}, {n1}, {k}",
-            "vaesenc {n2}, {n2}, {k}",
-            "vaesenc {n3}, {n3}, {k}",
-            old!($o, "vmovdqa {k}, ymmword ptr [{ks} + 352]"),
-            old!($o, "vaesenc {o0}, {o0}, {k}"),
-            old!($o, "vaesenc {o1}, {o1}, {k}"),
-            old!($o, "vaesenc {o2}, {o2}, {k}"),
-            old!($o, "vaesenc {o3}, {o3}, {k}"),
+            round4!("vaesenc", "n", 96),
+            pick!($o, round4!("vaesenc", "o", 352), ""),
             "vpclmulqdq {a1}, {a0}, {a1}, 0x00",
             "vmovdqa {a2}, ymmword ptr [{pa} + 512]",
             "vpxor {a1}, {a1}, ymmword ptr [{pa} + 480]",
@@ -192,34 +175,20 @@ macro_rules! step {
             "vmovdqa {b2}, ymmword ptr [{pb} + 512]",
             "vpxor {b1}, {b1}, ymmword ptr [{pb} + 480]",
             "vpxor {b1}, {b1}, {b2}",
-            $($ja,)*
-            $($jb,)*
+            join!("a1", "pa", [$($mid),*]),
+            join!("a2", "pa", [$($hi),*]),
+            join!("b1", "pb", [$($mid),*]),
+            join!("b2", "pb", [$($hi),*]),
             // Slot 4: reduction (c = 0x87 in each lane), t = h1 c, hi << 64.
-            "vmovdqa {k}, ymmword ptr [{ks} + 128]",
-            "vaesenc {n0}, {n0}, {k}",
-            "vaesenc {n1}, {n1}, {k}",
-            "vaesenc {n2}, {n2}, {k}",
-            "vaesenc {n3}, {n3}, {k}",
-            old!($o, "vmovdqa {k}, ymmword ptr [{ks} + 384]"),
-            old!($o, "vaesenc {o0}, {o0}, {k}"),
-            old!($o, "vaesenc {o1}, {o1}, {k}"),
-            old!($o, "vaesenc {o2}, {o2}, {k}"),
-            old!($o, "vaesenc {o3}, {o3}, {k}"),
+            round4!("vaesenc", "n", 128),
+            pick!($o, round4!("vaesenc", "o", 384), ""),
             "vpclmulqdq {a0}, {a2}, {c}, 0x01",
             "vpslldq {a2}, {a2}, 8",
             "vpclmulqdq {b0}, {b2}, {c}, 0x01",
             "vpslldq {b2}, {b2}, 8",
             // Slot 5: g = (hi << 64) ^ mid ^ t (qword 1 h0 ^ m1 ^ t1, qword 0 m0 ^ t0), u = g1 c.
-            "vmovdqa {k}, ymmword ptr [{ks} + 160]",
-            "vaesenc {n0}, {n0}, {k}",
-            "vaesenc {n1}, {n1}, {k}",
-            "vaesenc {n2}, {n2}, {k}",
-            "vaesenc {n3}, {n3}, {k}",
-            old!($o, "vmovdqa {k}, ymmword ptr [{ks} + 416]"),
-            old!($o, "vaesenc {o0}, {o0}, {k}"),
-            old!($o, "vaesenc {o1}, {o1}, {k}"),
-            old!($o, "vaesenc {o2}, {o2}, {k}"),
-            old!($o, "vaesenc {o3}, {o3}, {k}"),
+            round4!("vaesenc", "n", 160),
+            pick!($o, round4!("vaesenc", "o", 416), ""),
             "vpxor {a2}, {a2}, {a1}",
             "vpxor {a2}, {a2}, {a0}",
             "vpclmulqdq {a0}, {a2}, {c}, 0x01",
@@ -227,44 +196,32 @@ macro_rules! step {
             "vpxor {b2}, {b2}, {b0}",
             "vpclmulqdq {b0}, {b2}, {c}, 0x01",
             // Slot 6: v = u ^ (g0 << 64) ^ lo ^ x3 ^ the pending products' lo parts.
-            "vmovdqa {k}, ymmword ptr [{ks} + 192]",
-            "vaesenc {n0}, {n0}, {k}",
-            "vaesenc {n1}, {n1}, {k}",
-            "vaesenc {n2}, {n2}, {k}",
-            "vaesenc {n3}, {n3}, {k}",
-            old!($o, "vmovdqa {k}, ymmword ptr [{ks} + 448]"),
-            old!($o, "vaesenclast {o0}, {o0}, {k}"),
-            old!($o, "vaesenclast {o1}, {o1}, {k}"),
-            old!($o, "vaesenclast {o2}, {o2}, {k}"),
-            old!($o, "vaesenclast {o3}, {o3}, {k}"),
+            round4!("vaesenc", "n", 192),
+            pick!($o, round4!("vaesenclast", "o", 448), ""),
             "vpslldq {a2}, {a2}, 8",
             "vmovdqu {a1:x}, xmmword ptr [{ha} + 32]",
             "vpblendd {a1}, {a1}, ymmword ptr [{ha1} + 16], 0xf0",
             "vpxor {a1}, {a1}, ymmword ptr [{pa} + 480]",
-            $($la,)*
+            join!("a1", "pa", [$($lo),*]),
             "vpxor {a2}, {a2}, {a0}",
             "vpxor {a2}, {a2}, {a1}",
             "vpslldq {b2}, {b2}, 8",
             "vmovdqu {b1:x}, xmmword ptr [{hb} + 32]",
             "vpblendd {b1}, {b1}, ymmword ptr [{hb1} + 16], 0xf0",
             "vpxor {b1}, {b1}, ymmword ptr [{pb} + 480]",
-            $($lb,)*
+            join!("b1", "pb", [$($lo),*]),
             "vpxor {b2}, {b2}, {b0}",
             "vpxor {b2}, {b2}, {b1}",
             // Slot 7: the old counter blocks into the data; x4. Then the end of the group (`$e`).
-            "vmovdqa {k}, ymmword ptr [{ks} + 224]",
-            "vaesenc {n0}, {n0}, {k}",
-            "vaesenc {n1}, {n1}, {k}",
-            "vaesenc {n2}, {n2}, {k}",
-            "vaesenc {n3}, {n3}, {k}",
-            old!($o, "vpxor {o0}, {o0}, ymmword ptr [{d}]"),
-            old!($o, "vmovdqu ymmword ptr [{d}], {o0}"),
-            old!($o, "vpxor {o1}, {o1}, ymmword ptr [{d} + 32]"),
-            old!($o, "vmovdqu ymmword ptr [{d} + 32], {o1}"),
-            old!($o, "vpxor {o2}, {o2}, ymmword ptr [{d} + 64]"),
-            old!($o, "vmovdqu ymmword ptr [{d} + 64], {o2}"),
-            old!($o, "vpxor {o3}, {o3}, ymmword ptr [{d} + 96]"),
-            old!($o, "vmovdqu ymmword ptr [{d} + 96], {o3}"),
+            round4!("vaesenc", "n", 224),
+            pick!($o, "vpxor {o0}, {o0}, ymmword ptr [{d}]", ""),
+            pick!($o, "vmovdqu ymmword ptr [{d}], {o0}", ""),
+            pick!($o, "vpxor {o1}, {o1}, ymmword ptr [{d} + 32]", ""),
+            pick!($o, "vmovdqu ymmword ptr [{d} + 32], {o1}", ""),
+            pick!($o, "vpxor {o2}, {o2}, ymmword ptr [{d} + 64]", ""),
+            pick!($o, "vmovdqu ymmword ptr [{d} + 64], {o2}", ""),
+            pick!($o, "vpxor {o3}, {o3}, ymmword ptr [{d} + 96]", ""),
+            pick!($o, "vmovdqu ymmword ptr [{d} + 96], {o3}", ""),
             "vmovdqu {a1:x}, xmmword ptr [{ha} + 48]",
             "vpblendd {a1}, {a1}, ymmword ptr [{ha1} + 32], 0xf0",
             "vmovdqu {b1:x}, xmmword ptr [{hb} + 48]",
@@ -274,127 +231,26 @@ macro_rules! step {
             options(nostack, preserves_flags),
         )
     };
-    // Groups q < Q - 1, t = trailing_ones(q): join levels 0..t, then the product of v and its
-    // parent's multiplier tau^(2^(t+2)) ^ x4 (which waits in memory as an operand) waits in
-    // slot t for q's sibling.
+    // Groups q < Q - 1, t = trailing_ones(q): join levels 0..t (the offsets of their pending
+    // products' mid, hi and lo parts), then the product of v and its parent's multiplier
+    // tau^(2^(t+2)) ^ x4 (which waits in memory as an operand) waits in slot t for q's sibling.
     ($o:tt 0; $($op:tt)*) => {
-        step!(@product $o
-            [],
-            [],
-            [],
-            [],
-            slot = const 0, mult = const 96, $($op)*)
+        step!(@product $o [] [] []; slot = const 0, mult = const 96, $($op)*)
     };
     ($o:tt 1; $($op:tt)*) => {
-        step!(@product $o
-            [
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 32]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 64]",
-            ],
-            [
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 32]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 64]",
-            ],
-            [
-                "vpxor {a1}, {a1}, ymmword ptr [{pa}]",
-            ],
-            [
-                "vpxor {b1}, {b1}, ymmword ptr [{pb}]",
-            ],
-            slot = const 96, mult = const 128, $($op)*)
+        step!(@product $o [32] [64] [0]; slot = const 96, mult = const 128, $($op)*)
     };
     ($o:tt 2; $($op:tt)*) => {
-        step!(@product $o
-            [
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 32]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 64]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 128]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 160]",
-            ],
-            [
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 32]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 64]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 128]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 160]",
-            ],
-            [
-                "vpxor {a1}, {a1}, ymmword ptr [{pa}]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 96]",
-            ],
-            [
-                "vpxor {b1}, {b1}, ymmword ptr [{pb}]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 96]",
-            ],
-            slot = const 192, mult = const 160, $($op)*)
+        step!(@product $o [32, 128] [64, 160] [0, 96]; slot = const 192, mult = const 160, $($op)*)
     };
     ($o:tt 3; $($op:tt)*) => {
-        step!(@product $o
-            [
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 32]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 64]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 128]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 160]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 224]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 256]",
-            ],
-            [
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 32]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 64]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 128]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 160]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 224]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 256]",
-            ],
-            [
-                "vpxor {a1}, {a1}, ymmword ptr [{pa}]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 96]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 192]",
-            ],
-            [
-                "vpxor {b1}, {b1}, ymmword ptr [{pb}]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 96]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 192]",
-            ],
-            slot = const 288, mult = const 192, $($op)*)
+        step!(@product $o [32, 128, 224] [64, 160, 256] [0, 96, 192]; slot = const 288, mult = const 192, $($op)*)
     };
     ($o:tt 4; $($op:tt)*) => {
-        step!(@product $o
-            [
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 32]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 64]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 128]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 160]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 224]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 256]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 320]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 352]",
-            ],
-            [
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 32]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 64]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 128]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 160]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 224]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 256]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 320]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 352]",
-            ],
-            [
-                "vpxor {a1}, {a1}, ymmword ptr [{pa}]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 96]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 192]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 288]",
-            ],
-            [
-                "vpxor {b1}, {b1}, ymmword ptr [{pb}]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 96]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 192]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 288]",
-            ],
-            slot = const 384, mult = const 224, $($op)*)
+        step!(@product $o [32, 128, 224, 320] [64, 160, 256, 352] [0, 96, 192, 288]; slot = const 384, mult = const 224, $($op)*)
     };
-    (@product $o:tt [$($ja:literal),* $(,)?], [$($jb:literal),* $(,)?], [$($la:literal),* $(,)?], [$($lb:literal),* $(,)?], $($op:tt)*) => {
-        step!(@asm $o [$($ja),*], [$($jb),*], [$($la),*], [$($lb),*],
+    (@product $o:tt $mid:tt $hi:tt $lo:tt; $($op:tt)*) => {
+        step!(@asm $o $mid $hi $lo,
             [
                 "vpxor {a1}, {a1}, ymmword ptr [{kc} + {mult}]",
                 "vpxor {b1}, {b1}, ymmword ptr [{kc} + {mult}]",
@@ -428,47 +284,7 @@ macro_rules! step {
     // Group Q - 1 (t = 5) ends the part trees: v and x4 stay in a2 and a1 (hash A), b2 and b1
     // (hash B), outputs of the block.
     ($o:tt root; $($op:tt)*) => {
-        step!(@asm $o
-            [
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 32]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 64]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 128]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 160]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 224]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 256]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 320]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 352]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 416]",
-                "vpxor {a2}, {a2}, ymmword ptr [{pa} + 448]",
-            ],
-            [
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 32]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 64]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 128]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 160]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 224]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 256]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 320]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 352]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 416]",
-                "vpxor {b2}, {b2}, ymmword ptr [{pb} + 448]",
-            ],
-            [
-                "vpxor {a1}, {a1}, ymmword ptr [{pa}]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 96]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 192]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 288]",
-                "vpxor {a1}, {a1}, ymmword ptr [{pa} + 384]",
-            ],
-            [
-                "vpxor {b1}, {b1}, ymmword ptr [{pb}]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 96]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 192]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 288]",
-                "vpxor {b1}, {b1}, ymmword ptr [{pb} + 384]",
-            ],
-            [],
-            $($op)*)
+        step!(@asm $o [32, 128, 224, 320, 416] [64, 160, 256, 352, 448] [0, 96, 192, 288, 384], [], $($op)*)
     };
 }
 
@@ -656,34 +472,13 @@ pub(in super::super) unsafe fn fused(
         let [s0, s1, s2, s3] = st;
         // SAFETY: reads the keys, reads and writes the body's last 96 bytes (3968..4064).
         asm!(
-            "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 256]",
-            "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 256]",
-            "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 256]",
-            "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 256]",
-            "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 288]",
-            "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 288]",
-            "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 288]",
-            "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 288]",
-            "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 320]",
-            "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 320]",
-            "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 320]",
-            "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 320]",
-            "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 352]",
-            "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 352]",
-            "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 352]",
-            "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 352]",
-            "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 384]",
-            "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 384]",
-            "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 384]",
-            "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 384]",
-            "vaesenc {o0}, {o0}, ymmword ptr [{ks} + 416]",
-            "vaesenc {o1}, {o1}, ymmword ptr [{ks} + 416]",
-            "vaesenc {o2}, {o2}, ymmword ptr [{ks} + 416]",
-            "vaesenc {o3}, {o3}, ymmword ptr [{ks} + 416]",
-            "vaesenclast {o0}, {o0}, ymmword ptr [{ks} + 448]",
-            "vaesenclast {o1}, {o1}, ymmword ptr [{ks} + 448]",
-            "vaesenclast {o2}, {o2}, ymmword ptr [{ks} + 448]",
-            "vaesenclast {o3}, {o3}, ymmword ptr [{ks} + 448]",
+            round4!("vaesenc", "o", 256),
+            round4!("vaesenc", "o", 288),
+            round4!("vaesenc", "o", 320),
+            round4!("vaesenc", "o", 352),
+            round4!("vaesenc", "o", 384),
+            round4!("vaesenc", "o", 416),
+            round4!("vaesenclast", "o", 448),
             "vpxor {o0}, {o0}, ymmword ptr [{d}]",
             "vmovdqu ymmword ptr [{d}], {o0}",
             "vpxor {o1}, {o1}, ymmword ptr [{d} + 32]",
@@ -692,6 +487,7 @@ pub(in super::super) unsafe fn fused(
             "vmovdqu ymmword ptr [{d} + 64], {o2}",
             o0 = inout(ymm_reg) s0 => _, o1 = inout(ymm_reg) s1 => _,
             o2 = inout(ymm_reg) s2 => _, o3 = inout(ymm_reg) s3 => _,
+            k = out(ymm_reg) _,
             d = in(reg) dp.add(128 * (Q - 1)),
             ks = in(reg) ksp,
             options(nostack, preserves_flags),

@@ -7,6 +7,7 @@ AES-XTS reference (tests/reference/xts_ref.py, on pyca `cryptography`).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -23,6 +24,9 @@ import pytest
 from conftest import MiB, assert_no_panic, cb, need_tool, run
 from nbd_client import CMD_FLAG_FUA, NBD_EIO, NBD_ENOSPC, NBD_EPERM, NBDClient, NBDError
 from reference import xts_ref
+
+# NBD base:allocation flags (proto.md).
+STATE_HOLE, STATE_ZERO = 1, 2
 
 
 def free_port() -> int:
@@ -195,6 +199,66 @@ def test_sector_size_4096_and_partial_writes(ws, upstreams):
         c.flush()
         assert c.read(0, 1 * MiB) == bytes(model)
     check_ciphertext(up, key, bytes(model), 4096)
+
+
+def nbd_map(uri: str) -> list:
+    """`nbdinfo --map` of an export as (length, type) runs, neighbours of one type merged."""
+    p = run(["nbdinfo", "--map", "--json", uri], timeout=30, check=True)
+    runs: list = []
+    for e in json.loads(p.stdout):
+        if runs and runs[-1][1] == e["type"]:
+            runs[-1] = (runs[-1][0] + e["length"], e["type"])
+        else:
+            runs.append((e["length"], e["type"]))
+    return runs
+
+
+def as_bridged(upstream: list, passthrough: bool) -> list:
+    """What the bridge reports for an upstream map: holes as holes (and zero only in
+    passthrough), the rest as data, neighbours of one type merged."""
+    hole = STATE_HOLE | STATE_ZERO if passthrough else STATE_HOLE
+    want: list = []
+    for ln, t in upstream:
+        t = hole if t & STATE_HOLE else 0
+        if want and want[-1][1] == t:
+            want[-1] = (want[-1][0] + ln, t)
+        else:
+            want.append((ln, t))
+    return want
+
+
+@pytest.mark.parametrize("kind", ["nbdkit-memory", "qemu-nbd"])
+@pytest.mark.parametrize("passthrough", [False, True], ids=["xts", "passthrough"])
+def test_block_status_passes_the_upstream_holes_on(ws, upstreams, kind, passthrough):
+    """base:allocation through a remote backing is the upstream's own map, read from the
+    upstream directly: its holes are holes, zero only in passthrough (an encrypted hole is
+    ciphertext of zeroes, which decrypts to bytes that look random), its data is data."""
+    need_tool("nbdinfo")
+    up = upstreams(kind, size=16 * MiB)
+    key_file, _ = ws.key()
+    b = ws.serve(up.uri, None if passthrough else key_file, passthrough=passthrough)
+    with NBDClient(b.uri) as c:
+        c.connect()
+        c.write(2 * MiB, os.urandom(MiB))
+        c.write(9 * MiB, os.urandom(64 * 1024))
+        c.flush()
+    upstream = nbd_map(up.uri)
+    assert any(t & STATE_HOLE for _, t in upstream) and any(t == 0 for _, t in upstream), upstream
+    assert nbd_map(b.uri) == as_bridged(upstream, passthrough)
+    b.stop()
+    assert_no_panic(b.stderr())
+
+
+def test_block_status_without_upstream_extents_reports_data(ws, upstreams):
+    """An upstream that has no base:allocation (nbdkit's `--no-sr`: no structured replies, so
+    no metadata contexts) leaves every extent reported as data: never a hole that is not one."""
+    need_tool("nbdinfo")
+    up = upstreams("nbdkit-memory", size=16 * MiB, extra=("--no-sr",))
+    key_file, _ = ws.key()
+    b = serve_remote(ws, up.uri, key_file)
+    assert nbd_map(b.uri) == [(16 * MiB, 0)]
+    b.stop()
+    assert_no_panic(b.stderr())
 
 
 def serve_fails(ws, upstream_uri: str, key_file, *extra, timeout: float = 40) -> str:
@@ -713,6 +777,10 @@ def test_nbds_upstream(ws, upstreams, upstream_pki, tcp):
     run(["nbdcopy", f"{tls_uri}{sep}tls-certificates={upstream_pki.client_dir}", dump], timeout=120, check=True)
     want = xts_ref.encrypt_sectors(key, plaintext, 512)
     assert dump.read_bytes()[: len(plaintext)] == want
+    # Block status goes over TLS too (the bridge's own connection for it): the upstream's map.
+    upstream = nbd_map(f"{tls_uri}{sep}tls-certificates={upstream_pki.client_dir}")
+    assert any(t & STATE_HOLE for _, t in upstream), upstream
+    assert nbd_map(b.uri) == as_bridged(upstream, False)
     b.stop()
     assert_no_panic(b.stderr())
 

@@ -213,12 +213,13 @@ impl Backing {
     }
 
     /// The allocation of `[offset, offset + len)`: runs of `(length, hole)` in order, at most
-    /// `max`, covering a prefix of the range. Only a file tells holes apart; a device or an
-    /// upstream export reports the range allocated.
+    /// `max`, covering a prefix of the range. A file tells holes apart (SEEK_HOLE), and an
+    /// upstream export that has `base:allocation`; a device, or an upstream without it, reports
+    /// the range allocated.
     pub fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
         match &self.store {
             Store::File(f) => f.extents(self.offset + offset, len, max),
-            Store::Nbd(_) => Ok(vec![(len, false)]),
+            Store::Nbd(n) => Ok(n.extents(self.offset + offset, len, max)),
         }
     }
 

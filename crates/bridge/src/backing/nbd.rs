@@ -105,6 +105,14 @@ impl NbdBacking {
         self.client.write_async(offset, buf, fua, done)
     }
 
+    /// The upstream's allocation (see [`Client::allocation`]): at most `max` runs of
+    /// `(length, hole)`, all data where it cannot tell.
+    pub fn extents(&self, offset: u64, len: u64, max: usize) -> Vec<(u64, bool)> {
+        let mut runs = self.client.allocation(offset, len).unwrap_or_else(|| vec![(len, false)]);
+        runs.truncate(max.max(1));
+        runs
+    }
+
     pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         self.client.trim(offset, len)
     }

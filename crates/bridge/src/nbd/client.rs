@@ -33,11 +33,14 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::handshake::{
-    info_request, option_request, parse_info, parse_option_reply_header, read_u64, within, Info, SocketTimeouts,
-    EXPORT_NAME_ZEROES, OPTION_REPLY_HEADER_LEN,
+    info_request, meta_request, option_request, parse_info, parse_option_reply_header, read_u64, within, Info,
+    SocketTimeouts, EXPORT_NAME_ZEROES, OPTION_REPLY_HEADER_LEN,
 };
 use super::request::io_error_of;
-use super::transmission::{encode_request, parse_reply_header, write_all_vectored, Request, REPLY_HEADER_LEN};
+use super::transmission::{
+    encode_request, parse_block_status_payload, parse_chunk_header, parse_reply_header, write_all_vectored, Request,
+    CHUNK_HEADER_LEN, REPLY_HEADER_LEN,
+};
 use super::uri::{Address, NbdUri};
 use crate::aligned::PooledBuf;
 use crate::stream::Stream;
@@ -167,9 +170,21 @@ impl TlsClient {
 /// [`handshake`], first upgrading to TLS with NBD_OPT_STARTTLS when `tls` is given: the options
 /// then travel inside TLS, and the TLS session, its handshake done, is returned with the export.
 pub fn handshake_tls<S: Read + Write>(s: &mut S, export_name: &str, tls: Option<&TlsClient>) -> io::Result<(Export, Option<rustls::ClientConnection>)> {
+    negotiate(s, export_name, tls, false).map(|(export, session, _)| (export, session))
+}
+
+/// [`handshake_tls`], asking first with `allocation` for the `base:allocation` context (see
+/// [`negotiate_allocation`]), whose id comes back where the upstream has it.
+fn negotiate<S: Read + Write>(
+    s: &mut S,
+    export_name: &str,
+    tls: Option<&TlsClient>,
+    allocation: bool,
+) -> io::Result<(Export, Option<rustls::ClientConnection>, Option<u32>)> {
     let (fixed, no_zeroes) = greeting(s)?;
     let Some(tls) = tls else {
-        return choose_export(s, export_name, fixed, no_zeroes).map(|e| (e, None));
+        let context = if allocation && fixed { negotiate_allocation(s, export_name)? } else { None };
+        return choose_export(s, export_name, fixed, no_zeroes).map(|e| (e, None, context));
     };
     if !fixed {
         return Err(protocol_error("the server is not fixed newstyle, so it cannot do TLS (NBD_OPT_STARTTLS)"));
@@ -195,8 +210,48 @@ pub fn handshake_tls<S: Read + Write>(s: &mut S, export_name: &str, tls: Option<
     while conn.is_handshaking() {
         conn.complete_io(s).map_err(|e| io::Error::new(e.kind(), format!("TLS handshake with the upstream: {e}")))?;
     }
-    let export = choose_export(&mut rustls::Stream::new(&mut conn, s), export_name, fixed, no_zeroes)?;
-    Ok((export, Some(conn)))
+    let mut stream = rustls::Stream::new(&mut conn, s);
+    let context = if allocation { negotiate_allocation(&mut stream, export_name)? } else { None };
+    let export = choose_export(&mut stream, export_name, fixed, no_zeroes)?;
+    Ok((export, Some(conn), context))
+}
+
+/// NBD_OPT_STRUCTURED_REPLY, then NBD_OPT_SET_META_CONTEXT for `base:allocation`: the context
+/// id the upstream gives it, or `None` where it refuses either (it then has no extents to tell).
+fn negotiate_allocation<S: Read + Write>(s: &mut S, export_name: &str) -> io::Result<Option<u32>> {
+    s.write_all(&option_request(OPT_STRUCTURED_REPLY, &[]))?;
+    s.flush()?;
+    if option_reply(s, OPT_STRUCTURED_REPLY)?.0 != REP_ACK {
+        return Ok(None);
+    }
+    let query = meta_request(export_name.as_bytes(), &[BASE_ALLOCATION.as_bytes()]);
+    s.write_all(&option_request(OPT_SET_META_CONTEXT, &query))?;
+    s.flush()?;
+    let mut context = None;
+    loop {
+        match option_reply(s, OPT_SET_META_CONTEXT)? {
+            (REP_META_CONTEXT, data) if data.len() >= 4 && &data[4..] == BASE_ALLOCATION.as_bytes() => {
+                context = Some(u32::from_be_bytes(data[..4].try_into().unwrap()));
+            }
+            (REP_META_CONTEXT, _) => {} // not asked for; ignored
+            (REP_ACK, _) => return Ok(context),
+            (kind, _) if kind & REP_ERR != 0 => return Ok(None),
+            (kind, _) => return Err(protocol_error(format!("unexpected option reply type {kind} to NBD_OPT_SET_META_CONTEXT"))),
+        }
+    }
+}
+
+/// One reply to `option`: its type and data.
+fn option_reply<S: Read>(s: &mut S, option: u32) -> io::Result<(u32, Vec<u8>)> {
+    let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
+    s.read_exact(&mut h)?;
+    let (got, kind, len) = parse_option_reply_header(&h)?;
+    if got != option || len > MAX_OPTION_REPLY {
+        return Err(protocol_error(format!("bad reply to option {option} (option {got}, {len} bytes)")));
+    }
+    let mut data = vec![0u8; len as usize];
+    s.read_exact(&mut data)?;
+    Ok((kind, data))
 }
 
 /// The server's greeting and the client's flags: `(fixed newstyle, no zeroes)`.
@@ -436,11 +491,16 @@ impl Write for Sock {
 
 /// Connects and negotiates (TLS first with `tls`), all within `limit`.
 fn open_socket(uri: &NbdUri, limit: Duration, tls: Option<&TlsClient>) -> io::Result<(Sock, Export)> {
+    open_socket_for(uri, limit, tls, false).map(|(sock, export, _)| (sock, export))
+}
+
+/// [`open_socket`], with `allocation` also asking for `base:allocation` (its context id).
+fn open_socket_for(uri: &NbdUri, limit: Duration, tls: Option<&TlsClient>, allocation: bool) -> io::Result<(Sock, Export, Option<u32>)> {
     let mut sock = Sock::connect(&uri.address, limit)?;
-    let (export, session) = within(&mut sock, limit, |s| handshake_tls(s, &uri.export, tls))?;
+    let (export, session, context) = within(&mut sock, limit, |s| negotiate(s, &uri.export, tls, allocation))?;
     match session {
-        None => Ok((sock, export)),
-        Some(session) => Ok((Sock::Tls(Arc::new(TlsStream::new_client(sock.into_stream(), session))), export)),
+        None => Ok((sock, export, context)),
+        Some(session) => Ok((Sock::Tls(Arc::new(TlsStream::new_client(sock.into_stream(), session))), export, context)),
     }
 }
 
@@ -909,7 +969,22 @@ pub struct Client {
     next: AtomicUsize,
     maybe_lost: Arc<AtomicBool>,
     tls: Option<TlsClient>,
+    allocation: Mutex<Allocation>,
 }
+
+/// The connection on which [`Client::allocation`] asks, opened at the first question: one of
+/// its own, with structured replies, so the data connections keep their simple replies.
+#[derive(Default)]
+struct Allocation {
+    /// The socket and the upstream's `base:allocation` context id.
+    conn: Option<(Sock, u32)>,
+    /// The upstream has no `base:allocation`: not asked again.
+    unknown: bool,
+    next_handle: u64,
+}
+
+/// Largest structured reply chunk taken from the upstream on the allocation connection.
+const MAX_STATUS_CHUNK: u32 = 1 << 20;
 
 /// The connections opened to a multi-conn upstream when not told: [`DEFAULT_CONNECTIONS`], but
 /// not more than the CPUs this process may use. Each connection has a reply reader thread, and
@@ -941,6 +1016,7 @@ impl Client {
             next: AtomicUsize::new(0),
             maybe_lost: Arc::default(),
             tls,
+            allocation: Mutex::default(),
         };
         let first = client.start_live(0, sock)?;
         client.conns[0].state.get_mut().unwrap_or_else(|e| e.into_inner()).live = Some(first);
@@ -953,6 +1029,51 @@ impl Client {
 
     pub fn export(&self) -> &Export {
         &self.export
+    }
+
+    /// The upstream's `base:allocation` from `offset`: runs of `(length, hole)` in order,
+    /// covering a prefix of `len` bytes, or `None` where it cannot tell (no such context, an
+    /// error reply, a lost connection), which the caller reports as data: never a hole that is
+    /// not one.
+    pub fn allocation(&self, offset: u64, len: u64) -> Option<Vec<(u64, bool)>> {
+        let mut state = self.allocation.lock().unwrap_or_else(|e| e.into_inner());
+        if state.unknown {
+            return None;
+        }
+        // One reconnection per question: the connection may have been idle long enough to be cut.
+        for attempt in 0..2 {
+            if state.conn.is_none() {
+                match open_socket_for(&self.uri, self.opts.handshake_limit, self.tls.as_ref(), true) {
+                    Ok((sock, export, Some(context))) if export.size == self.export.size => state.conn = Some((sock, context)),
+                    Ok((_, _, None)) => {
+                        tracing::info!("the upstream {} has no base:allocation; its extents are reported as data", self.uri);
+                        state.unknown = true;
+                        return None;
+                    }
+                    Ok((_, export, _)) => {
+                        tracing::warn!("the upstream export changed (now {export:?}); extents reported as data");
+                        return None;
+                    }
+                    Err(e) => {
+                        tracing::warn!("asking the upstream for extents: {e}; reported as data");
+                        return None;
+                    }
+                }
+            }
+            state.next_handle += 1;
+            let handle = state.next_handle;
+            let (sock, context) = state.conn.as_ref().expect("connected above");
+            match block_status(sock, *context, handle, offset, len, self.opts.reply_timeout) {
+                Ok(runs) => return runs,
+                Err(e) => {
+                    state.conn = None;
+                    if attempt == 1 {
+                        tracing::warn!("asking the upstream for extents: {e}; reported as data");
+                    }
+                }
+            }
+        }
+        None
     }
 
     pub fn connections(&self) -> usize {
@@ -1230,6 +1351,64 @@ impl Drop for Client {
 
 fn annotate(uri: &NbdUri, e: io::Error) -> io::Error {
     io::Error::new(e.kind(), format!("upstream {uri}: {e}"))
+}
+
+/// One NBD_CMD_BLOCK_STATUS on the allocation connection: its `base:allocation` extents from
+/// `offset` as `(length, hole)` runs within `len`, or `None` for an error reply or no extents.
+/// A transport or protocol failure is an error (the connection is then dropped).
+fn block_status(sock: &Sock, context: u32, handle: u64, offset: u64, len: u64, timeout: Duration) -> io::Result<Option<Vec<(u64, bool)>>> {
+    // proto.md: the length is a hint the reply may fall short of or, for the last extent,
+    // go past; a u32 bounds it.
+    let length = len.min(u64::from(u32::MAX) & !0xfff) as u32;
+    sock.set_read_timeout(Some(timeout))?;
+    let mut w = sock;
+    w.write_all(&encode_request(&Request { flags: 0, command: CMD_BLOCK_STATUS, handle, offset, length }))?;
+    let mut r = sock;
+    let mut extents = None;
+    loop {
+        let mut h = [0u8; CHUNK_HEADER_LEN];
+        r.read_exact(&mut h[..REPLY_HEADER_LEN])?;
+        if u32::from_be_bytes(h[..4].try_into().unwrap()) == SIMPLE_REPLY_MAGIC {
+            // A simple reply to a structured request: only an error may come this way.
+            let (got, error) = parse_reply_header(h[..REPLY_HEADER_LEN].try_into().unwrap())?;
+            if got != handle || error == 0 {
+                return Err(protocol_error("a simple reply to NBD_CMD_BLOCK_STATUS"));
+            }
+            return Ok(None);
+        }
+        r.read_exact(&mut h[REPLY_HEADER_LEN..])?;
+        let (flags, kind, got, size) = parse_chunk_header(&h)?;
+        if got != handle || size > MAX_STATUS_CHUNK {
+            return Err(protocol_error(format!("a reply chunk for handle {got} of {size} bytes to NBD_CMD_BLOCK_STATUS {handle}")));
+        }
+        let mut payload = vec![0u8; size as usize];
+        r.read_exact(&mut payload)?;
+        match kind {
+            REPLY_TYPE_BLOCK_STATUS => {
+                let (id, runs) = parse_block_status_payload(&payload)?;
+                if id == context {
+                    extents = Some(runs);
+                }
+            }
+            kind if kind & (1 << 15) != 0 => extents = None, // an error chunk: nothing known
+            _ => {}
+        }
+        if flags & REPLY_FLAG_DONE != 0 {
+            break;
+        }
+    }
+    let Some(extents) = extents else { return Ok(None) };
+    let mut runs = Vec::with_capacity(extents.len());
+    let mut covered = 0u64;
+    for (run, flags) in extents {
+        let run = u64::from(run).min(len - covered);
+        if run == 0 {
+            break;
+        }
+        runs.push((run, flags & STATE_HOLE != 0));
+        covered += run;
+    }
+    Ok((!runs.is_empty()).then_some(runs))
 }
 
 #[cfg(test)]

@@ -480,6 +480,20 @@ pub fn parse_meta_request(data: &[u8]) -> Result<(&[u8], Vec<&[u8]>), &'static s
     Ok((name, queries))
 }
 
+/// LIST/SET_META_CONTEXT data for `export_name` and `queries`, the inverse of
+/// [`parse_meta_request`] (the client's side).
+pub fn meta_request(export_name: &[u8], queries: &[&[u8]]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(8 + export_name.len() + queries.iter().map(|q| 4 + q.len()).sum::<usize>());
+    v.extend_from_slice(&(export_name.len() as u32).to_be_bytes());
+    v.extend_from_slice(export_name);
+    v.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+    for q in queries {
+        v.extend_from_slice(&(q.len() as u32).to_be_bytes());
+        v.extend_from_slice(q);
+    }
+    v
+}
+
 /// Answers LIST (`set` false) or SET_META_CONTEXT: whether `base:allocation` is listed/selected,
 /// or the error reply. LIST with no query lists every context, and a query `base:` every context
 /// of that namespace; SET selects by exact name only.
@@ -674,6 +688,7 @@ pub(crate) mod tests {
     fn meta_context_requests_whose_lengths_lie_are_refused() {
         let good = [&1u32.to_be_bytes()[..], b"x", &1u32.to_be_bytes(), &15u32.to_be_bytes(), b"base:allocation"].concat();
         assert_eq!(parse_meta_request(&good), Ok((&b"x"[..], vec![&b"base:allocation"[..]])));
+        assert_eq!(meta_request(b"x", &[b"base:allocation"]), good);
         assert!(parse_meta_request(&good[..good.len() - 1]).is_err(), "query cut short");
         assert!(parse_meta_request(&[good.as_slice(), b"z"].concat()).is_err(), "trailing byte");
         let lying_count = [&0u32.to_be_bytes()[..], &u32::MAX.to_be_bytes()].concat();

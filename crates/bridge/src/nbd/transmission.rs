@@ -159,6 +159,32 @@ pub fn chunk_header(flags: u16, kind: u16, handle: u64, len: u32) -> [u8; CHUNK_
     h
 }
 
+/// Decodes a structured reply chunk's header, the inverse of [`chunk_header`]: `(flags, type,
+/// handle, payload length)`. Any other magic is an `InvalidData` error.
+pub fn parse_chunk_header(h: &[u8; CHUNK_HEADER_LEN]) -> io::Result<(u16, u16, u64, u32)> {
+    let magic = u32::from_be_bytes(h[0..4].try_into().unwrap());
+    if magic != STRUCTURED_REPLY_MAGIC {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("bad structured reply magic {magic:#010x}")));
+    }
+    Ok((
+        u16::from_be_bytes(h[4..6].try_into().unwrap()),
+        u16::from_be_bytes(h[6..8].try_into().unwrap()),
+        u64::from_be_bytes(h[8..16].try_into().unwrap()),
+        u32::from_be_bytes(h[16..20].try_into().unwrap()),
+    ))
+}
+
+/// Decodes an NBD_REPLY_TYPE_BLOCK_STATUS payload, the inverse of [`block_status_payload`]:
+/// the context id and the (length, status flags) extents. A length that is not 4 plus a
+/// multiple of 8 is an `InvalidData` error.
+pub fn parse_block_status_payload(p: &[u8]) -> io::Result<(u32, Vec<(u32, u32)>)> {
+    if p.len() < 4 || !(p.len() - 4).is_multiple_of(8) {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("block status payload of {} bytes", p.len())));
+    }
+    let word = |at: usize| u32::from_be_bytes(p[at..at + 4].try_into().unwrap());
+    Ok((word(0), (4..p.len()).step_by(8).map(|at| (word(at), word(at + 4))).collect()))
+}
+
 /// An NBD_REPLY_TYPE_BLOCK_STATUS payload: the context id, then (length, status flags) per
 /// extent, in order from the request's offset.
 pub fn block_status_payload(context_id: u32, extents: &[(u32, u32)]) -> Vec<u8> {
@@ -299,6 +325,19 @@ mod tests {
         assert_eq!(w.0, [&a[..], &data[..], &b[..]].concat());
         assert_eq!(&b[..4], &SIMPLE_REPLY_MAGIC.to_be_bytes());
         assert_eq!(&b[4..8], &5u32.to_be_bytes());
+    }
+
+    #[test]
+    fn chunk_header_and_block_status_payload_round_trip() {
+        let h = chunk_header(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, 77, 20);
+        assert_eq!(parse_chunk_header(&h).unwrap(), (REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, 77, 20));
+        let mut bad = h;
+        bad[0] ^= 1;
+        assert_eq!(parse_chunk_header(&bad).unwrap_err().kind(), io::ErrorKind::InvalidData);
+        let p = block_status_payload(3, &[(4096, 3), (65536, 0)]);
+        assert_eq!(parse_block_status_payload(&p).unwrap(), (3, vec![(4096, 3), (65536, 0)]));
+        assert!(parse_block_status_payload(&p[..p.len() - 1]).is_err());
+        assert!(parse_block_status_payload(&p[..3]).is_err());
     }
 
     #[test]

@@ -735,7 +735,7 @@ def upstream_pki(tmp_path_factory):
     """A CA and a server certificate for localhost / 127.0.0.1 (nbdkit's --tls-certificates
     layout), and a CA the server's certificate does not chain to."""
     need_tool("openssl")
-    from test_tls import SERVER_EXT, cert_dir, make_ca, make_cert
+    from test_tls import CLIENT_EXT, SERVER_EXT, cert_dir, make_ca, make_cert
 
     base = tmp_path_factory.mktemp("upki")
     work = base / "work"
@@ -747,6 +747,11 @@ def upstream_pki(tmp_path_factory):
     ns.server_dir = cert_dir(base, "server", {"ca-cert.pem": ca[1], "server-cert.pem": server[1], "server-key.pem": server[0]})
     ns.client_dir = cert_dir(base, "client", {"ca-cert.pem": ca[1]})
     ns.other_dir = cert_dir(base, "other", {"ca-cert.pem": other[1]})
+    client = make_cert(work, ca, "client", "client", CLIENT_EXT)
+    ns.identity_dir = cert_dir(base, "identity", {"ca-cert.pem": ca[1], "client-cert.pem": client[1], "client-key.pem": client[0]})
+    foreign = make_cert(work, other, "foreign", "client", CLIENT_EXT)
+    ns.foreign_dir = cert_dir(base, "foreign", {"ca-cert.pem": ca[1], "client-cert.pem": foreign[1], "client-key.pem": foreign[0]})
+    ns.half_dir = cert_dir(base, "half", {"ca-cert.pem": ca[1], "client-cert.pem": client[1]})
     return ns
 
 
@@ -781,6 +786,36 @@ def test_nbds_upstream(ws, upstreams, upstream_pki, tcp):
     upstream = nbd_map(f"{tls_uri}{sep}tls-certificates={upstream_pki.client_dir}")
     assert any(t & STATE_HOLE for _, t in upstream), upstream
     assert nbd_map(b.uri) == as_bridged(upstream, False)
+    b.stop()
+    assert_no_panic(b.stderr())
+
+
+def test_nbds_upstream_that_verifies_client_certificates(ws, upstreams, upstream_pki):
+    """`nbdkit --tls-verify-peer`: the bridge presents tls-certificates=DIR's client-cert.pem
+    and client-key.pem (libnbd's layout); without them, or with a certificate from another CA,
+    the upstream refuses it at start-up with a clear error; a certificate without its key is
+    refused before connecting."""
+    need_tool("nbdcopy")
+    up = upstreams(
+        "nbdkit-memory",
+        size=8 * MiB,
+        extra=("--tls=require", f"--tls-certificates={upstream_pki.server_dir}", "--tls-verify-peer"),
+    )
+    key_file, key = ws.key()
+    tls_uri = up.uri.replace("nbd+unix://", "nbds+unix://")
+    for d in (upstream_pki.client_dir, upstream_pki.foreign_dir):
+        err = serve_fails(ws, f"{tls_uri}&tls-certificates={d}", key_file)
+        assert "TLS" in err and "client-cert.pem" in err, err
+    err = serve_fails(ws, f"{tls_uri}&tls-certificates={upstream_pki.half_dir}", key_file)
+    assert "client-key.pem" in err, err
+    b = serve_remote(ws, f"{tls_uri}&tls-certificates={upstream_pki.identity_dir}", key_file)
+    plaintext = os.urandom(MiB)
+    src = ws.tmp / "src.bin"
+    src.write_bytes(plaintext)
+    run(["nbdcopy", "--flush", src, b.uri], timeout=120, check=True)
+    dump = ws.tmp / "dump.bin"
+    run(["nbdcopy", f"{tls_uri}&tls-certificates={upstream_pki.identity_dir}", dump], timeout=120, check=True)
+    assert dump.read_bytes()[: len(plaintext)] == xts_ref.encrypt_sectors(key, plaintext, 512)
     b.stop()
     assert_no_panic(b.stderr())
 

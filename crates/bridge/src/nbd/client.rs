@@ -140,7 +140,8 @@ pub struct TlsClient {
 
 impl TlsClient {
     /// The CA in `DIR/ca-cert.pem` (libnbd's `tls-certificates=DIR`); the server's certificate
-    /// must chain to it and carry `server_name`.
+    /// must chain to it and carry `server_name`. Where `DIR` also holds `client-cert.pem` and
+    /// `client-key.pem`, they are presented to an upstream that asks for a client certificate.
     pub fn load(uri: &NbdUri) -> io::Result<TlsClient> {
         let dir = uri.tls_certificates.as_ref().ok_or_else(|| {
             io::Error::new(io::ErrorKind::InvalidInput, "nbds:// needs ?tls-certificates=DIR, a directory holding ca-cert.pem (the CA of the upstream's certificate)")
@@ -152,11 +153,14 @@ impl TlsClient {
             roots.add(cert).map_err(|e| bad(format!("{}: not a usable CA certificate: {e}", ca.display())))?;
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = rustls::ClientConfig::builder_with_provider(provider)
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| bad(e.to_string()))?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+            .with_root_certificates(roots);
+        let config = match super::tls::client_identity(dir).map_err(|e| bad(e.to_string()))? {
+            Some(identity) => builder.with_client_cert_resolver(identity),
+            None => builder.with_no_client_auth(),
+        };
         let name = match (&uri.tls_hostname, &uri.address) {
             (Some(name), _) => name.clone(),
             (None, Address::Tcp { host, .. }) => host.clone(),
@@ -210,9 +214,23 @@ fn negotiate<S: Read + Write>(
     while conn.is_handshaking() {
         conn.complete_io(s).map_err(|e| io::Error::new(e.kind(), format!("TLS handshake with the upstream: {e}")))?;
     }
+    // In TLS 1.3 the server checks the client's certificate after the client has finished its
+    // side of the handshake, so a refusal shows up as the session ending on the first option.
+    let refused = |e: io::Error| match e.kind() {
+        io::ErrorKind::ConnectionReset | io::ErrorKind::UnexpectedEof | io::ErrorKind::InvalidData | io::ErrorKind::BrokenPipe => io::Error::new(
+            e.kind(),
+            format!(
+                "the upstream ended the TLS session after the TLS handshake ({e}); one that verifies clients needs {} and {} \
+                 from its CA in tls-certificates=DIR",
+                super::tls::CLIENT_CERT,
+                super::tls::CLIENT_KEY
+            ),
+        ),
+        _ => e,
+    };
     let mut stream = rustls::Stream::new(&mut conn, s);
-    let context = if allocation { negotiate_allocation(&mut stream, export_name)? } else { None };
-    let export = choose_export(&mut stream, export_name, fixed, no_zeroes)?;
+    let context = if allocation { negotiate_allocation(&mut stream, export_name).map_err(refused)? } else { None };
+    let export = choose_export(&mut stream, export_name, fixed, no_zeroes).map_err(refused)?;
     Ok((export, Some(conn), context))
 }
 

@@ -31,6 +31,9 @@ use zeroize::{Zeroize, Zeroizing};
 pub const CA_CERT: &str = "ca-cert.pem";
 pub const SERVER_CERT: &str = "server-cert.pem";
 pub const SERVER_KEY: &str = "server-key.pem";
+/// The client's certificate and key, where a client has them (libnbd's names).
+pub const CLIENT_CERT: &str = "client-cert.pem";
+pub const CLIENT_KEY: &str = "client-key.pem";
 
 /// A server certificate that expires within this many days gets a warning at start-up.
 const EXPIRY_WARNING_DAYS: i64 = 30;
@@ -118,6 +121,24 @@ impl TlsPolicy {
         let config = builder.with_cert_resolver(Arc::new(SingleCertAndKey::from(certified)));
         Ok(Self { required: mode == TlsMode::Require, config: Arc::new(config), verify_peer })
     }
+}
+
+/// The client certificate and key in a `tls-certificates` directory, for an upstream that
+/// asks for one (nbdkit `--tls-verify-peer`): `None` where neither file is there; one without
+/// the other, or a key that does not match, is an error.
+pub(crate) fn client_identity(dir: &Path) -> Result<Option<Arc<SingleCertAndKey>>, TlsError> {
+    let (cert_path, key_path) = (dir.join(CLIENT_CERT), dir.join(CLIENT_KEY));
+    match (cert_path.exists(), key_path.exists()) {
+        (false, false) => return Ok(None),
+        (true, true) => {}
+        (false, true) => return Err(TlsError::Read { path: cert_path, source: io::ErrorKind::NotFound.into() }),
+        (true, false) => return Err(TlsError::Read { path: key_path, source: io::ErrorKind::NotFound.into() }),
+    }
+    let certified = CertifiedKey::new(read_certs(&cert_path)?, read_key(&key_path)?);
+    if let Err(e) = certified.keys_match() {
+        return Err(TlsError::KeyMismatch { key: key_path, cert: cert_path, why: e.to_string() });
+    }
+    Ok(Some(Arc::new(SingleCertAndKey::from(certified))))
 }
 
 fn read_file(path: &Path) -> Result<Zeroizing<Vec<u8>>, TlsError> {

@@ -305,6 +305,56 @@ def test_verify_peer_refuses_certificate_of_another_ca(ws, pki):
     assert b.alive
 
 
+def write_crl(ca: tuple[Path, Path], revoked: list[Path], dest: Path) -> None:
+    """A CRL signed by `ca` (its key and cert) listing the serial numbers of `revoked`, written
+    with pyca `cryptography` (not the code under test)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    ca_key = serialization.load_pem_private_key(ca[0].read_bytes(), password=None)
+    ca_cert = x509.load_pem_x509_certificate(ca[1].read_bytes())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    b = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca_cert.subject)
+        .last_update(now)
+        .next_update(now + datetime.timedelta(days=30))
+        .add_extension(x509.CRLNumber(1), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+    )
+    for cert in revoked:
+        serial = x509.load_pem_x509_certificate(cert.read_bytes()).serial_number
+        b = b.add_revoked_certificate(x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build())
+    dest.write_bytes(b.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+
+
+def test_verify_peer_refuses_revoked_client_certificates(ws, pki, tmp_path):
+    """ca-crl.pem in --tls-certificates (qemu's and GnuTLS's name): a client certificate it
+    revokes is refused with a log line that says so; one it does not list is served."""
+    need_tool("nbdinfo")
+    revoked = make_cert(pki.work, pki.ca, "revoked", "client", CLIENT_EXT)
+    revoked_dir = cert_dir(tmp_path, "revoked", {"ca-cert.pem": pki.ca[1], "client-cert.pem": revoked[1], "client-key.pem": revoked[0]})
+    server_dir = cert_dir(tmp_path, "server", {"ca-cert.pem": pki.ca[1], "server-cert.pem": pki.server[1], "server-key.pem": pki.server[0]})
+    write_crl(pki.ca, [revoked[1]], server_dir / "ca-crl.pem")
+    backing = ws.backing(16 * MiB, name="crl.img")
+    b = ws.serve(backing, passthrough=True, tcp=True, extra=("--tls", "require", "--tls-certificates", server_dir, "--tls-verify-peer"))
+    p = run(["nbdinfo", "--json", tls_uri(b, revoked_dir)], timeout=30)
+    assert p.returncode != 0, p.stdout
+    err = wait_for_log(b, "TLS handshake failed")
+    line = next(l for l in err.splitlines() if "TLS handshake failed" in l)
+    assert "revoked" in line.lower(), line
+    assert nbdinfo_json(tls_uri(b, pki.client_dir))["TLS"] is True
+    assert b.alive
+
+
+def test_unreadable_crl_is_a_startup_error(ws, pki, tmp_path):
+    bad = cert_dir(tmp_path, "bad-crl", {"ca-cert.pem": pki.ca[1], "server-cert.pem": pki.server[1], "server-key.pem": pki.server[0]})
+    (bad / "ca-crl.pem").write_text("not a CRL\n")
+    assert "ca-crl.pem" in startup_error(ws, bad, "--tls-verify-peer")
+
+
 def test_expired_server_certificate_refused_at_start(ws, pki):
     """An expired server certificate stops the start, before listening."""
     backing = ws.backing(MiB)

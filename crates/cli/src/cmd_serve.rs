@@ -162,11 +162,13 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "off")]
     tls: TlsArg,
     /// Directory of the server's certificates, as nbdkit's and qemu's: server-cert.pem (with
-    /// any intermediates), server-key.pem (unencrypted) and, for --tls-verify-peer, ca-cert.pem.
+    /// any intermediates), server-key.pem (unencrypted) and, for --tls-verify-peer, ca-cert.pem
+    /// (and ca-crl.pem, optional).
     /// Read and checked at start-up.
     #[arg(long, value_name = "DIR", required_if_eq_any = [("tls", "on"), ("tls", "require")])]
     tls_certificates: Option<PathBuf>,
-    /// With --tls: clients must present a certificate signed by ca-cert.pem (nbdkit's option).
+    /// With --tls: clients must present a certificate signed by ca-cert.pem (nbdkit's option)
+    /// and not revoked by ca-crl.pem, where that file is there.
     #[arg(long)]
     tls_verify_peer: bool,
     /// Crypto back end: `cpu`, or `rtl-sim` (the Verilated XTS-AES-256 hardware core from rtl/,

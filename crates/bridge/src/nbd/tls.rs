@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use rustls::pki_types::pem::{self, PemObject};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::sign::{CertifiedKey, SingleCertAndKey};
 use rustls::RootCertStore;
@@ -29,6 +29,8 @@ use zeroize::{Zeroize, Zeroizing};
 
 /// The certificate files in a `--tls-certificates` directory (nbdkit's and qemu's names).
 pub const CA_CERT: &str = "ca-cert.pem";
+/// Certificate revocation lists of the CA, read with `--tls-verify-peer` where present.
+pub const CA_CRL: &str = "ca-crl.pem";
 pub const SERVER_CERT: &str = "server-cert.pem";
 pub const SERVER_KEY: &str = "server-key.pem";
 /// The client's certificate and key, where a client has them (libnbd's names).
@@ -112,8 +114,12 @@ impl TlsPolicy {
                 roots.add(cert).map_err(|e| TlsError::Invalid { path: ca_path.clone(), why: format!("not a usable CA certificate: {e}") })?;
             }
             let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .with_crls(read_crls(&dir.join(CA_CRL))?)
                 .build()
-                .map_err(|e| TlsError::Invalid { path: ca_path, why: e.to_string() })?;
+                .map_err(|e| match e {
+                    rustls::server::VerifierBuilderError::InvalidCrl(why) => TlsError::Invalid { path: dir.join(CA_CRL), why: format!("unusable CRL: {why:?}") },
+                    e => TlsError::Invalid { path: ca_path, why: e.to_string() },
+                })?;
             builder.with_client_cert_verifier(verifier)
         } else {
             builder.with_no_client_auth()
@@ -139,6 +145,20 @@ pub(crate) fn client_identity(dir: &Path) -> Result<Option<Arc<SingleCertAndKey>
         return Err(TlsError::KeyMismatch { key: key_path, cert: cert_path, why: e.to_string() });
     }
     Ok(Some(Arc::new(SingleCertAndKey::from(certified))))
+}
+
+/// The CRLs in `path` (PEM, one or more), or none where the file is not there: a client
+/// certificate they list is refused (qemu's and GnuTLS's `ca-crl.pem`).
+fn read_crls(path: &Path) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsError> {
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let text = read_file(path)?;
+    let crls = CertificateRevocationListDer::pem_slice_iter(&text).collect::<Result<Vec<_>, _>>().map_err(|e| pem_error(path, e))?;
+    if crls.is_empty() {
+        return Err(TlsError::Pem { path: path.to_path_buf(), what: "no X509 CRL in it".into() });
+    }
+    Ok(crls)
 }
 
 fn read_file(path: &Path) -> Result<Zeroizing<Vec<u8>>, TlsError> {

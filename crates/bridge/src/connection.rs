@@ -471,8 +471,18 @@ impl Connection {
     fn read_async(self: &Arc<Self>, r: Request, permit: Permit) {
         let conn = Arc::clone(self);
         self.server.pipeline().read_sealed_async(r.offset, r.length as usize, move |result| {
+            let pipeline = conn.server.pipeline();
             let reply = match result {
-                Ok(sealed) => conn.reply(&r, 0, Body::Sealed(sealed), Some(permit)),
+                Ok(sealed) if pipeline.opens_streamed(sealed.len()) => conn.reply(&r, 0, Body::Sealed(sealed), Some(permit)),
+                // A small read is decrypted now, so that the replies to a burst of them go to the
+                // client in one writev (a sealed one is sent on its own).
+                Ok(sealed) => match pipeline.open(sealed) {
+                    Ok(data) => conn.reply(&r, 0, Body::Data(data), Some(permit)),
+                    Err(e) => {
+                        tracing::error!(conn = conn.id, request = ?r, "decryption failed: {e}");
+                        conn.reply(&r, errno_of(&e), Body::Empty, Some(permit))
+                    }
+                },
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {
                     // Lost with its upstream connection: resent, with the retries, on an I/O
                     // thread (on this one if none can be had).

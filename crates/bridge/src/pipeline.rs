@@ -164,6 +164,21 @@ impl Pipeline {
         self.backing.read_async(buf, start, move |r| done(r.map(|buf| SealedRead { buf, first_sector, start: at, len })));
     }
 
+    /// Decrypts `sealed` whole, on this thread: for a read small enough that decrypting it
+    /// while it is sent would gain nothing ([`Pipeline::open_into`]), and whose reply can then
+    /// share one send with others.
+    pub fn open(&self, sealed: SealedRead) -> io::Result<ReadData> {
+        let SealedRead { mut buf, first_sector, start, len } = sealed;
+        self.engine.decrypt_here(first_sector, &mut buf).map_err(io::Error::other)?;
+        Ok(ReadData { buf, start, len })
+    }
+
+    /// Whether a read of `len` bytes gains from being decrypted while its reply is sent
+    /// ([`Pipeline::open_into`]) rather than first ([`Pipeline::open`]): more than one piece.
+    pub fn opens_streamed(&self, len: usize) -> bool {
+        len > OPEN_PIECE
+    }
+
     /// Decrypts `sealed` on this thread a piece at a time and hands each piece of the requested
     /// bytes to `sink` as soon as it is plaintext.
     ///

@@ -22,7 +22,7 @@ from typing import Optional
 import pytest
 
 from conftest import MiB, assert_no_panic, cb, need_tool, run
-from nbd_client import CMD_FLAG_FUA, NBD_EIO, NBD_ENOSPC, NBD_EPERM, NBDClient, NBDError
+from nbd_client import CMD_FLAG_FUA, CMD_READ, NBD_EIO, NBD_ENOSPC, NBD_EPERM, NBDClient, NBDError
 from reference import xts_ref
 
 # NBD base:allocation flags (proto.md).
@@ -257,6 +257,36 @@ def test_block_status_without_upstream_extents_reports_data(ws, upstreams):
     key_file, _ = ws.key()
     b = serve_remote(ws, up.uri, key_file)
     assert nbd_map(b.uri) == [(16 * MiB, 0)]
+    b.stop()
+    assert_no_panic(b.stderr())
+
+
+def test_client_that_does_not_read_replies_cannot_stall_the_others(ws, upstreams):
+    """A client that sends READs and never reads the replies fills its socket. The thread
+    sending to it is an upstream connection's reply reader, which every client's requests go
+    through: after --send-timeout that client is disconnected, and another client's reads
+    through the same upstream keep being answered."""
+    up = upstreams("nbdkit-memory", size=64 * MiB)
+    key_file, _ = ws.key()
+    b = serve_remote(ws, up.uri, key_file, extra=("--send-timeout", "2"))
+    hostile = NBDClient(b.uri)
+    hostile.connect()
+    # 128 MiB of replies, far more than the socket buffers between the two hold.
+    for i in range(128):
+        hostile.send_request(CMD_READ, (i % 64) * MiB, MiB)
+    time.sleep(1)
+    start = time.monotonic()
+    with NBDClient(b.uri, timeout=30) as good:
+        good.connect()
+        for i in range(32):
+            assert len(good.read(i * MiB, 65536)) == 65536
+    assert time.monotonic() - start < 20
+    deadline = time.monotonic() + 20
+    while "has not read its replies" not in b.stderr() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "has not read its replies" in b.stderr(), b.stderr()[-2000:]
+    hostile.close()
+    assert b.alive
     b.stop()
     assert_no_panic(b.stderr())
 

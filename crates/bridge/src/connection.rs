@@ -638,7 +638,13 @@ impl Connection {
             sending.clear(); // after a failure: dropped, their permits go back
             out = self.lock_outbox();
             if let Err(e) = result {
-                tracing::debug!(conn = self.id, "reply failed ({e}); closing");
+                match e.kind() {
+                    // The send timeout (`ServerConfig::send_timeout`) ran out.
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                        tracing::warn!(conn = self.id, "the client has not read its replies within the send timeout; disconnecting it")
+                    }
+                    _ => tracing::debug!(conn = self.id, "reply failed ({e}); closing"),
+                }
                 self.broken.store(true, Ordering::SeqCst);
                 self.stream.shutdown();
                 let dropped = std::mem::take(&mut out.queue);

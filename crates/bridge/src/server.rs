@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use crate::budget::Budget;
 use crate::connection::Connection;
-use crate::nbd::handshake::{negotiate_tls_within, Outcome};
+use crate::nbd::handshake::{negotiate_tls_within, Outcome, SocketTimeouts};
 use crate::nbd::tls::TlsPolicy;
 use crate::nbd::request::Rules;
 pub use crate::nbd::request::MAX_REQUEST;
@@ -60,7 +60,15 @@ pub struct ServerConfig {
     pub max_inflight_bytes: u64,
     /// `--tls on|require` with its certificates; `None`: no TLS (`--tls off`).
     pub tls: Option<TlsPolicy>,
+    /// How long a send to a client may block (its socket full: the client does not read its
+    /// replies) before the client is disconnected; `None`: without limit. The thread sending
+    /// may be one that others need (an upstream connection's reply reader, shared by every
+    /// client of a remote backing), so a client that stops reading must not hold it for ever.
+    pub send_timeout: Option<Duration>,
 }
+
+/// [`ServerConfig::send_timeout`] unless told otherwise.
+pub const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl ServerConfig {
     /// A configuration with the default limits.
@@ -78,6 +86,7 @@ impl ServerConfig {
             max_inflight_bytes_per_connection: DEFAULT_MAX_INFLIGHT_BYTES_PER_CONNECTION,
             max_inflight_bytes: DEFAULT_MAX_INFLIGHT_BYTES,
             tls: None,
+            send_timeout: Some(DEFAULT_SEND_TIMEOUT),
         }
     }
 }
@@ -217,6 +226,7 @@ impl Server {
             }
             None => stream,
         };
+        stream.set_send_timeout(self.config.send_timeout)?;
         drop(span);
         tracing::info!(conn = id, "client connected");
         if let Some(conn) = Connection::open(id, stream, Arc::clone(self), slot, negotiated) {

@@ -146,6 +146,13 @@ impl SocketTimeouts for Stream {
             Stream::Tls(t) => t.socket().set_timeouts(timeout),
         }
     }
+    fn set_send_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_send_timeout(timeout),
+            Stream::Unix(s) => s.set_send_timeout(timeout),
+            Stream::Tls(t) => t.socket().set_send_timeout(timeout),
+        }
+    }
 }
 
 impl Read for &Stream {

@@ -142,6 +142,12 @@ pub struct Args {
     /// --handshake-limit). A client still negotiating then is disconnected.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     handshake_limit: u64,
+    /// Seconds a send to a client may block because the client does not read its replies
+    /// (its socket buffer full) before that client is disconnected. The sending thread may be
+    /// one other clients wait on (with a remote backing, an upstream connection's reply
+    /// reader), so a client that stops reading must not hold it. 0: no limit.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(0..=86400))]
+    send_timeout: u64,
     /// `plain` (dm-crypt plain mode: --key-file is the raw key) or `luks` (a LUKS1/LUKS2 volume
     /// made by cryptsetup or qemu-img: its header gives the cipher, key size, sector size and data
     /// offset, and the export is its data segment; --key-file is then a passphrase file read whole
@@ -311,6 +317,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             io_workers: args.io_workers,
             poll_max: std::time::Duration::from_nanos(args.poll_max_ns),
             handshake_limit: std::time::Duration::from_secs(args.handshake_limit),
+            send_timeout: (args.send_timeout > 0).then(|| std::time::Duration::from_secs(args.send_timeout)),
             max_connections: args.max_connections,
             max_io_threads: args.max_io_threads,
             max_inflight_bytes_per_connection: args.max_inflight_bytes_per_connection,

@@ -460,6 +460,13 @@ impl SocketTimeouts for Sock {
             Sock::Tls(t) => t.socket().set_timeouts(timeout),
         }
     }
+    fn set_send_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Sock::Tcp(s) => s.set_send_timeout(timeout),
+            Sock::Unix(s) => s.set_send_timeout(timeout),
+            Sock::Tls(t) => t.socket().set_send_timeout(timeout),
+        }
+    }
 }
 
 impl Read for &Sock {

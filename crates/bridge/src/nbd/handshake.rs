@@ -33,6 +33,8 @@ pub const DEFAULT_HANDSHAKE_LIMIT: Duration = Duration::from_secs(30);
 pub trait SocketTimeouts {
     /// Sets the read and the write timeout (`None`: block without limit).
     fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()>;
+    /// Sets the write timeout alone.
+    fn set_send_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
 }
 
 impl SocketTimeouts for TcpStream {
@@ -40,11 +42,17 @@ impl SocketTimeouts for TcpStream {
         self.set_read_timeout(timeout)?;
         self.set_write_timeout(timeout)
     }
+    fn set_send_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        self.set_write_timeout(timeout)
+    }
 }
 
 impl SocketTimeouts for UnixStream {
     fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
         self.set_read_timeout(timeout)?;
+        self.set_write_timeout(timeout)
+    }
+    fn set_send_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         self.set_write_timeout(timeout)
     }
 }

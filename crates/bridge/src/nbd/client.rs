@@ -195,14 +195,7 @@ fn negotiate<S: Read + Write>(
     }
     s.write_all(&option_request(OPT_STARTTLS, &[]))?;
     s.flush()?;
-    let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
-    s.read_exact(&mut h)?;
-    let (option, kind, len) = parse_option_reply_header(&h)?;
-    if option != OPT_STARTTLS || len > MAX_OPTION_REPLY {
-        return Err(protocol_error(format!("bad reply to NBD_OPT_STARTTLS (option {option}, {len} bytes)")));
-    }
-    let mut data = vec![0u8; len as usize];
-    s.read_exact(&mut data)?;
+    let (kind, data) = option_reply(s, OPT_STARTTLS)?;
     if kind != REP_ACK {
         return Err(io::Error::new(
             io::ErrorKind::Unsupported,
@@ -259,13 +252,17 @@ fn negotiate_allocation<S: Read + Write>(s: &mut S, export_name: &str) -> io::Re
     }
 }
 
-/// One reply to `option`: its type and data.
+/// One reply to `option`: its type and data. A reply to another option, or one larger than
+/// `MAX_OPTION_REPLY`, ends the handshake.
 fn option_reply<S: Read>(s: &mut S, option: u32) -> io::Result<(u32, Vec<u8>)> {
     let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
     s.read_exact(&mut h)?;
     let (got, kind, len) = parse_option_reply_header(&h)?;
-    if got != option || len > MAX_OPTION_REPLY {
-        return Err(protocol_error(format!("bad reply to option {option} (option {got}, {len} bytes)")));
+    if got != option {
+        return Err(protocol_error(format!("reply to option {got} while option {option} was asked")));
+    }
+    if len > MAX_OPTION_REPLY {
+        return Err(protocol_error(format!("option reply of {len} bytes")));
     }
     let mut data = vec![0u8; len as usize];
     s.read_exact(&mut data)?;
@@ -332,17 +329,7 @@ fn choose_export<S: Read + Write>(s: &mut S, export_name: &str, fixed: bool, no_
 fn go_replies<S: Read>(s: &mut S, export_name: &str) -> io::Result<Option<Export>> {
     let (mut export, mut sizes) = (None, None);
     loop {
-        let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
-        s.read_exact(&mut h)?;
-        let (option, kind, len) = parse_option_reply_header(&h)?;
-        if option != OPT_GO {
-            return Err(protocol_error(format!("reply to option {option} while NBD_OPT_GO was asked")));
-        }
-        if len > MAX_OPTION_REPLY {
-            return Err(protocol_error(format!("option reply of {len} bytes")));
-        }
-        let mut data = vec![0u8; len as usize];
-        s.read_exact(&mut data)?;
+        let (kind, data) = option_reply(s, OPT_GO)?;
         let text = || String::from_utf8_lossy(&data).into_owned();
         match kind {
             REP_INFO => match parse_info(&data)? {

@@ -13,6 +13,11 @@ same pair (the machine is shared and drifts); the ratio of the medians is printe
 
 Profiles: SEQ1M Q8T1 read / write, RND4K Q32T1 read / write. Target: bridge >= 0.8 x direct.
 
+With --proxy a third server joins the rotation: nbdkit's own NBD proxy (`nbdkit nbd
+socket=<upstream>`, no encryption) in front of the same upstream. It is the peer's cost of one
+extra NBD hop on the same vCPUs, so its ratio to `nbdkit memory` alone says how much of the
+bridge's gap any server that sits between fio and the upstream pays here.
+
 Outputs: bench/out/remote.json, bench/out/remote.md (paste into a dated page under docs/bench/),
 per-job fio JSON under bench/out/fio/remote/, server logs under bench/out/logs/.
 """
@@ -78,6 +83,7 @@ def main() -> int:
     ap.add_argument("--ramp", type=float, default=1.0, help="fio ramp time in seconds (default 1)")
     ap.add_argument("--backing-connections", type=int, default=None, help="serve --backing-connections (default: the bridge's)")
     ap.add_argument("--profiles", default=",".join(PROFILE_KEYS), help="comma-separated profile keys")
+    ap.add_argument("--proxy", action="store_true", help="add nbdkit's NBD proxy (nbdkit nbd) as a third server (see above)")
     ap.add_argument("--quick", action="store_true", help="2 repeats of 2 s jobs (a smoke run)")
     args = ap.parse_args()
     if args.quick:
@@ -98,7 +104,7 @@ def main() -> int:
     logdir.mkdir(parents=True, exist_ok=True)
     fio_dir.mkdir(parents=True, exist_ok=True)
     rundir = Path(tempfile.mkdtemp(prefix="cbremote", dir="/tmp"))
-    up_sock, cb_sock = rundir / "up.sock", rundir / "cb.sock"
+    up_sock, cb_sock, px_sock = rundir / "up.sock", rundir / "cb.sock", rundir / "proxy.sock"
     keyfile = rundir / "key"
     fd = os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -110,14 +116,17 @@ def main() -> int:
     cb_argv = [args.binary, "serve", "--backing", f"nbd+unix:///?socket={up_sock}", "--key-file", keyfile, "--unix", cb_sock]
     if args.backing_connections:
         cb_argv += ["--backing-connections", str(args.backing_connections)]
+    px_argv = ["nbdkit", "-f", "-U", px_sock, "nbd", f"socket={up_sock}"]
     uris = {"direct": f"nbd+unix:///?socket={up_sock}", "bridge": f"nbd+unix:///?socket={cb_sock}"}
+    if args.proxy:
+        uris["proxy"] = f"nbd+unix:///?socket={px_sock}"
     state = {
         "environment": environment(args.binary),
-        "commands": {"upstream": shjoin(up_argv), "bridge": shjoin(cb_argv)},
+        "commands": {"upstream": shjoin(up_argv), "bridge": shjoin(cb_argv)} | ({"proxy": shjoin(px_argv)} if args.proxy else {}),
         "config": {"size": args.size, "repeats": args.repeats, "runtime": args.runtime, "ramp": args.ramp},
         "results": {},
     }
-    up = cb = None
+    up = cb = px = None
     try:
         with open(logdir / "remote-upstream.log", "wb") as err:
             up = spawn(up_argv, stdout=err, stderr=err)
@@ -125,15 +134,21 @@ def main() -> int:
         with open(logdir / "remote-bridge.stdout.log", "wb") as out, open(logdir / "remote-bridge.stderr.log", "wb") as err:
             cb = spawn(cb_argv, stdout=out, stderr=err)
         wait_socket(cb_sock, cb, "cryptbridge serve")
+        if args.proxy:
+            with open(logdir / "remote-proxy.log", "wb") as err:
+                px = spawn(px_argv, stdout=err, stderr=err)
+            wait_socket(px_sock, px, "nbdkit nbd (proxy)")
         log(f"filling the {args.size} export through the bridge")
         r = run(["nbdcopy", "--flush", "--", "[", "nbdkit", "-r", "pattern", args.size, "]", uris["bridge"]], timeout=600)
         if r.returncode != 0:
             warn(f"fill failed: {r.stderr.strip()[-400:]}")
             return 1
-        pids = {"direct": up.pid, "bridge": cb.pid}
+        pids = {"direct": up.pid, "bridge": cb.pid} | ({"proxy": px.pid} if px else {})
+        servers = list(uris)
         for rep in range(args.repeats):
             for pi, prof in enumerate(profiles):
-                order = ["direct", "bridge"] if (rep + pi) % 2 == 0 else ["bridge", "direct"]
+                shift = (rep + pi) % len(servers)
+                order = servers[shift:] + servers[:shift]
                 for who in order:
                     sample = fio_job(uris[who], prof, size_bytes, args.runtime, args.ramp, fio_dir / f"{prof.key}-{who}-{rep}.json", pids[who])
                     state["results"].setdefault(prof.key, {}).setdefault(who, []).append(sample)
@@ -142,6 +157,7 @@ def main() -> int:
     except BenchInterrupted as e:
         warn(f"interrupted: {e}")
     finally:
+        kill_group(px)
         kill_group(cb)
         kill_group(up)
 
@@ -164,6 +180,23 @@ def main() -> int:
         ratio, mratio = median(pairs), (median(b) / median(d) if d and b and median(d) else None)
         summary[prof.key] = {"direct_mbps": median(d), "bridge_mbps": median(b), "ratio": ratio, "ratio_of_medians": mratio, "pairs": pairs}
         lines.append(f"| {prof.label} | {fmt(median(d), 0)} | {fmt(median(b), 0)} | {fmt(ratio, 2)} | {fmt(mratio, 2)} | {TARGET} | {verdict(ratio, TARGET)} |")
+    if args.proxy:
+        lines += [
+            "",
+            "nbdkit's NBD proxy in the same rotation (`" + state["commands"]["proxy"] + "`, no encryption):",
+            "",
+            "| Profile | proxy MB/s (median) | proxy / direct (median of triples) | bridge / proxy (median of triples) |",
+            "|---|---|---|---|",
+        ]
+        for prof in profiles:
+            res = state["results"].get(prof.key, {})
+            triples = [(d, b, x) for d, b, x in zip(res.get("direct", []), res.get("bridge", []), res.get("proxy", []))
+                       if d["ok"] and b["ok"] and x["ok"] and d["mbps"] > 0 and x["mbps"] > 0]
+            px = [x["mbps"] for x in res.get("proxy", []) if x["ok"]]
+            px_direct = median([x["mbps"] / d["mbps"] for d, _, x in triples])
+            bridge_px = median([b["mbps"] / x["mbps"] for _, b, x in triples])
+            summary[prof.key] |= {"proxy_mbps": median(px), "proxy_ratio": px_direct, "bridge_over_proxy": bridge_px}
+            lines.append(f"| {prof.label} | {fmt(median(px), 0)} | {fmt(px_direct, 2)} | {fmt(bridge_px, 2)} |")
     state["summary"] = summary
     write_json(OUT / "remote.json", state)
     (OUT / "remote.md").write_text("\n".join(lines) + "\n")

@@ -13,6 +13,10 @@ fio's nbd engine calls nbd_connect_uri without allowing the URI to name local fi
 `?tls-certificates=` is not accepted there: fio runs with HOME set to a directory whose
 .pki/libnbd/ holds the client's certificates, libnbd's default place.
 
+With --peer, nbdkit (`nbdkit --tls=on file`, the same backing file, no encryption of the
+sectors) runs beside it and gets the same pairs: nbdkit's TLS/plain ratio with the same client
+on the same machine, the peer's figure for the target.
+
 Per job it also records the CPU time of the server (from /proc) and of fio (its usr+sys), per
 gigabyte moved: on 2 vCPUs client and server share the machine, and this shows where TLS costs.
 
@@ -106,6 +110,29 @@ def make_pki(d: Path) -> tuple[Path, Path]:
     return server, home
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc, stderr: Path, timeout: float = 30.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"peer exited: {stderr.read_text()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"peer not listening on port {port} after {timeout} s")
+
+
 def cpu_seconds(pid: int) -> float | None:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -170,6 +197,7 @@ def main() -> int:
     ap.add_argument("--size", default="1G", help="export size (default 1G)")
     ap.add_argument("--quick", action="store_true", help="2 repeats of 2 s")
     ap.add_argument("--only", help="run the profiles whose name contains this (e.g. SEQ1M)")
+    ap.add_argument("--peer", action="store_true", help="also measure nbdkit file --tls=on's TLS/plain (see above)")
     ap.add_argument("--workdir", type=Path, help="where the backing file and certificates go (default: a temp dir)")
     args = ap.parse_args()
     if args.quick:
@@ -190,7 +218,7 @@ def main() -> int:
     fio_dir = OUT / "fio-tls"
     fio_dir.mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="cb-tls-", dir=args.workdir))
-    server = None
+    server = peer = None
     try:
         certs, home = make_pki(work)
         key = work / "volume.key"
@@ -220,31 +248,42 @@ def main() -> int:
         tls_uri = ready.split()[1]
         plain_uri = tls_uri.replace("nbds://", "nbd://", 1)
         log(f"server {shjoin(argv)}\n  {plain_uri} and {tls_uri}")
-        samples: dict[str, dict[str, list[dict]]] = {p.key: {"plain": [], "tls": []} for p in profiles}
+        # Each server: (its pid, plaintext URI, TLS URI).
+        servers = {"cryptbridge": (server.pid, plain_uri, tls_uri)}
+        peer_argv = None
+        if args.peer:
+            port = free_port()
+            peer_argv = ["nbdkit", "-f", "-i", "127.0.0.1", "-p", str(port), "--tls=on",
+                         f"--tls-certificates={certs}", "file", backing]
+            peer = spawn(peer_argv, open(work / "peer.stdout", "w"), open(work / "peer.stderr", "w"))
+            wait_port(port, peer, work / "peer.stderr")
+            servers["nbdkit"] = (peer.pid, f"nbd://127.0.0.1:{port}", f"nbds://127.0.0.1:{port}")
+            log(f"peer {shjoin(peer_argv)}")
+        samples: dict[str, dict[str, dict[str, list[dict]]]] = {
+            name: {p.key: {"plain": [], "tls": []} for p in profiles} for name in servers}
         for rep in range(args.repeats):
             for i, prof in enumerate(profiles):
-                order = [("plain", plain_uri), ("tls", tls_uri)]
-                if (rep + i) % 2:
-                    order.reverse()
-                for kind, uri in order:
-                    if prof.nbdcopy:
-                        s = nbdcopy_job(uri, prof, size, src, home, server.pid)
-                        samples[prof.key][kind].append(s)
-                        log(f"rep {rep + 1}/{args.repeats} {prof.key:18} {kind:5} "
+                for name, (pid, plain, tls) in servers.items():
+                    order = [("plain", plain), ("tls", tls)]
+                    if (rep + i) % 2:
+                        order.reverse()
+                    for kind, uri in order:
+                        if prof.nbdcopy:
+                            s = nbdcopy_job(uri, prof, size, src, home, pid)
+                        else:
+                            s = fio_job(uri, prof, size, args.runtime,
+                                        fio_dir / f"{name}-{prof.rw}-{prof.bs}-{prof.iodepth}-{kind}-{rep}.json", home, pid)
+                        samples[name][prof.key][kind].append(s)
+                        log(f"rep {rep + 1}/{args.repeats} {prof.key:18} {name:11} {kind:5} "
                             + (f"{s['mbps']:8.1f} MB/s" if s["ok"] else f"FAILED {s.get('error')}"))
-                        continue
-                    s = fio_job(uri, prof, size, args.runtime, fio_dir / f"{prof.rw}-{prof.bs}-{prof.iodepth}-{kind}-{rep}.json",
-                                home, server.pid)
-                    samples[prof.key][kind].append(s)
-                    log(f"rep {rep + 1}/{args.repeats} {prof.key:18} {kind:5} "
-                        + (f"{s['mbps']:8.1f} MB/s" if s["ok"] else f"FAILED {s.get('error')}"))
         rows = []
-        for prof in profiles:
-            pl, tl = samples[prof.key]["plain"], samples[prof.key]["tls"]
+        for name, prof in [(n, p) for n in servers for p in profiles]:
+            pl, tl = samples[name][prof.key]["plain"], samples[name][prof.key]["tls"]
             ratios = [t["mbps"] / p["mbps"] for p, t in zip(pl, tl) if p["ok"] and t["ok"] and p["mbps"] > 0]
             def med(xs, k):
                 return median([x.get(k) for x in xs if x["ok"]])
             rows.append({
+                "server": name,
                 "profile": prof.key,
                 "plain_mbps": med(pl, "mbps"),
                 "tls_mbps": med(tl, "mbps"),
@@ -257,7 +296,7 @@ def main() -> int:
                 "verdict": verdict(median(ratios), TARGET),
             })
         env_info["loadavg_end"] = list(os.getloadavg())
-        result = {"environment": env_info, "server": shjoin(argv), "repeats": args.repeats, "runtime_s": args.runtime,
+        result = {"environment": env_info, "server": shjoin(argv), "peer": peer_argv and shjoin(peer_argv), "repeats": args.repeats, "runtime_s": args.runtime,
                   "target": TARGET, "rows": rows, "samples": samples}
         write_json(OUT / "tls.json", result)
         md = [
@@ -266,12 +305,13 @@ def main() -> int:
             f"{args.repeats} alternating pairs of {args.runtime:g} s jobs; {env_info['cpu']}, {env_info['nproc']} CPUs; "
             f"load average {env_info['loadavg_start'][0]:.2f} at start, {env_info['loadavg_end'][0]:.2f} at end.",
             "",
-            "| profile | nbd:// MB/s | nbds:// MB/s | TLS/plain (median of pairs) | min–max | target 0.8 | server CPU s/GB plain → TLS | fio CPU s/GB plain → TLS |",
-            "|---|---:|---:|---:|---:|---|---:|---:|",
+            *([f"Peer: `{shjoin(peer_argv)}` (the same pairs, same client; no encryption of the sectors).", ""] if peer_argv else []),
+            "| server | profile | nbd:// MB/s | nbds:// MB/s | TLS/plain (median of pairs) | min–max | target 0.8 | server CPU s/GB plain → TLS | fio CPU s/GB plain → TLS |",
+            "|---|---|---:|---:|---:|---:|---|---:|---:|",
         ]
         for r in rows:
             sc, fc = r["server_cpu_s_per_gb"], r["fio_cpu_s_per_gb"]
-            md.append(f"| {r['profile']} | {fmt(r['plain_mbps'])} | {fmt(r['tls_mbps'])} | {fmt(r['ratio_median'], 3)} | "
+            md.append(f"| {r['server']} | {r['profile']} | {fmt(r['plain_mbps'])} | {fmt(r['tls_mbps'])} | {fmt(r['ratio_median'], 3)} | "
                       f"{fmt(r['ratio_min'], 2)}–{fmt(r['ratio_max'], 2)} | {r['verdict']} | "
                       f"{fmt(sc['plain'], 2)} → {fmt(sc['tls'], 2)} | {fmt(fc['plain'], 2)} → {fmt(fc['tls'], 2)} |")
         text = "\n".join(md) + "\n"
@@ -279,6 +319,7 @@ def main() -> int:
         print(text)
         return 0
     finally:
+        kill_group(peer)
         kill_group(server)
         shutil.rmtree(work, ignore_errors=True)
 

@@ -24,6 +24,8 @@ static char buf[4096] __attribute__((aligned(64)));
 #define CDEP "vpclmulqdq $0,%%ymm8,%%ymm11,%%ymm11\n"
 #define XR "vpxor %%ymm8,%%ymm9,%%ymm13\n"
 #define LD "vmovdqa 64(%0),%%ymm15\n"
+#define SH "vpshufd $0x4e,%%ymm9,%%ymm15\n"
+#define SL "vpslldq $8,%%ymm9,%%ymm15\n"
 #define ADD "add $1,%%rax\n"
 #define R2(u) u u
 #define R4(u) R2(u) R2(u)
@@ -46,6 +48,13 @@ BODY(spread, R4(A8 R2(CY) R4(XR)) R2(A8 R2(CY) R4(XR)) A8 R2(CY) R4(XR) R2(CY) R
 BODY(aes_clmul, R4(A8) R2(A8) A8 R16(CY))
 BODY(aes_xor, R4(A8) R2(A8) A8 R16(XR) R16(XR))
 BODY(clmul_xor, R16(CY) R16(XR) R16(XR))
+/* Which pairs of the three kinds overlap and whether all three do: 64 AES rounds, 16
+ * multiplies and 64 XORs spread evenly; shuffles and byte shifts beside the AES rounds. */
+BODY(aes_xor64, R8(A8 R8(XR)))
+BODY(clmul_xor64, R8(R2(CY) R8(XR)))
+BODY(aes_clmul_xor64, R8(A8 R2(CY) R8(XR)))
+BODY(aes_shuf16, R8(A8 R2(SH)))
+BODY(aes_shift16, R8(A8 R2(SL)))
 
 static double ticks(void (*f)(long)) {
     double best = 1e300;
@@ -74,5 +83,10 @@ int main(void) {
     SHOW("16 vpclmulqdq + 32 vpxor", clmul_xor);
     SHOW("56 vaesenc + 16 vpclmulqdq + 32 vpxor, bunched", bunched);
     SHOW("the same, 7 x (8 vaesenc, 2 vpclmulqdq, 4 vpxor), 2, 4", spread);
+    SHOW("64 vaesenc + 64 vpxor, spread", aes_xor64);
+    SHOW("16 vpclmulqdq + 64 vpxor, spread", clmul_xor64);
+    SHOW("64 vaesenc + 16 vpclmulqdq + 64 vpxor, spread", aes_clmul_xor64);
+    SHOW("64 vaesenc + 16 vpshufd", aes_shuf16);
+    SHOW("64 vaesenc + 16 vpslldq", aes_shift16);
     return 0;
 }

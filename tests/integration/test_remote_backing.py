@@ -778,6 +778,7 @@ def upstream_pki(tmp_path_factory):
     other = make_ca(work, "other")
     server = make_cert(work, ca, "server", "localhost", SERVER_EXT)
     ns = type("PKI", (), {})()
+    ns.ca_key, ns.ca_cert = ca
     ns.server_dir = cert_dir(base, "server", {"ca-cert.pem": ca[1], "server-cert.pem": server[1], "server-key.pem": server[0]})
     ns.client_dir = cert_dir(base, "client", {"ca-cert.pem": ca[1]})
     ns.other_dir = cert_dir(base, "other", {"ca-cert.pem": other[1]})
@@ -1008,4 +1009,44 @@ def test_flush_waits_for_the_writes_before_it(ws, upstreams):
     assert min(flushes) > max(w["end"] for w in ups), "a FLUSH reached the upstream before the writes sent ahead of it were answered"
     assert sum(1 for w in ups if w["start"] < ups[-1]["start"] < w["end"]) >= 1, "the writes were not in flight together"
     check_ciphertext(up, key, data, 512)
+    assert_no_panic(b.stderr())
+
+
+def test_nbds_upstream_certificate_checked_against_ca_crl(ws, upstreams, upstream_pki, tmp_path):
+    """ca-crl.pem in tls-certificates=DIR (qemu's name): an upstream whose certificate it
+    revokes is refused at start-up with an error that says so; a CRL that does not list it
+    lets the bridge serve; an unusable CRL is an error that names the file. The CRLs are
+    written with pyca `cryptography`."""
+    need_tool("nbdcopy")
+    need_tool("openssl")
+    from test_tls import SERVER_EXT, cert_dir, make_cert, write_crl
+
+    work = tmp_path / "work"
+    work.mkdir()
+    ca = (upstream_pki.ca_key, upstream_pki.ca_cert)
+    server = make_cert(work, ca, "revoked-server", "localhost", SERVER_EXT)
+    other = make_cert(work, ca, "other-server", "localhost", SERVER_EXT)
+    server_dir = cert_dir(tmp_path, "server", {"ca-cert.pem": ca[1], "server-cert.pem": server[1], "server-key.pem": server[0]})
+    up = upstreams("nbdkit-memory", size=8 * MiB, extra=("--tls=require", f"--tls-certificates={server_dir}"))
+    key_file, key = ws.key()
+    tls_uri = up.uri.replace("nbd+unix://", "nbds+unix://")
+    revoking = cert_dir(tmp_path, "revoking", {"ca-cert.pem": ca[1]})
+    write_crl(ca, [server[1]], revoking / "ca-crl.pem")
+    err = serve_fails(ws, f"{tls_uri}&tls-certificates={revoking}", key_file)
+    assert "TLS" in err and "revoked" in err.lower(), err
+    unusable = cert_dir(tmp_path, "unusable", {"ca-cert.pem": ca[1]})
+    (unusable / "ca-crl.pem").write_text("not a CRL\n")
+    err = serve_fails(ws, f"{tls_uri}&tls-certificates={unusable}", key_file)
+    assert "ca-crl.pem" in err, err
+    other_revoked = cert_dir(tmp_path, "other-revoked", {"ca-cert.pem": ca[1]})
+    write_crl(ca, [other[1]], other_revoked / "ca-crl.pem")
+    b = serve_remote(ws, f"{tls_uri}&tls-certificates={other_revoked}", key_file)
+    plaintext = os.urandom(MiB)
+    src = ws.tmp / "src.bin"
+    src.write_bytes(plaintext)
+    run(["nbdcopy", "--flush", src, b.uri], timeout=120, check=True)
+    dump = ws.tmp / "dump.bin"
+    run(["nbdcopy", f"{tls_uri}&tls-certificates={upstream_pki.client_dir}", dump], timeout=120, check=True)
+    assert dump.read_bytes()[: len(plaintext)] == xts_ref.encrypt_sectors(key, plaintext, 512)
+    b.stop()
     assert_no_panic(b.stderr())

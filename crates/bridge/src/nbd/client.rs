@@ -140,7 +140,8 @@ pub struct TlsClient {
 
 impl TlsClient {
     /// The CA in `DIR/ca-cert.pem` (libnbd's `tls-certificates=DIR`); the server's certificate
-    /// must chain to it and carry `server_name`. Where `DIR` also holds `client-cert.pem` and
+    /// must chain to it, carry `server_name` and not be revoked by `DIR/ca-crl.pem` where there
+    /// is one (qemu's name). Where `DIR` also holds `client-cert.pem` and
     /// `client-key.pem`, they are presented to an upstream that asks for a client certificate.
     pub fn load(uri: &NbdUri) -> io::Result<TlsClient> {
         let dir = uri.tls_certificates.as_ref().ok_or_else(|| {
@@ -153,10 +154,18 @@ impl TlsClient {
             roots.add(cert).map_err(|e| bad(format!("{}: not a usable CA certificate: {e}", ca.display())))?;
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let crl_path = dir.join(super::tls::CA_CRL);
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(roots), Arc::clone(&provider))
+            .with_crls(super::tls::read_crls(&crl_path).map_err(|e| bad(e.to_string()))?)
+            .build()
+            .map_err(|e| match e {
+                rustls::client::VerifierBuilderError::InvalidCrl(why) => bad(format!("{}: unusable CRL: {why:?}", crl_path.display())),
+                e => bad(format!("{}: {e}", ca.display())),
+            })?;
         let builder = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| bad(e.to_string()))?
-            .with_root_certificates(roots);
+            .with_webpki_verifier(verifier);
         let config = match super::tls::client_identity(dir).map_err(|e| bad(e.to_string()))? {
             Some(identity) => builder.with_client_cert_resolver(identity),
             None => builder.with_no_client_auth(),

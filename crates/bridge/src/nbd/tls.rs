@@ -147,9 +147,10 @@ pub(crate) fn client_identity(dir: &Path) -> Result<Option<Arc<SingleCertAndKey>
     Ok(Some(Arc::new(SingleCertAndKey::from(certified))))
 }
 
-/// The CRLs in `path` (PEM, one or more), or none where the file is not there: a client
-/// certificate they list is refused (qemu's and GnuTLS's `ca-crl.pem`).
-fn read_crls(path: &Path) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsError> {
+/// The CRLs in `path` (PEM, one or more), or none where the file is not there: a certificate
+/// they list is refused (qemu's and GnuTLS's `ca-crl.pem`; the server's for client
+/// certificates, an `nbds://` upstream's for the upstream's certificate).
+pub(crate) fn read_crls(path: &Path) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsError> {
     if !path.exists() {
         return Ok(Vec::new());
     }

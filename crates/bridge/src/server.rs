@@ -289,5 +289,7 @@ pub fn raise_open_file_limit() -> io::Result<u64> {
         }
         lim = raised;
     }
+    // rlim_t is u64 on the 64-bit Linux targets, u32 on some 32-bit ones.
+    #[allow(clippy::unnecessary_cast)]
     Ok(lim.rlim_cur as u64)
 }

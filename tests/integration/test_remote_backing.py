@@ -844,12 +844,19 @@ def test_nbds_upstream_that_verifies_client_certificates(ws, upstreams, upstream
     err = serve_fails(ws, f"{tls_uri}&tls-certificates={upstream_pki.half_dir}", key_file)
     assert "client-key.pem" in err, err
     b = serve_remote(ws, f"{tls_uri}&tls-certificates={upstream_pki.identity_dir}", key_file)
+    check_written_over_tls(ws, b, f"{tls_uri}&tls-certificates={upstream_pki.identity_dir}", key)
+
+
+def check_written_over_tls(ws, b, upstream_uri: str, key: bytes) -> None:
+    """1 MiB of random data written through the bridge `b` (nbdcopy) reaches the upstream, read
+    back from it directly at `upstream_uri`, as the reference XTS ciphertext; then `b` stops
+    cleanly."""
     plaintext = os.urandom(MiB)
     src = ws.tmp / "src.bin"
     src.write_bytes(plaintext)
     run(["nbdcopy", "--flush", src, b.uri], timeout=120, check=True)
     dump = ws.tmp / "dump.bin"
-    run(["nbdcopy", f"{tls_uri}&tls-certificates={upstream_pki.identity_dir}", dump], timeout=120, check=True)
+    run(["nbdcopy", upstream_uri, dump], timeout=120, check=True)
     assert dump.read_bytes()[: len(plaintext)] == xts_ref.encrypt_sectors(key, plaintext, 512)
     b.stop()
     assert_no_panic(b.stderr())
@@ -1041,12 +1048,4 @@ def test_nbds_upstream_certificate_checked_against_ca_crl(ws, upstreams, upstrea
     other_revoked = cert_dir(tmp_path, "other-revoked", {"ca-cert.pem": ca[1]})
     write_crl(ca, [other[1]], other_revoked / "ca-crl.pem")
     b = serve_remote(ws, f"{tls_uri}&tls-certificates={other_revoked}", key_file)
-    plaintext = os.urandom(MiB)
-    src = ws.tmp / "src.bin"
-    src.write_bytes(plaintext)
-    run(["nbdcopy", "--flush", src, b.uri], timeout=120, check=True)
-    dump = ws.tmp / "dump.bin"
-    run(["nbdcopy", f"{tls_uri}&tls-certificates={upstream_pki.client_dir}", dump], timeout=120, check=True)
-    assert dump.read_bytes()[: len(plaintext)] == xts_ref.encrypt_sectors(key, plaintext, 512)
-    b.stop()
-    assert_no_panic(b.stderr())
+    check_written_over_tls(ws, b, f"{tls_uri}&tls-certificates={upstream_pki.client_dir}", key)

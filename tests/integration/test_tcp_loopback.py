@@ -103,3 +103,53 @@ def test_encrypted_large_reads_over_loopback_tcp(ws):
     src.write_bytes(pt2)
     run(["nbdcopy", "--flush", "--requests=8", "--request-size=1048576", src, b.uri], timeout=120, check=True)
     assert backing.read_bytes() == xts_ref.encrypt_sectors(key, pt2, 4096, 0, False)
+
+
+def test_unprivileged_bridge_falls_back_to_reno(tmp_path):
+    """Without CAP_NET_ADMIN a process may only pick a congestion control the system allows
+    (net.ipv4.tcp_allowed_congestion_control, which always holds reno): the bridge, run as
+    nobody, must still leave BBR, for reno when cubic is not allowed."""
+    import shutil
+    import tempfile
+    import time
+
+    from conftest import require_binary
+
+    default = system_congestion_control()
+    if not default.startswith("bbr"):
+        pytest.skip(f"the system's TCP congestion control is {default}, not BBR: the bridge leaves it alone")
+    if os.geteuid() != 0:
+        pytest.skip("needs root to start the bridge as another, unprivileged user")
+    need_tool("ss", "setpriv")
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+    want = "cubic" if "cubic" in allowed else "reno"
+    binary = require_binary()
+    d = Path(tempfile.mkdtemp(prefix="cbnobody", dir="/tmp"))
+    try:
+        d.chmod(0o777)
+        backing = d / "b.img"
+        backing.write_bytes(bytes(MiB))
+        backing.chmod(0o666)
+        out = d / "stdout"
+        with open(out, "wb") as o:
+            proc = subprocess.Popen(
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+                 str(binary), "serve", "--backing", str(backing), "--passthrough", "--listen", "127.0.0.1:0"],
+                stdout=o, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 20
+            while "\n" not in out.read_text() and time.monotonic() < deadline:
+                assert proc.poll() is None, "the bridge exited as nobody (cannot read its binary or backing?)"
+                time.sleep(0.01)
+            port = port_of(out.read_text().split("\n", 1)[0].split()[1])
+            with NBDClient(f"nbd://127.0.0.1:{port}/") as c:
+                c.connect()
+                assert c.read(0, 4096) == bytes(4096)
+                server_side = socket_cc(f"( sport = :{port} )")
+            assert server_side == [want], f"as nobody the bridge's socket runs {server_side}, expected {want} (allowed: {allowed})"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=15)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

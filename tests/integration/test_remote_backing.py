@@ -439,7 +439,9 @@ def test_multi_conn_and_pipelining(ws, upstreams):
     # Each write held 20 ms upstream, so that requests pile up on the connections.
     up = upstreams("nbdkit-memory", size=32 * MiB, extra=("--filter=log", "--filter=delay"), plugin_args=(f"logfile={log}", "wdelay=20ms"))
     key_file, key = ws.key()
-    b = serve_remote(ws, up.uri, key_file, extra=("--backing-connections", "3"))
+    # --backing-shared: every client request through the pool of connections (without it the
+    # client connection has one of its own; see the next test).
+    b = serve_remote(ws, up.uri, key_file, extra=("--backing-connections", "3", "--backing-shared"))
     plaintext = os.urandom(8 * MiB)
     with NBDClient(b.uri) as c:
         c.connect()
@@ -468,6 +470,55 @@ def test_multi_conn_and_pipelining(ws, upstreams):
                 ids.add(rid)
     assert overlap, "no two requests were ever in flight on one upstream connection"
     check_ciphertext(up, key, plaintext, 512)
+
+
+def test_each_client_connection_has_an_upstream_connection_of_its_own(ws, upstreams):
+    """With a multi-conn upstream, each client connection's reads and writes go on an upstream
+    connection of its own, pipelined; FLUSH still goes to the shared ones (which, multi-conn,
+    covers the writes answered on every connection), and the ciphertext is the reference's."""
+    log = ws.tmp / "own.log"
+    up = upstreams("nbdkit-memory", size=32 * MiB, extra=("--filter=log", "--filter=delay"), plugin_args=(f"logfile={log}", "wdelay=20ms"))
+    key_file, key = ws.key()
+    b = serve_remote(ws, up.uri, key_file, extra=("--backing-connections", "2"))
+    plaintext = os.urandom(8 * MiB)
+    half, piece = 4 * MiB, 131072
+    with NBDClient(b.uri) as c1, NBDClient(b.uri) as c2:
+        c1.connect()
+        c2.connect()
+        for c, base in ((c1, 0), (c2, half)):
+            for i in range(half // piece):
+                at = base + i * piece
+                c.send_request(1, at, piece, plaintext[at : at + piece])
+        for c in (c1, c2):
+            replies = [c.recv_reply() for _ in range(half // piece)]
+            assert all(r.error == 0 for r in replies)
+        before_flush = len(log_lines(log, "Flush"))
+        c1.flush()
+        assert c1.read(0, len(plaintext)) == plaintext
+        assert c2.read(0, len(plaintext)) == plaintext
+    text = log.read_text()
+    assert len(re.findall(r"connection=\d+ Connect", text)) == 4, "2 shared + 1 per client connection: " + text[:2000]
+    writes = log_lines(log, "Write")
+    conns_of = lambda lo, hi: {w["connection"] for w in writes if lo <= int(w["offset"], 16) < hi}
+    first, second = conns_of(0, half), conns_of(half, 2 * half)
+    assert len(first) == 1 and len(second) == 1 and first != second, (first, second)
+    assert not (first | second) & {1, 2}, "client writes went through the shared connections"
+    flushes = log_lines(log, "Flush")[before_flush:]
+    assert {f["connection"] for f in flushes} == {1, 2}, flushes
+    own = next(iter(first))
+    in_flight, overlap = set(), False
+    for line in text.splitlines():
+        m = re.search(rf"connection={own} (\.\.\.)?Write id=(\d+)", line)
+        if m:
+            if m.group(1):
+                in_flight.discard(m.group(2))
+            else:
+                overlap |= bool(in_flight)
+                in_flight.add(m.group(2))
+    assert overlap, "no two writes were ever in flight on the client's own upstream connection"
+    check_ciphertext(up, key, plaintext, 512)
+    b.stop()
+    assert_no_panic(b.stderr())
 
 
 def test_one_connection_without_multi_conn(ws, upstreams):
@@ -582,9 +633,10 @@ class FakeUpstream:
 
     SIZE = 1 * MiB
 
-    def __init__(self, path: Path, mode: str):
+    def __init__(self, path: Path, mode: str, multi_conn: bool = False):
         self.path = str(path)
         self.mode = mode
+        self.multi_conn = multi_conn
         self.srv = socket.socket(socket.AF_UNIX)
         self.srv.bind(self.path)
         self.srv.listen(16)
@@ -649,7 +701,8 @@ class FakeUpstream:
                 return self.recv(conn, 1 << 20)
             if m == "silent-handshake":
                 return self.recv(conn, 1 << 20)
-            reply(3, struct.pack(">HQH", 0, self.SIZE, 1 | 4))  # INFO_EXPORT: HAS_FLAGS | SEND_FLUSH
+            # INFO_EXPORT: HAS_FLAGS | SEND_FLUSH (| CAN_MULTI_CONN)
+            reply(3, struct.pack(">HQH", 0, self.SIZE, 1 | 4 | (256 if self.multi_conn else 0)))
             reply(1)
             return
 
@@ -705,31 +758,40 @@ def test_silent_upstream_handshake_times_out(ws):
         fake.close()
 
 
-def test_oversized_upstream_reply_breaks_only_that_connection(ws):
+@pytest.mark.parametrize("multi_conn", [False, True], ids=["shared", "own"])
+def test_oversized_upstream_reply_breaks_only_that_connection(ws, multi_conn):
     """Extra bytes after a read reply: the read itself got its data; the garbage that follows is
-    a bad reply header, which ends the connection, and the next request reconnects."""
-    fake = FakeUpstream(ws.sockdir / "fake.sock", "oversized-reply")
+    a bad reply header, which ends the connection, and the next request reconnects. With
+    multi-conn the first read goes on the client connection's own upstream connection, whose
+    loss hands the requests after it to the shared ones."""
+    fake = FakeUpstream(ws.sockdir / "fake.sock", "oversized-reply", multi_conn)
     try:
         key_file, key = ws.key()
         b = serve_remote(ws, fake.uri, key_file)
         zeros_plain = xts_ref.decrypt_sectors(key, bytes(4096), 512)
         with NBDClient(b.uri, timeout=60) as c:
             c.connect()
-            for _ in range(3):
+            # With multi-conn: the own connection, then each of the two shared ones, breaks
+            # once before one is reconnected.
+            for _ in range(5 if multi_conn else 3):
                 assert c.read(0, 4096) == zeros_plain
                 time.sleep(0.2)
         assert "bad reply magic" in b.stderr() and "reconnected" in b.stderr(), b.stderr()[-3000:]
+        if multi_conn:
+            assert "own upstream connection lost" in b.stderr(), b.stderr()[-3000:]
         b.stop()
         assert_no_panic(b.stderr())
     finally:
         fake.close()
 
 
+@pytest.mark.parametrize("multi_conn", [False, True], ids=["shared", "own"])
 @pytest.mark.parametrize("mode", ["bad-reply-magic", "unknown-handle", "close-mid-reply", "never-reply"])
-def test_broken_upstream_replies_give_eio(ws, mode):
+def test_broken_upstream_replies_give_eio(ws, mode, multi_conn):
     """Whatever a broken upstream answers, the client gets EIO in bounded time (after the
-    reconnect budget), the bridge stays up and never panics."""
-    fake = FakeUpstream(ws.sockdir / "fake.sock", mode)
+    reconnect budget), the bridge stays up and never panics; on the client connection's own
+    upstream connection (multi-conn) as on the shared ones."""
+    fake = FakeUpstream(ws.sockdir / "fake.sock", mode, multi_conn)
     try:
         key_file, _ = ws.key()
         b = serve_remote(ws, fake.uri, key_file, extra=("--backing-timeout", "1"))
@@ -744,6 +806,8 @@ def test_broken_upstream_replies_give_eio(ws, mode):
         b.stop()
         assert_no_panic(b.stderr())
         assert "upstream connection lost" in b.stderr()
+        if multi_conn:
+            assert "own upstream connection lost" in b.stderr()
     finally:
         fake.close()
 

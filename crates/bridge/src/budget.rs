@@ -167,6 +167,20 @@ impl Flow {
         Some(permit)
     }
 
+    /// [`Flow::admit`] for a request that runs on the reading thread, without waiting: `None`
+    /// when this connection or the server is at its limit now (the caller retries once replies
+    /// have drained).
+    pub(crate) fn try_admit(self: &Arc<Self>, global: &Arc<Budget>, limits: FlowLimits, bytes: u64) -> Option<Permit> {
+        if !self.fits(limits, bytes, false) {
+            return None;
+        }
+        if bytes > 0 && !(global.waiters.load(SeqCst) == 0 && global.try_take(bytes)) {
+            return None;
+        }
+        self.bytes.fetch_add(bytes, SeqCst);
+        Some(Permit { flow: Arc::clone(self), global: Arc::clone(global), bytes, task: false })
+    }
+
     /// Wakes the reader if it waits (after a release, or when the connection fails).
     pub(crate) fn wake(&self) {
         if self.waiting.load(SeqCst) {

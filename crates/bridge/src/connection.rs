@@ -12,6 +12,8 @@
 //! holds a bounded number of threads. The socket closes when the last thread lets go of the
 //! connection.
 
+mod own_upstream;
+
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};

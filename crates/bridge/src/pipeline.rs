@@ -279,6 +279,42 @@ impl Pipeline {
         });
     }
 
+    /// See [`Backing::own_upstream`].
+    pub(crate) fn own_upstream<T>(&self) -> Option<io::Result<(crate::nbd::own::OwnConn<T>, u64)>> {
+        self.backing.own_upstream()
+    }
+
+    /// The whole sectors under `[offset, offset + len)`: where they start and how many bytes.
+    pub(crate) fn sectors_of(&self, offset: u64, len: usize) -> (u64, usize) {
+        let (start, end) = self.span(offset, len as u64);
+        (start, (end - start) as usize)
+    }
+
+    /// Decrypts, on this thread, `buf`: the ciphertext of the sectors under `[offset, offset +
+    /// len)` ([`Pipeline::sectors_of`]), read by the caller; the plaintext of the bytes asked for.
+    pub(crate) fn open_sectors(&self, mut buf: PooledBuf, offset: u64, len: usize) -> io::Result<ReadData> {
+        let (start, _) = self.span(offset, len as u64);
+        self.engine.decrypt_here(start / self.sector_size, &mut buf).map_err(io::Error::other)?;
+        Ok(ReadData { buf, start: (offset - start) as usize, len })
+    }
+
+    /// Encrypts, on this thread, `data`: whole sectors at `offset` (see
+    /// [`Pipeline::writes_async`]), for the caller to send.
+    pub(crate) fn seal_sectors(&self, offset: u64, data: &mut [u8]) -> io::Result<()> {
+        self.engine.encrypt_here(offset / self.sector_size, data).map_err(io::Error::other)
+    }
+
+    /// Writes `sealed` (ciphertext from [`Pipeline::seal_sectors`]) at `offset`, through the
+    /// backing's own retries: a write lost with a connection the caller owned. The caller still
+    /// holds its range.
+    pub(crate) fn write_sealed(&self, sealed: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        if fua {
+            self.backing.write_fua_at(sealed, offset)
+        } else {
+            self.backing.write_at(sealed, offset)
+        }
+    }
+
     /// Sends a write lost with its upstream connection again, with the client's retries; it
     /// still holds its range, so nothing else wrote those sectors meanwhile.
     pub(crate) fn resend(&self, lost: LostWrite) -> io::Result<()> {

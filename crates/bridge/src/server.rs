@@ -230,8 +230,11 @@ impl Server {
         drop(span);
         tracing::info!(conn = id, "client connected");
         if let Some(conn) = Connection::open(id, stream, Arc::clone(self), slot, negotiated) {
-            // This thread is the connection's first reader.
-            conn.turn(Reading::outside());
+            // This thread serves it whole with an upstream connection of its own, or is its
+            // first reader.
+            if !conn.serve_own_upstream() {
+                conn.turn(Reading::outside());
+            }
         }
         // Its part done, it stays on as an I/O thread while the pool has room.
         self.pool.join();

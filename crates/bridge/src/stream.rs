@@ -21,7 +21,7 @@ pub(crate) enum Stream {
 }
 
 impl Stream {
-    fn fd(&self) -> RawFd {
+    pub(crate) fn fd(&self) -> RawFd {
         match self {
             Stream::Tcp(s) => s.as_raw_fd(),
             Stream::Unix(s) => s.as_raw_fd(),
@@ -270,7 +270,7 @@ impl Inbound {
 
     /// One read from `r` into the free space after the buffered bytes (moved to the front first
     /// when the tail is short). Returns the number of new bytes; 0 is the end of the stream.
-    fn fill<R: Read>(&mut self, mut r: R) -> io::Result<usize> {
+    pub(crate) fn fill<R: Read>(&mut self, mut r: R) -> io::Result<usize> {
         if self.start == self.end {
             self.start = 0;
             self.end = 0;

@@ -58,6 +58,12 @@ pub struct Args {
     /// CPUs if fewer, when it advertises multi-conn, else 1; more than 1 needs multi-conn).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
     backing_connections: Option<u64>,
+    /// With an NBD URI as --backing: serve every client connection through those shared
+    /// connections, instead of giving each client connection an upstream connection of its own
+    /// (the default where the upstream advertises multi-conn and takes no TLS; see
+    /// docs/network.md).
+    #[arg(long)]
+    backing_shared: bool,
     /// With an NBD URI as --backing: seconds requests may wait for the upstream's reply before
     /// the connection is taken as lost (and reconnected; requests resent, then EIO).
     #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
@@ -197,6 +203,9 @@ fn remote_backing(args: &Args) -> Result<Option<NbdUri>> {
         if args.backing_connections.is_some() {
             usage("--backing-connections needs an NBD URI as --backing".into());
         }
+        if args.backing_shared {
+            usage("--backing-shared needs an NBD URI as --backing".into());
+        }
         return Ok(None);
     };
     let uri = uri::parse(spec).unwrap_or_else(|e| usage(format!("--backing: {e}")));
@@ -290,6 +299,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         Some(uri) => {
             let opts = RemoteOptions {
                 connections: args.backing_connections.map(|n| n as usize),
+                own_connections: !args.backing_shared,
                 reply_timeout: std::time::Duration::from_secs(args.backing_timeout),
                 ..RemoteOptions::default()
             };

@@ -16,6 +16,7 @@ pub use crate::nbd::client::ClientOptions as RemoteOptions;
 
 use crate::aligned::PooledBuf;
 use crate::nbd::client::Export;
+use crate::nbd::own::OwnConn;
 use crate::nbd::uri::NbdUri;
 
 #[derive(Debug, Clone)]
@@ -94,6 +95,16 @@ impl Backing {
     pub fn upstream(&self) -> Option<&Export> {
         match &self.store {
             Store::Nbd(n) => Some(n.export()),
+            Store::File(_) => None,
+        }
+    }
+
+    /// A connection of its own to the upstream for one thread (see [`crate::nbd::own`]) and
+    /// where the export starts in the upstream's (add it to every offset sent on it). `None`:
+    /// not an upstream export, or one that cannot have more connections (no multi-conn, TLS).
+    pub fn own_upstream<T>(&self) -> Option<io::Result<(OwnConn<T>, u64)>> {
+        match &self.store {
+            Store::Nbd(n) => n.own_connection().map(|r| r.map(|c| (c, self.offset))),
             Store::File(_) => None,
         }
     }

@@ -7,6 +7,7 @@ use std::io;
 use super::{BackingError, BackingOptions, RemoteOptions};
 use crate::aligned::PooledBuf;
 use crate::nbd::client::{Client, Export};
+use crate::nbd::own::OwnConn;
 use crate::nbd::uri::NbdUri;
 
 pub(super) struct NbdBacking {
@@ -82,6 +83,10 @@ impl NbdBacking {
 
     pub fn flush(&self) -> io::Result<()> {
         self.client.flush()
+    }
+
+    pub fn own_connection<T>(&self) -> Option<io::Result<OwnConn<T>>> {
+        self.client.own_connection()
     }
 
     pub fn max_async_read(&self) -> usize {

@@ -41,6 +41,7 @@ use super::transmission::{
     encode_request, parse_block_status_payload, parse_chunk_header, parse_reply_header, write_all_vectored, Request,
     CHUNK_HEADER_LEN, REPLY_HEADER_LEN,
 };
+use super::own::OwnConn;
 use super::uri::{Address, NbdUri};
 use crate::aligned::PooledBuf;
 use crate::stream::Stream;
@@ -70,6 +71,8 @@ pub struct ClientOptions {
     /// Pauses before each resend of requests lost with a connection; their number is the retry
     /// budget, after which the request fails with EIO.
     pub retry_delays: Vec<Duration>,
+    /// Whether [`Client::own_connection`] opens connections for threads to own.
+    pub own_connections: bool,
 }
 
 impl Default for ClientOptions {
@@ -80,6 +83,7 @@ impl Default for ClientOptions {
             reply_timeout: Duration::from_secs(30),
             // Five attempts over about ten seconds: enough for an upstream that restarts.
             retry_delays: [100, 500, 1500, 3000, 5000].into_iter().map(Duration::from_millis).collect(),
+            own_connections: true,
         }
     }
 }
@@ -379,7 +383,7 @@ fn check_block_sizes(min: u32, preferred: u32, max: u32) -> io::Result<()> {
 }
 
 /// A socket to the upstream.
-enum Sock {
+pub(super) enum Sock {
     Tcp(TcpStream),
     Unix(UnixStream),
     /// `nbds://`: one TLS session, shared by the reply reader and the request writers.
@@ -414,7 +418,17 @@ impl Sock {
         })
     }
 
-    fn shutdown(&self) {
+    /// The descriptor of a plain (not TLS) socket.
+    pub(super) fn plain_fd(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        match self {
+            Sock::Tcp(s) => Some(s.as_raw_fd()),
+            Sock::Unix(s) => Some(s.as_raw_fd()),
+            Sock::Tls(_) => None,
+        }
+    }
+
+    pub(super) fn shutdown(&self) {
         // A socket already shut down or reset fails here; it is closed either way.
         let _ = match self {
             Sock::Tcp(s) => s.shutdown(Shutdown::Both),
@@ -1127,6 +1141,12 @@ impl Client {
 
     /// A new connection `index`, which must find the export as it was.
     fn reconnect(&self, index: usize) -> io::Result<Arc<Live>> {
+        let sock = self.open_same()?;
+        self.start_live(index, sock)
+    }
+
+    /// A new socket, negotiated, to the export as it was.
+    fn open_same(&self) -> io::Result<Sock> {
         let (sock, export) = open_socket(&self.uri, self.opts.handshake_limit, self.tls.as_ref())?;
         let same = export.size == self.export.size
             && export.read_only() == self.export.read_only()
@@ -1135,7 +1155,17 @@ impl Client {
         if !same {
             return Err(protocol_error(format!("the upstream export changed (was {:?}, now {:?}); not using it", self.export, export)));
         }
-        self.start_live(index, sock)
+        Ok(sock)
+    }
+
+    /// A connection for one thread to own (see [`super::own`]): `None` where the upstream does
+    /// not allow more connections (no multi-conn), under TLS, or when the options say not to.
+    pub fn own_connection<T>(&self) -> Option<io::Result<OwnConn<T>>> {
+        if !self.opts.own_connections || self.tls.is_some() || !self.export.can_multi_conn() {
+            return None;
+        }
+        let opened = self.open_same().and_then(|sock| OwnConn::new(sock, self.opts.reply_timeout, Arc::clone(&self.maybe_lost)));
+        Some(opened.map_err(|e| annotate(&self.uri, e)))
     }
 
     /// Connection `index`, reconnected when it is down (`None`: still down).

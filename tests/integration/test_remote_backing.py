@@ -473,15 +473,17 @@ def test_multi_conn_and_pipelining(ws, upstreams):
 
 
 def test_each_client_connection_has_an_upstream_connection_of_its_own(ws, upstreams):
-    """With a multi-conn upstream, each client connection's reads and writes go on an upstream
-    connection of its own, pipelined; FLUSH still goes to the shared ones (which, multi-conn,
+    """With a multi-conn upstream, each client connection's small reads and writes go on an
+    upstream connection of its own, pipelined; FLUSH still goes to the shared ones (which, multi-conn,
     covers the writes answered on every connection), and the ciphertext is the reference's."""
     log = ws.tmp / "own.log"
     up = upstreams("nbdkit-memory", size=32 * MiB, extra=("--filter=log", "--filter=delay"), plugin_args=(f"logfile={log}", "wdelay=20ms"))
     key_file, key = ws.key()
     b = serve_remote(ws, up.uri, key_file, extra=("--backing-connections", "2"))
     plaintext = os.urandom(8 * MiB)
-    half, piece = 4 * MiB, 131072
+    # Requests up to 64 KiB go on the client connection's own upstream connection; larger ones
+    # through the shared ones.
+    half, piece = 4 * MiB, 65536
     with NBDClient(b.uri) as c1, NBDClient(b.uri) as c2:
         c1.connect()
         c2.connect()
@@ -943,11 +945,14 @@ def upstream_writes(log: Path) -> list[dict]:
     return sorted(writes.values(), key=lambda w: w["start"])
 
 
-def test_pipelined_overlapping_writes_keep_their_order(ws, upstreams):
+@pytest.mark.parametrize("large", [False, True], ids=["small", "mixed"])
+def test_pipelined_overlapping_writes_keep_their_order(ws, upstreams, large):
     """150 writes to a 512 KiB region sent back to back on one connection, most overlapping
     others, a fifth of them partial sectors (read-modify-write): the upstream gets several in
     flight at once, yet never two overlapping ones at once, and overlapping ones in the order
-    sent; what it holds is the reference XTS of the writes applied in that order."""
+    sent; what it holds is the reference XTS of the writes applied in that order. `mixed` adds
+    writes over 64 KiB, which go through the shared upstream connections while the small ones
+    go on the client connection's own."""
     log = ws.tmp / "order.log"
     # Each write held 3 ms upstream, so that requests pile up on the four connections.
     up = upstreams("nbdkit-memory", size=4 * MiB, extra=("--filter=log", "--filter=delay"), plugin_args=(f"logfile={log}", "wdelay=3ms"))
@@ -960,6 +965,8 @@ def test_pipelined_overlapping_writes_keep_their_order(ws, upstreams):
     while len(writes) < 150:
         if rng.random() < 0.2:
             off, length = rng.randrange(0, region - 20000), rng.randrange(1, 20000)
+        elif large and rng.random() < 0.25:
+            off, length = rng.randrange(0, region // ss - 330) * ss, rng.randrange(129, 321) * ss
         else:
             off, length = rng.randrange(0, region // ss - 40) * ss, rng.randrange(1, 33) * ss
         span = (off // ss * ss, -(-(off + length) // ss) * ss)

@@ -344,7 +344,7 @@ impl Connection {
 
     /// A connection of its own again, once `OWN_RETRY` has passed since the last was lost.
     fn reopen(&self, own: &mut Own) {
-        if own.up.is_some() || !own.retry_at.is_some_and(|at| Instant::now() >= at) {
+        if own.up.is_some() || own.retry_at.is_none_or(|at| Instant::now() < at) {
             return;
         }
         match self.server.pipeline().own_upstream::<Flight>() {

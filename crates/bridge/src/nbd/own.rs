@@ -373,3 +373,92 @@ pub(crate) fn recv_now(fd: RawFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::aligned::BufPool;
+    use crate::nbd::transmission::{read_request, write_reply};
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+
+    fn wait(fd: RawFd, events: libc::c_short) {
+        let mut p = libc::pollfd { fd, events, revents: 0 };
+        // SAFETY: one live pollfd, borrowed for the call.
+        unsafe { libc::poll(&mut p, 1, 1000) };
+    }
+
+    /// Reads and writes in flight at once, answered in reverse order with the data trickling in
+    /// a few bytes at a time: each read's buffer gets its own data, each tag comes back once,
+    /// and an acknowledged write left unflushed when the connection is lost raises the flag.
+    #[test]
+    fn replies_in_any_order_and_in_pieces_reach_their_requests() {
+        let (mine, mut theirs) = UnixStream::pair().unwrap();
+        let pool = Arc::new(BufPool::new());
+        let lost_flag = Arc::new(AtomicBool::new(false));
+        let mut conn: OwnConn<u32> = OwnConn::new(Sock::Unix(mine), Duration::from_secs(30), Arc::clone(&lost_flag)).unwrap();
+        let server = std::thread::spawn(move || {
+            let requests: Vec<Request> = (0..4).map(|_| read_request(&mut theirs).unwrap().unwrap()).collect();
+            let mut written = Vec::new();
+            for r in &requests {
+                if r.command == CMD_WRITE {
+                    let mut payload = vec![0u8; r.length as usize];
+                    std::io::Read::read_exact(&mut theirs, &mut payload).unwrap();
+                    written.push((r.flags, payload));
+                }
+            }
+            let mut out = Vec::new();
+            for r in requests.iter().rev() {
+                let data = if r.command == CMD_READ { vec![(r.offset / 4096) as u8 + 1; r.length as usize] } else { Vec::new() };
+                write_reply(&mut out, r.handle, 0, &data).unwrap();
+            }
+            for piece in out.chunks(7) {
+                theirs.write_all(piece).unwrap();
+            }
+            let _ = read_request(&mut theirs); // the goodbye, or the end
+            written
+        });
+        for i in 0..3u32 {
+            conn.read(u64::from(i) * 4096, pool.get(100_000).unwrap(), i);
+        }
+        let mut payload = pool.get(4096).unwrap();
+        payload.fill(0xab);
+        conn.write(1 << 20, Arc::new(payload), true, 99);
+        let mut done = Vec::new();
+        while done.len() < 4 {
+            conn.send().unwrap();
+            wait(conn.fd(), libc::POLLIN | if conn.wants_send() { libc::POLLOUT } else { 0 });
+            conn.receive(&mut done).unwrap();
+        }
+        assert_eq!(conn.in_flight(), 0);
+        done.sort_by_key(|d| d.tag);
+        for d in &done[..3] {
+            assert_eq!(d.result, Ok(()));
+            let buf = d.buf.as_ref().unwrap();
+            assert!(buf.iter().all(|&b| b == d.tag as u8 + 1), "read {} got another's data", d.tag);
+        }
+        assert_eq!((done[3].tag, done[3].result, done[3].buf.is_none()), (99, Ok(()), true));
+        assert!(conn.take_lost("test").is_empty());
+        assert!(lost_flag.load(Ordering::SeqCst), "an acknowledged write was never flushed");
+        drop(conn);
+        let written = server.join().unwrap();
+        assert_eq!(written, vec![(CMD_FLAG_FUA, vec![0xab; 4096])]);
+    }
+
+    /// A reply to a request never sent breaks the connection; what is in flight comes back.
+    #[test]
+    fn a_reply_for_no_request_is_an_error_and_requests_come_back_lost() {
+        let (mine, mut theirs) = UnixStream::pair().unwrap();
+        let pool = Arc::new(BufPool::new());
+        let mut conn: OwnConn<u32> = OwnConn::new(Sock::Unix(mine), Duration::from_secs(30), Arc::default()).unwrap();
+        conn.read(0, pool.get(4096).unwrap(), 7);
+        conn.send().unwrap();
+        write_reply(&mut theirs, 0xdead, 0, &[]).unwrap();
+        let mut done = Vec::new();
+        wait(conn.fd(), libc::POLLIN);
+        let err = conn.receive(&mut done).unwrap_err();
+        assert!(err.to_string().contains("not in flight"), "{err}");
+        let lost = conn.take_lost("test");
+        assert_eq!((lost.len(), lost[0].tag, lost[0].buf.as_ref().map(|b| b.len())), (1, 7, Some(4096)));
+    }
+}

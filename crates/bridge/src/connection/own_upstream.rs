@@ -3,7 +3,9 @@
 //! taking every request and every reply queued on either, so that a burst of requests goes
 //! upstream in one send and the answers to a burst go to the client in one send, with no other
 //! thread in between. READ data is received into the buffer that is decrypted in place and
-//! sent; a WRITE's payload is received, encrypted in place and sent from the same buffer.
+//! sent; a WRITE's payload is received, encrypted in place and sent from the same buffer. That
+//! holds for READs and WRITEs up to `OWN_MAX_LEN`; larger ones go through the shared connections
+//! (their crypto and copies on other threads, beside this one).
 //!
 //! Why: with the upstream connections shared by every client connection, each reply crossed
 //! threads (an upstream reply reader woke, decrypted and handed the reply to the client's
@@ -14,10 +16,10 @@
 //! acknowledged it, and holds its sectors until then (writes to the same sectors reach the
 //! upstream in the order received, across connections); a FLUSH runs after every write before
 //! it has been answered; `--send-timeout` cuts off a client that takes none of its replies for
-//! that long. Requests that are neither a READ nor a whole-sector WRITE the upstream takes in
-//! one request (FLUSH, TRIM, WRITE_ZEROES, BLOCK_STATUS, a partial-sector write, FUA without
-//! upstream FUA) run on this thread through the shared client once the requests in flight are
-//! answered. A lost upstream connection hands its requests in flight to the shared client, which
+//! that long (replies go through the connection's outbox, as the shared path's do). Requests
+//! that are neither a READ nor a whole-sector WRITE the upstream takes in one request (FLUSH,
+//! TRIM, WRITE_ZEROES, BLOCK_STATUS, a partial-sector write, FUA without upstream FUA) run on
+//! this thread through the shared client once the requests in flight are answered. A lost upstream connection hands its requests in flight to the shared client, which
 //! retries and reconnects; this thread opens a connection of its own again a little later.
 
 use std::collections::VecDeque;

@@ -361,6 +361,16 @@ def test_size_checks(ws, upstreams):
         assert c.size == 8 * MiB + 512
 
 
+def test_backing_options_need_an_nbd_uri(ws):
+    """--backing-connections and --backing-shared with a file as --backing: usage errors (exit 2)."""
+    key_file, _ = ws.key()
+    for opt in (("--backing-connections", "2"), ("--backing-shared",)):
+        p = cb("serve", "--backing", ws.tmp / "plain.img", "--size", "1M", "--key-file", key_file, "--unix", ws.sockdir / "u.sock", *opt, timeout=30)
+        err = p.stderr.decode(errors="replace")
+        assert p.returncode == 2 and f"{opt[0]} needs an NBD URI" in err, (p.returncode, err)
+        assert not (ws.tmp / "plain.img").exists(), "a usage error created the backing file"
+
+
 def test_read_only_upstream_gives_read_only_export(ws, upstreams):
     need_tool("nbdinfo")
     up = upstreams("nbdkit-memory", size=4 * MiB, extra=("-r",))

@@ -100,6 +100,47 @@ def kill_group(proc: subprocess.Popen | None, term_timeout: float = 15.0) -> int
     return proc.poll()
 
 
+def free_port() -> int:
+    """A loopback TCP port free now (the kernel's pick; taken again by the server moments later)."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(address, proc: subprocess.Popen, what: str, timeout: float = 30.0) -> None:
+    """Waits until `address` (a Unix socket path, or a (host, port) pair) accepts a connection.
+    RuntimeError if `proc` exits first or nothing listens within `timeout` seconds."""
+    import socket
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            if isinstance(address, tuple):
+                socket.create_connection(address, timeout=1).close()
+            else:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(str(address))
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} not listening on {address} after {timeout} s")
+
+
+def process_cpu_ticks(pid: int | None) -> int | None:
+    """utime + stime of every thread of `pid`, in clock ticks."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None

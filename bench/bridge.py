@@ -65,10 +65,12 @@ from _common import (  # noqa: E402
     BenchInterrupted,
     environment,
     fmt,
+    free_port,
     install_signal_handlers,
     kill_group,
     log,
     median,
+    process_cpu_ticks,
     run,
     shjoin,
     spawn,
@@ -429,14 +431,6 @@ class Server:
             self.exit_code = kill_group(self.proc)
 
 
-def free_port() -> int:
-    """A loopback TCP port free now (the kernel's pick; taken again by the server moments later)."""
-    import socket
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def probe_size(uri: str) -> int | None:
     if not shutil.which("nbdinfo"):
         return None
@@ -464,18 +458,6 @@ def machine_cpu_ticks() -> tuple[int, int] | None:
         return None
     total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is in user)
     return total - fields[3] - fields[4], total
-
-
-def process_cpu_ticks(pid: int | None) -> int | None:
-    """utime + stime of every thread of `pid`, in clock ticks."""
-    if pid is None:
-        return None
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
 
 
 def fio_job(uri: str, prof: Profile, size: int, runtime: float, ramp: float, out_json: Path,

@@ -28,7 +28,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,6 +46,7 @@ from _common import (  # noqa: E402
     spawn,
     tool_version,
     verdict,
+    wait_listening,
     warn,
     write_json,
 )
@@ -55,23 +55,6 @@ from bridge import PROFILES, fio_job  # noqa: E402
 MiB = 1 << 20
 TARGET = 0.8
 PROFILE_KEYS = ["seq1m_q8t1_read", "seq1m_q8t1_write", "rnd4k_q32t1_read", "rnd4k_q32t1_write"]
-
-
-def wait_socket(path: Path, proc, what: str, timeout: float = 30.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        try:
-            s = socket.socket(socket.AF_UNIX)
-            s.connect(str(path))
-            s.close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{what} not listening on {path} after {timeout} s")
 
 
 def main() -> int:
@@ -130,14 +113,14 @@ def main() -> int:
     try:
         with open(logdir / "remote-upstream.log", "wb") as err:
             up = spawn(up_argv, stdout=err, stderr=err)
-        wait_socket(up_sock, up, "nbdkit memory")
+        wait_listening(up_sock, up, "nbdkit memory")
         with open(logdir / "remote-bridge.stdout.log", "wb") as out, open(logdir / "remote-bridge.stderr.log", "wb") as err:
             cb = spawn(cb_argv, stdout=out, stderr=err)
-        wait_socket(cb_sock, cb, "cryptbridge serve")
+        wait_listening(cb_sock, cb, "cryptbridge serve")
         if args.proxy:
             with open(logdir / "remote-proxy.log", "wb") as err:
                 px = spawn(px_argv, stdout=err, stderr=err)
-            wait_socket(px_sock, px, "nbdkit nbd (proxy)")
+            wait_listening(px_sock, px, "nbdkit nbd (proxy)")
         log(f"filling the {args.size} export through the bridge")
         r = run(["nbdcopy", "--flush", "--", "[", "nbdkit", "-r", "pattern", args.size, "]", uris["bridge"]], timeout=600)
         if r.returncode != 0:

@@ -8,7 +8,10 @@ usage: remote_cpu.py BINARY [RW BS QD SECS] [--direct] [--perf] [--strace]
   --strace  strace -c -f on the bridge (to /tmp/rc/strace.txt)
 Extra serve options in $CBARGS. Prints one JSON line. Run it under `flock /work/bench.lock`.
 A measurement aid, not a benchmark: perf and strace slow the bridge down."""
-import os, sys, subprocess, time, json, tempfile, signal
+import os, sys, subprocess, time, json, tempfile
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import process_cpu_ticks, wait_listening  # noqa: E402
 binp = sys.argv[1]
 rw, bs, qd, secs = (sys.argv[2:6] + ["randread", "4k", "32", "4"][len(sys.argv[2:6]):])[:4]
 perf = "--perf" in sys.argv; strace = "--strace" in sys.argv; direct = "--direct" in sys.argv
@@ -17,17 +20,13 @@ os.makedirs("/tmp/rc", exist_ok=True)
 up, cb, key = f"{d}/up.sock", f"{d}/cb.sock", f"{d}/key"
 fd = os.open(key, os.O_WRONLY|os.O_CREAT, 0o600); os.write(fd, os.urandom(64)); os.close(fd)
 nb = subprocess.Popen(["nbdkit", "-f", "-U", up, "memory", "512M"])
-while not os.path.exists(up): time.sleep(0.05)
+wait_listening(up, nb, "nbdkit memory")
 extra = os.environ.get("CBARGS", "").split()
 br = subprocess.Popen([binp, "serve", "--backing", f"nbd+unix:///?socket={up}", "--key-file", key, "--unix", cb] + extra, stderr=open(f"{d}/cb.log","w"))
-while not os.path.exists(cb): time.sleep(0.05)
-time.sleep(0.3)
+wait_listening(cb, br, "cryptbridge serve")
 subprocess.run(["nbdcopy", "--", "[", "nbdkit", "-r", "pattern", "512M", "]", f"nbd+unix:///?socket={cb}"], check=True)
 def ticks(pid):
-    try:
-        f = open(f"/proc/{pid}/stat").read().rsplit(")",1)[1].split()
-        return int(f[11]) + int(f[12])
-    except Exception: return 0
+    return process_cpu_ticks(pid) or 0
 uri = f"nbd+unix:///?socket={up if direct else cb}"
 fio = subprocess.Popen(["fio", "--name=x", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={qd}", "--numjobs=1", "--size=512M", "--time_based", f"--runtime={int(secs)+1}", "--norandommap", "--randrepeat=0", "--output-format=json", f"--output={d}/fio.json"])
 time.sleep(1.0)

@@ -6,21 +6,23 @@ seconds of each other on a noisy machine. Prints each round and the medians of t
 
 usage: remote_interleaved.py ROUNDS SECS PROFILES BINARY...   PROFILES: comma list of rw:bs:qd,
 e.g. read:1m:8,write:1m:8,randread:4k:32,randwrite:4k:32. Run it under `flock /work/bench.lock`."""
-import os, sys, subprocess, time, json, tempfile, statistics
+import os, sys, subprocess, json, tempfile, statistics
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import wait_listening  # noqa: E402
 rounds, secs, profs = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3].split(",")
 bins = sys.argv[4:]
 d = tempfile.mkdtemp(prefix="rcint")
 up, key = f"{d}/up.sock", f"{d}/key"
 fd = os.open(key, os.O_WRONLY|os.O_CREAT, 0o600); os.write(fd, os.urandom(64)); os.close(fd)
 procs = [subprocess.Popen(["nbdkit", "-f", "-U", up, "memory", "512M"])]
-while not os.path.exists(up): time.sleep(0.05)
+wait_listening(up, procs[0], "nbdkit memory")
 uris = {"direct": f"nbd+unix:///?socket={up}"}
 for i, b in enumerate(bins):
     s = f"{d}/cb{i}.sock"
     procs.append(subprocess.Popen([b, "serve", "--backing", f"nbd+unix:///?socket={up}", "--key-file", key, "--unix", s], stderr=open(f"{d}/cb{i}.log", "w")))
-    while not os.path.exists(s): time.sleep(0.05)
+    wait_listening(s, procs[-1], f"cryptbridge serve ({b})")
     uris[os.path.basename(b)] = f"nbd+unix:///?socket={s}"
-time.sleep(0.3)
 subprocess.run(["nbdcopy", "--", "[", "nbdkit", "-r", "pattern", "512M", "]", list(uris.values())[1]], check=True)
 names = list(uris)
 res = {}

@@ -41,6 +41,7 @@ from _common import (  # noqa: E402
     OUT,
     environment,
     fmt,
+    free_port,
     kill_group,
     log,
     median,
@@ -49,6 +50,7 @@ from _common import (  # noqa: E402
     spawn,
     tool_version,
     verdict,
+    wait_listening,
     write_json,
 )
 
@@ -108,29 +110,6 @@ def make_pki(d: Path) -> tuple[Path, Path]:
     for p in list(server.glob("*key.pem")) + list(libnbd.glob("*key.pem")):
         os.chmod(p, 0o600)
     return server, home
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc, stderr: Path, timeout: float = 30.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"peer exited: {stderr.read_text()[-2000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"peer not listening on port {port} after {timeout} s")
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -256,7 +235,10 @@ def main() -> int:
             peer_argv = ["nbdkit", "-f", "-i", "127.0.0.1", "-p", str(port), "--tls=on",
                          f"--tls-certificates={certs}", "file", backing]
             peer = spawn(peer_argv, open(work / "peer.stdout", "w"), open(work / "peer.stderr", "w"))
-            wait_port(port, peer, work / "peer.stderr")
+            try:
+                wait_listening(("127.0.0.1", port), peer, "nbdkit (peer)")
+            except RuntimeError as e:
+                raise SystemExit(f"{e}: {(work / 'peer.stderr').read_text()[-2000:]}")
             servers["nbdkit"] = (peer.pid, f"nbd://127.0.0.1:{port}", f"nbds://127.0.0.1:{port}")
             log(f"peer {shjoin(peer_argv)}")
         samples: dict[str, dict[str, dict[str, list[dict]]]] = {

@@ -45,6 +45,7 @@ from _common import (  # noqa: E402
     kill_group,
     log,
     median,
+    process_cpu_ticks,
     run,
     shjoin,
     spawn,
@@ -113,11 +114,8 @@ def make_pki(d: Path) -> tuple[Path, Path]:
 
 
 def cpu_seconds(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
+    ticks = process_cpu_ticks(pid)
+    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
 
 
 def nbdcopy_job(uri: str, prof: Profile, size: int, src: Path, certs_home: Path, server_pid: int) -> dict:

@@ -95,16 +95,7 @@ impl Stream {
         let mut bufs = bufs;
         IoSlice::advance_slices(&mut bufs, 0);
         while !bufs.is_empty() {
-            let iovlen = bufs.len().min(1024); // IOV_MAX
-            // SAFETY: the msghdr points at `bufs`, live and borrowed for the call; IoSlice is
-            // ABI-compatible with struct iovec on Unix (std's guarantee). `fd` belongs to `s`,
-            // borrowed for the whole call.
-            let n = unsafe {
-                let mut msg: libc::msghdr = std::mem::zeroed();
-                msg.msg_iov = bufs.as_ptr().cast_mut().cast();
-                msg.msg_iovlen = iovlen as _;
-                libc::sendmsg(fd, &msg, libc::MSG_MORE | libc::MSG_NOSIGNAL)
-            };
+            let n = sendmsg(fd, bufs, libc::MSG_MORE | libc::MSG_NOSIGNAL);
             match n {
                 0 => return Err(io::Error::new(io::ErrorKind::WriteZero, "socket closed while replying")),
                 n if n > 0 => IoSlice::advance_slices(&mut bufs, n as usize),
@@ -345,6 +336,20 @@ impl Inbound {
             n -= take as u64;
         }
         Ok(())
+    }
+}
+
+/// One sendmsg(2) of the first IOV_MAX slices of `bufs` on the socket `fd` (which the caller
+/// keeps open for the call) with `flags`: its return value, -1 with errno set on failure.
+pub(crate) fn sendmsg(fd: RawFd, bufs: &[IoSlice<'_>], flags: libc::c_int) -> isize {
+    // SAFETY: the msghdr points at `bufs`, live and borrowed for the call, and says no more
+    // slices than it has; IoSlice is ABI-compatible with struct iovec on Unix (std's guarantee).
+    // A bad `fd` is an EBADF from the kernel, not undefined behaviour.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = bufs.as_ptr().cast_mut().cast();
+        msg.msg_iovlen = bufs.len().min(1024) as _; // IOV_MAX
+        libc::sendmsg(fd, &msg, flags)
     }
 }
 

@@ -334,34 +334,21 @@ fn closed() -> io::Error {
 
 /// One non-blocking sendmsg: `Some(bytes sent)`, or `None` when the socket takes nothing now.
 pub(crate) fn send_now(fd: RawFd, slices: &[IoSlice<'_>]) -> io::Result<Option<usize>> {
-    loop {
-        // SAFETY: the msghdr points at `slices`, live and borrowed for the call; IoSlice is
-        // ABI-compatible with struct iovec on Unix (std's guarantee). `fd` is an open socket of
-        // the caller's, which outlives the call.
-        let n = unsafe {
-            let mut msg: libc::msghdr = std::mem::zeroed();
-            msg.msg_iov = slices.as_ptr().cast_mut().cast();
-            msg.msg_iovlen = slices.len().min(1024) as _;
-            libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
-        };
-        if n >= 0 {
-            return Ok(Some(n as usize));
-        }
-        let e = io::Error::last_os_error();
-        match e.kind() {
-            io::ErrorKind::Interrupted => {}
-            io::ErrorKind::WouldBlock => return Ok(None),
-            _ => return Err(e),
-        }
-    }
+    without_blocking(|| crate::stream::sendmsg(fd, slices, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL))
 }
 
 /// One non-blocking recv: `Some(bytes)` (0: end of stream), or `None` when nothing is there.
 pub(crate) fn recv_now(fd: RawFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
+    // SAFETY: `buf` is a live, exclusively borrowed slice of `buf.len()` writable bytes; `fd`
+    // is an open socket of the caller's.
+    without_blocking(|| unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) })
+}
+
+/// Runs a MSG_DONTWAIT socket call, again after EINTR: `Some(its count)`, `None` for
+/// EWOULDBLOCK, the error otherwise.
+fn without_blocking(mut call: impl FnMut() -> isize) -> io::Result<Option<usize>> {
     loop {
-        // SAFETY: `buf` is a live, exclusively borrowed slice of `buf.len()` writable bytes;
-        // `fd` is an open socket of the caller's.
-        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        let n = call();
         if n >= 0 {
             return Ok(Some(n as usize));
         }

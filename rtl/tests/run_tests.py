@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """RTL test suite of the XTS-AES-256 core (run by `make -C rtl test`).
 
-Expected values come only from the shared vectors (../shared/vectors) and from the software
+Expected values come only from the shared vectors (tests/vectors) and from the software
 engine, `target/release/cryptbridge cipher --cipher 'xts(aes)'` (built with cargo when missing;
 there is no fallback). Nothing is taken from the RTL itself.
 

@@ -1,4 +1,4 @@
-"""Readers for the shared test vectors (../shared/vectors relative to the repository root).
+"""Readers for the public test vectors kept in the repository (tests/vectors, see its README).
 
 Only public vectors are read here; nothing is derived from the RTL. Byte strings are returned as
 bytes; writers turn them into $readmemh words with byte 0 in the least significant bits, which is
@@ -11,10 +11,10 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def vectors_dir():
-    d = os.environ.get("CRYPTBRIDGE_VECTORS", os.path.join(REPO, "..", "shared", "vectors"))
+    d = os.environ.get("CRYPTBRIDGE_VECTORS", os.path.join(REPO, "tests", "vectors"))
     d = os.path.abspath(d)
     if not os.path.isdir(os.path.join(d, "aes")) or not os.path.isdir(os.path.join(d, "xts")):
-        raise SystemExit(f"test vectors not found in {d} (expected ../shared/vectors next to the repo)")
+        raise SystemExit(f"test vectors not found in {d} (expected the repository's tests/vectors)")
     return d
 
 

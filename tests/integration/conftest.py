@@ -28,7 +28,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 BIN = Path(os.environ.get("CRYPTBRIDGE_BIN", REPO / "target" / "release" / "cryptbridge"))
-VECTORS = Path(os.environ.get("CRYPTBRIDGE_VECTORS", REPO.parent / "shared" / "vectors"))
+VECTORS = Path(os.environ.get("CRYPTBRIDGE_VECTORS", TESTS / "vectors"))
 
 MiB = 1 << 20
 READY_TIMEOUT = 20.0

@@ -1,4 +1,4 @@
-"""Loaders for the public XTS vectors in ../shared/vectors (see its README.md)."""
+"""Loaders for the public XTS vectors in the repository's tests/vectors (see its README.md)."""
 from __future__ import annotations
 
 import json

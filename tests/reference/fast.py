@@ -1,6 +1,6 @@
 """FAST[Fx_m, Horner] and FAST[Fx_m, BRW], a plain-Python reference.
 
-Written from shared/specs/fast.md (the authors' reference code, transcribed), independently of the
+Written from docs/specs/fast.md (the authors' reference code, transcribed), independently of the
 Rust code in crates/cipher/src/fast.rs: Python integers for GF(2^128), the spec's formulas one
 step at a time.
 

@@ -1,6 +1,6 @@
 """XCB-AES (XCBv2 / IEEE 1619.2), a plain-Python reference.
 
-Written from shared/specs/xcb.md, independently of the Rust code in crates/cipher/src/xcb.rs: the
+Written from docs/specs/xcb.md, independently of the Rust code in crates/cipher/src/xcb.rs: the
 GHASH here is GCM's bit-serial multiplication (NIST SP 800-38D, algorithm 1) on big-endian
 integers, where the Rust code uses POLYVAL on byte-reversed blocks with carry-less multiplies.
 

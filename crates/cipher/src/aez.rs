@@ -1,4 +1,4 @@
-//! AEZ v5 (Hoang, Krovetz, Rogaway; CAESAR round 3), as specified in `shared/specs/aez.md`: the
+//! AEZ v5 (Hoang, Krovetz, Rogaway; CAESAR round 3), as specified in `docs/specs/aez.md`: the
 //! full Encrypt/Decrypt (nonce, any number of associated-data strings, tag length tau) and, as a
 //! sector cipher, pure enciphering with tau = 0 and the tweak as the nonce.
 //!

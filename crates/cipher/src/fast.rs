@@ -1,6 +1,6 @@
 //! FAST (Chakraborty, Ghosh, Mancillas-López, Sarkar, "FAST: Disk encryption and beyond", ePrint
 //! 2017/849) in its fixed-length disk setting, FAST[Fx_m, Horner] and FAST[Fx_m, BRW], as specified
-//! in `shared/specs/fast.md` (taken from the authors' reference code).
+//! in `docs/specs/fast.md` (taken from the authors' reference code).
 //!
 //! - Key: an AES key (16 bytes as in the reference code; 24 or 32 bytes replace AES-128 by
 //!   AES-192/256 everywhere, a project extension). tau = E_K(0^128).

@@ -1,4 +1,4 @@
-//! The shared public vectors (`../shared/vectors` from the project root, or
+//! The public vectors kept in the repository (`tests/vectors`, see its README; or
 //! `$CRYPTBRIDGE_VECTORS`) for the unit tests of internal parts (AEZ's Extract, Adiantum's
 //! NH and Poly1305) that the integration tests in `tests/` cannot reach, and the levels those
 //! unit tests run their kernels at.
@@ -11,9 +11,9 @@ use serde_json::Value;
 pub(crate) fn load(path: &str) -> Vec<Value> {
     let dir = std::env::var_os("CRYPTBRIDGE_VECTORS")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/vectors"));
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/vectors"));
     let file = dir.join(path);
-    let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e} (set CRYPTBRIDGE_VECTORS)", file.display()));
+    let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e} (the repository's tests/vectors, or $CRYPTBRIDGE_VECTORS)", file.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()))
 }
 

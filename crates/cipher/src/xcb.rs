@@ -1,5 +1,5 @@
 //! XCB-AES (XCBv2, McGrew and Fluhrer; IEEE Std 1619.2-2010), as specified in
-//! `shared/specs/xcb.md`.
+//! `docs/specs/xcb.md`.
 //!
 //! **Legacy.** Plaintext-recovery attacks on XCB are published (Bhati and Andreeva, ePrint
 //! 2024/1554; Wang et al., ePrint 2024/1527), and XCBv2 is distinguishable on messages that are

@@ -1,4 +1,4 @@
-//! Adiantum against the authors' vectors (shared/vectors/adiantum, google/adiantum): the JSON
+//! Adiantum against the authors' vectors (tests/vectors/adiantum, google/adiantum): the JSON
 //! vectors for XChaCha12 and XChaCha20, and the Linux testmgr templates.
 
 mod common;

@@ -1,4 +1,4 @@
-//! AEZ v5 against the public vectors (shared/vectors/aez, Yawning/aez testdata): every Encrypt
+//! AEZ v5 against the public vectors (tests/vectors/aez, Yawning/aez testdata): every Encrypt
 //! vector (tau = 0 and tau = 16, with associated data), decryption included, on the AES-NI and the
 //! portable round; plus the sector mapping of specs/aez.md section 7.
 

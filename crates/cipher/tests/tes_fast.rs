@@ -1,4 +1,4 @@
-//! FAST: the test values of shared/specs/fast.md (produced by the authors' reference code) and the
+//! FAST: the test values of docs/specs/fast.md (produced by the authors' reference code) and the
 //! project vectors agreed with the independent Python reference (tests/reference/fast.py).
 
 use cryptbridge_cipher::registry::KeyPolicy;

@@ -1,4 +1,4 @@
-//! HCTR2 against the authors' vectors (shared/vectors/hctr2, google/hctr2).
+//! HCTR2 against the authors' vectors (tests/vectors/hctr2, google/hctr2).
 
 mod common;
 

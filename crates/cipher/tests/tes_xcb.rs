@@ -1,4 +1,4 @@
-//! XCB-AES: the regression values of shared/specs/xcb.md (three agreeing implementations) and the
+//! XCB-AES: the regression values of docs/specs/xcb.md (three agreeing implementations) and the
 //! project vectors agreed with the independent Python reference (tests/reference/xcb.py).
 
 use cryptbridge_cipher::new_cipher;

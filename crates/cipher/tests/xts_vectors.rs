@@ -1,4 +1,4 @@
-//! XTS-AES against every AES vector in ../shared/vectors/xts: Botan's file (IEEE 1619-2007 1-19,
+//! XTS-AES against every AES vector in tests/vectors/xts: Botan's file (IEEE 1619-2007 1-19,
 //! NIST) and Wycheproof, through the registry at the active level (tests/levels runs them at
 //! every level).
 

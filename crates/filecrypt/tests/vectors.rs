@@ -12,9 +12,9 @@ fn vectors_path() -> PathBuf {
     if let Ok(p) = std::env::var("CRYPTBRIDGE_VECTORS") {
         return PathBuf::from(p).join("aes/sp800_38a_ecb_cbc_ctr.json");
     }
-    // crates/filecrypt -> repo -> its parent holds shared/vectors
+    // crates/filecrypt -> the repository's tests/vectors
     let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    manifest.join("../../../shared/vectors/aes/sp800_38a_ecb_cbc_ctr.json")
+    manifest.join("../../tests/vectors/aes/sp800_38a_ecb_cbc_ctr.json")
 }
 
 fn h(s: &str) -> Vec<u8> {
@@ -26,7 +26,7 @@ fn sp800_38a_aes256_ecb_cbc_ctr() {
     let path = vectors_path();
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
-        Err(e) => panic!("cannot read {}: {e} (set CRYPTBRIDGE_VECTORS to the shared vectors dir)", path.display()),
+        Err(e) => panic!("cannot read {}: {e} (the repository's tests/vectors, or $CRYPTBRIDGE_VECTORS)", path.display()),
     };
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();
     let mut checked = 0;

@@ -1,4 +1,4 @@
-//! The public XTS-AES vectors of ../shared/vectors/xts: Botan's file (IEEE 1619-2007 1-19, NIST)
+//! The public XTS-AES vectors of tests/vectors/xts: Botan's file (IEEE 1619-2007 1-19, NIST)
 //! and Wycheproof.
 
 pub struct Vector {

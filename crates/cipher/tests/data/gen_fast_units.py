@@ -2,7 +2,7 @@
 """Writes fast_units_kat.txt beside this script: known answers for FAST's multi-unit calls
 (`encrypt_units` / `decrypt_units`, the engine's call), 512- and 4096-byte units, computed by the
 independent plain-Python FAST reference tests/reference/fast.py (written from
-shared/specs/fast.md), not by the Rust code under test.
+docs/specs/fast.md), not by the Rust code under test.
 
     python3 crates/cipher/tests/data/gen_fast_units.py
 

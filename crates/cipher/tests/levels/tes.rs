@@ -89,7 +89,7 @@ fn eme2_vectors(level: CpuLevel) -> Result<(), Failed> {
 fn xcb_vectors(level: CpuLevel) -> Result<(), Failed> {
     let n = text_vectors("xcb(aes)", include_str!("../data/tes_xcb_project.txt"), level, false)?;
     ensure(n >= 50, || format!("{n} project vectors"))?;
-    // shared/specs/xcb.md: 4096 bytes of i mod 256, the first 32 bytes and the last block.
+    // docs/specs/xcb.md: 4096 bytes of i mod 256, the first 32 bytes and the last block.
     let z = d("f0f1f2f3f4f5f6f7f8f9fafbfcfdfeff");
     for (key, head, last) in [
         ("000102030405060708090a0b0c0d0e0f", "7439e268cd2f146221e468c3043f15ba63b3d362bc8c2206905736258d884646", "5cee212cd9fe5f32322cee31d18412d0"),
@@ -120,7 +120,7 @@ fn fast_vectors(level: CpuLevel) -> Result<(), Failed> {
         let n = text_vectors(name, text, level, false)?;
         ensure(n >= 50, || format!("{name}: {n} project vectors"))?;
     }
-    // shared/specs/fast.md: full sectors of i mod 256, the first 32 bytes and the last block.
+    // docs/specs/fast.md: full sectors of i mod 256, the first 32 bytes and the last block.
     let (k, t) = (d("000102030405060708090a0b0c0d0e0f"), d("0f0e0d0c0b0a09080706050403020100"));
     for (name, n, head, last) in [
         ("fast-horner(aes)", 512, "cc95077cda63d41443939f4798cd064f5a13707120bffb61564ce3c477bdc935", "01c4720df2611cc4aff067ab1c094a9d"),

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use cryptbridge_cipher::registry::KeyPolicy;
 use cryptbridge_cipher::{new_cipher, CpuLevel, SectorCipher};
 use cryptbridge_engine::bench::measure;
@@ -22,18 +22,19 @@ pub enum Command {
 #[derive(clap::Args)]
 pub struct CipherArgs {
     /// Cipher, by Linux crypto API name.
-    #[arg(long, default_value = "xts(aes)")]
+    #[arg(long, default_value = "xts(aes)", value_parser = crate::names::parse_registry_cipher)]
     cipher: String,
     /// Key size in bits (512 = AES-256-XTS).
     #[arg(long, default_value_t = 512)]
     key_size: usize,
-    #[arg(long, default_value_t = 4096)]
+    /// Sector size in bytes: a positive multiple of 16.
+    #[arg(long, default_value_t = 4096, value_parser = parse_sector_size)]
     sector_size: usize,
     /// Worker threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Seconds per measurement.
-    #[arg(long, default_value_t = 3.0)]
+    /// Seconds per measurement (more than 0, at most 600).
+    #[arg(long, default_value_t = 3.0, value_parser = parse_seconds)]
     seconds: f64,
     /// Print one JSON object instead of a table.
     #[arg(long)]
@@ -61,14 +62,22 @@ struct Report {
     cpu_levels: Vec<&'static str>,
 }
 
+fn parse_sector_size(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 && n % 16 == 0 => Ok(n),
+        _ => Err(format!("`{s}`: a sector size is a positive multiple of 16 bytes")),
+    }
+}
+
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x > 0.0 && x <= 600.0 => Ok(x),
+        _ => Err(format!("`{s}`: seconds must be more than 0 and at most 600")),
+    }
+}
+
 pub fn run(cmd: Command) -> Result<ExitCode> {
     let Command::Cipher(args) = cmd;
-    if args.sector_size == 0 || args.sector_size % 16 != 0 {
-        bail!("--sector-size must be a positive multiple of 16");
-    }
-    if !(args.seconds > 0.0 && args.seconds <= 600.0) {
-        bail!("--seconds must be between 0 and 600");
-    }
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
     let mut key = Zeroizing::new(vec![0u8; args.key_size / 8]);
     rand::rngs::OsRng.try_fill_bytes(&mut key)?;

@@ -14,7 +14,7 @@ use zeroize::Zeroizing;
 #[command(after_help = cipher_list_help())]
 pub struct Args {
     /// Cipher, by Linux crypto API name.
-    #[arg(long, default_value = "xts(aes)")]
+    #[arg(long, default_value = "xts(aes)", value_parser = crate::names::parse_registry_cipher)]
     cipher: String,
     /// Decrypt instead of encrypt.
     #[arg(long)]
@@ -30,10 +30,6 @@ fn cipher_list_help() -> String {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    if !ciphers().iter().any(|c| c.name == args.cipher) {
-        let known: Vec<_> = ciphers().iter().map(|c| c.name).collect();
-        anyhow::bail!("unknown cipher `{}` (known: {})", args.cipher, known.join(", "));
-    }
     let stdin = io::stdin().lock();
     let mut out = BufWriter::new(io::stdout().lock());
     let mut failed = false;

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use cryptbridge_cipher::registry::KeyPolicy;
 use cryptbridge_cipher::new_cipher;
 use rand::TryRngCore;
@@ -14,7 +14,7 @@ use crate::{keyfile, names};
 #[derive(clap::Args)]
 pub struct Args {
     /// Volume cipher (dm-crypt name).
-    #[arg(long, default_value = "aes-xts-plain64")]
+    #[arg(long, default_value = "aes-xts-plain64", value_parser = names::parse_volume_cipher)]
     cipher: String,
     /// Key size in bits: 512 for AES-256-XTS, 256 for AES-128-XTS.
     #[arg(long, default_value_t = 512)]
@@ -29,7 +29,7 @@ pub struct Args {
 pub fn run(args: Args) -> Result<ExitCode> {
     let cipher = names::volume_cipher(&args.cipher)?;
     if ![256, 384, 512].contains(&args.key_size) {
-        bail!("--key-size {} is not valid for {}: use 512 (AES-256-XTS) or 256 (AES-128-XTS)", args.key_size, args.cipher);
+        crate::usage(format!("--key-size {} is not valid for {}: use 512 (AES-256-XTS), 384 (AES-192-XTS) or 256 (AES-128-XTS)", args.key_size, args.cipher));
     }
     let mut key = Zeroizing::new(vec![0u8; args.key_size / 8]);
     rand::rngs::OsRng.try_fill_bytes(&mut key)?;

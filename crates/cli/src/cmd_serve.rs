@@ -16,7 +16,7 @@ use cryptbridge_cipher::{new_cipher, SectorCipher};
 use cryptbridge_engine::{Backend, CpuBackend, Engine, RtlSimBackend, SectorLayout};
 use cryptbridge_volume::Secret;
 
-use crate::{keyfile, names, size};
+use crate::{keyfile, names, size, usage};
 
 mod activation;
 mod luks;
@@ -82,7 +82,7 @@ pub struct Args {
     /// wide-block scheme by Linux name: hctr2(aes), adiantum(xchacha12,aes),
     /// adiantum(xchacha20,aes), eme2(aes), fast-horner(aes), fast-brw(aes), aez, and xcb(aes)
     /// (LEGACY: published plaintext-recovery attacks). See docs/tes.md.
-    #[arg(long, default_value = "aes-xts-plain64")]
+    #[arg(long, default_value = "aes-xts-plain64", value_parser = names::parse_volume_cipher)]
     cipher: String,
     /// Encryption sector size in bytes.
     #[arg(long, default_value_t = 512, value_parser = parse_sector_size)]
@@ -158,9 +158,11 @@ pub struct Args {
     /// made by cryptsetup or qemu-img: its header gives the cipher, key size, sector size and data
     /// offset, and the export is its data segment; --key-file is then a passphrase file read whole
     /// as cryptsetup does, `-` for standard input, or without it the passphrase is asked for on
-    /// the terminal). See docs/luks.md.
-    #[arg(long = "type", value_enum, default_value = "plain")]
-    volume_type: VolumeType,
+    /// the terminal). See docs/luks.md. Default `plain`; a backing that starts with a LUKS header
+    /// is refused unless `--type plain` is given explicitly (serving it as plain would expose the
+    /// header as data, and the first write there would destroy the volume's keyslots).
+    #[arg(long = "type", value_enum)]
+    volume_type: Option<VolumeType>,
     /// With --type luks: the volume's detached LUKS header (as `cryptsetup --header`).
     #[arg(long)]
     header: Option<PathBuf>,
@@ -191,10 +193,12 @@ pub struct Args {
 
 const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
 
-/// A usage error (exit status 2, as clap's own).
-fn usage(msg: String) -> ! {
-    clap::Error::raw(clap::error::ErrorKind::ArgumentConflict, format!("{msg}\n")).exit()
+impl Args {
+    fn volume_type(&self) -> VolumeType {
+        self.volume_type.unwrap_or(VolumeType::Plain)
+    }
 }
+
 
 /// `--backing` as an NBD URI, with the options that go with one checked; `None` for a path.
 fn remote_backing(args: &Args) -> Result<Option<NbdUri>> {
@@ -212,7 +216,7 @@ fn remote_backing(args: &Args) -> Result<Option<NbdUri>> {
     if args.direct {
         usage("--direct applies to a file or device, not to an NBD export as --backing".into());
     }
-    if args.volume_type == VolumeType::Luks && args.header.is_none() {
+    if args.volume_type() == VolumeType::Luks && args.header.is_none() {
         usage("--type luks with an NBD export as --backing needs the header in a local file (--header FILE)".into());
     }
     Ok(Some(uri))
@@ -230,17 +234,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
     // First, while this process has one thread: the inherited socket and its variables.
     let activated = activation::take_listener()?;
     if args.io_workers == 0 || args.threads == Some(0) || args.max_io_threads == 0 || args.max_connections == 0 {
-        bail!("--io-workers, --threads, --max-io-threads and --max-connections must be at least 1");
+        usage("--io-workers, --threads, --max-io-threads and --max-connections must be at least 1".into());
     }
     if args.max_inflight_bytes_per_connection == 0 || args.max_inflight_bytes == 0 {
-        bail!("--max-inflight-bytes-per-connection and --max-inflight-bytes must be more than 0");
+        usage("--max-inflight-bytes-per-connection and --max-inflight-bytes must be more than 0".into());
     }
     if args.tls == TlsArg::Off && (args.tls_certificates.is_some() || args.tls_verify_peer) {
-        clap::Error::raw(
-            clap::error::ErrorKind::ArgumentConflict,
-            "--tls-certificates and --tls-verify-peer need --tls on or --tls require\n",
-        )
-        .exit();
+        usage("--tls-certificates and --tls-verify-peer need --tls on or --tls require".into());
     }
     // Certificates are checked before anything is opened, prompted for or listened on.
     let tls = match (args.tls, &args.tls_certificates) {
@@ -316,6 +316,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     // From here on, a start that fails removes the files it created (backing, socket).
     let mut created = CreatedFiles { backing: backing.created().then(|| args.backing.clone()), socket: None };
+    if luks.is_none() && args.volume_type.is_none() && !backing.created() {
+        refuse_luks_as_plain(&backing, &args.backing)?;
+    }
     let backing = luks::window(luks.as_ref(), backing, &args.backing)?;
     let pipeline = Arc::new(Pipeline::new(backing, engine));
     let mode = if args.passthrough { "passthrough (plaintext)".to_string() } else { format!("{} {key_bits}-bit", luks.as_ref().map_or_else(|| args.cipher.clone(), luks::Volume::label)) };
@@ -395,6 +398,31 @@ pub fn run(args: Args) -> Result<ExitCode> {
     created.backing = None;
     server.run(listener)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// A plain volume (`--type` not given) on a backing that starts with a LUKS header is almost
+/// certainly a mistake that loses the volume: the header's first sector is the export's first, a
+/// partition table or filesystem written there overwrites it. cryptsetup asks before it opens a
+/// LUKS device as plain; a server has nobody to ask, so it refuses and names both ways on.
+fn refuse_luks_as_plain(backing: &cryptbridge_bridge::Backing, path: &Path) -> Result<()> {
+    // One aligned sector, so that an O_DIRECT backing can read it too.
+    const SECTOR: usize = 4096;
+    let mut buf = vec![0u8; 2 * SECTOR];
+    let start = buf.as_ptr().align_offset(SECTOR);
+    let first = &mut buf[start..start + SECTOR];
+    let len = (backing.size() as usize).min(SECTOR) / 512 * 512;
+    backing.read_at(&mut first[..len], 0).with_context(|| format!("cannot read the start of {}", path.display()))?;
+    if first.len() >= 8 && first[..6] == cryptbridge_volume::LUKS_MAGIC {
+        let version = u16::from_be_bytes([first[6], first[7]]);
+        bail!(
+            "{} starts with a LUKS{version} header: serving it as a plain dm-crypt volume would expose the header \
+             as data, and the first write there would destroy the volume's keyslots. Serve the volume with \
+             --type luks (a passphrase opens it); give --type plain explicitly to use the whole device as plain \
+             dm-crypt anyway",
+            path.display()
+        );
+    }
+    Ok(())
 }
 
 /// Files this start created, removed when it is dropped: on a failed start, an early return drops

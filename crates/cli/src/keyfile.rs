@@ -11,12 +11,20 @@ use zeroize::Zeroizing;
 /// The longest key a volume cipher takes: 64 bytes (AES-256-XTS's Key1 || Key2, EME2's largest).
 pub const MAX_KEY_BYTES: usize = 64;
 
+/// The most bytes read from a key file: room for the largest key written as hex text with a line
+/// end (2 x [`MAX_KEY_BYTES`] + 2), so such a file is recognised and refused with the conversion.
+const READ_LIMIT: usize = 2 * MAX_KEY_BYTES + 2;
+
 /// Reads a key file. With `key_bits`, the file must hold exactly that many bits.
 ///
-/// At most [`MAX_KEY_BYTES`] + 1 bytes are read, into one buffer allocated up front (so no copy of
+/// At most [`READ_LIMIT`] + 1 bytes are read, into one buffer allocated up front (so no copy of
 /// the key is left behind by a reallocation; the buffer is zeroized on drop). A file holding more
 /// is refused at once: a device such as `/dev/zero` or an endless pipe (`<(yes)`) can neither hang
 /// start-up nor fill memory. Pipes and `/dev/stdin` work: they are read to their end.
+///
+/// A file that holds hex text (`0123...ef`, with or without a line end) is refused with the
+/// command that converts it: cryptsetup reads a plain key file as raw bytes, so taking the text
+/// as the key would make a volume that no other tool opens with the key its owner wrote down.
 pub fn read_key(path: &Path, key_bits: Option<usize>) -> Result<Zeroizing<Vec<u8>>> {
     if let Some(bits) = key_bits {
         if bits == 0 || !bits.is_multiple_of(8) || bits / 8 > MAX_KEY_BYTES {
@@ -28,7 +36,7 @@ pub fn read_key(path: &Path, key_bits: Option<usize>) -> Result<Zeroizing<Vec<u8
     if meta.is_file() && meta.permissions().mode() & 0o077 != 0 {
         tracing::warn!("key file {} is readable by group or others (mode {:o}); chmod 600 it", path.display(), meta.permissions().mode() & 0o777);
     }
-    let mut key = Zeroizing::new(vec![0u8; MAX_KEY_BYTES + 1]);
+    let mut key = Zeroizing::new(vec![0u8; READ_LIMIT + 1]);
     let mut len = 0;
     while len < key.len() {
         match file.read(&mut key[len..]) {
@@ -38,10 +46,28 @@ pub fn read_key(path: &Path, key_bits: Option<usize>) -> Result<Zeroizing<Vec<u8
             Err(e) => return Err(e).with_context(|| format!("cannot read key file {}", path.display())),
         }
     }
-    if len > MAX_KEY_BYTES {
+    if let Some(digits) = hex_text_digits(&key[..len]) {
         bail!(
-            "key file {} holds more than {MAX_KEY_BYTES} bytes (read stopped there); a raw key file holds only the key \
-             (32 or 64 bytes for aes-xts-plain64), not a device or an endless stream",
+            "key file {} holds {digits} hex characters: a {}-bit key written as text. A key file holds the key's \
+             raw bytes, as cryptsetup reads it; convert it with `xxd -r -p {} > KEY.bin && chmod 600 KEY.bin` and \
+             give KEY.bin (or write a new key with `cryptbridge keygen`)",
+            path.display(),
+            digits * 4,
+            path.display()
+        );
+    }
+    if len > MAX_KEY_BYTES {
+        if meta.is_file() {
+            bail!(
+                "key file {} is {} bytes; a raw key file holds only the key, at most {MAX_KEY_BYTES} bytes \
+                 (32 or 64 for aes-xts-plain64, as `cryptbridge keygen` writes it)",
+                path.display(),
+                meta.len()
+            );
+        }
+        bail!(
+            "key file {} yields more than {MAX_KEY_BYTES} bytes (reading stopped at {READ_LIMIT}); a raw key file holds \
+             only the key (32 or 64 bytes for aes-xts-plain64), not a device or an endless stream",
             path.display()
         );
     }
@@ -61,6 +87,15 @@ pub fn read_key(path: &Path, key_bits: Option<usize>) -> Result<Zeroizing<Vec<u8
         );
     }
     Ok(key)
+}
+
+/// The number of hex digits when `bytes` is hex text: at least 32 hex digits (the shortest key,
+/// 128 bits, written out), an even count, and nothing else but one line end. A random binary key
+/// of 32 bytes or more passes this with a probability below 2^-100.
+fn hex_text_digits(bytes: &[u8]) -> Option<usize> {
+    let text = bytes.strip_suffix(b"\n").unwrap_or(bytes);
+    let text = text.strip_suffix(b"\r").unwrap_or(text);
+    (text.len() >= 32 && text.len().is_multiple_of(2) && text.iter().all(u8::is_ascii_hexdigit)).then_some(text.len())
 }
 
 /// Creates `path` with mode 0600 holding `key`. Refuses to replace an existing file unless `force`.

@@ -58,18 +58,26 @@ enum Command {
     File(cmd_file::Command),
 }
 
+/// A usage error found after parsing (an option combination, a value checked against another):
+/// reported as clap reports its own, with exit status 2. Every usage error exits 2, every
+/// runtime error (a file, a key, a device, the network) 1.
+pub(crate) fn usage(msg: String) -> ! {
+    clap::Error::raw(clap::error::ErrorKind::ArgumentConflict, format!("{msg}\n")).exit()
+}
+
 fn main() -> ExitCode {
+    // A CRYPTBRIDGE_CPU this machine cannot honour is refused before anything else, --version and
+    // --help included, so that a mistyped level never passes unnoticed.
+    if let Err(err) = CpuLevel::active() {
+        eprintln!("cryptbridge: error: {err}");
+        return ExitCode::from(2);
+    }
     let matches = Cli::command().version(VERSION.as_str()).get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
     init_logging(cli.verbose);
-    // A CRYPTBRIDGE_CPU this machine cannot honour is refused before any work starts.
-    if let Err(err) = CpuLevel::active() {
-        eprintln!("cryptbridge: error: {err}");
-        return ExitCode::from(2);
-    }
     let result = match cli.command {
         Command::Serve(args) => cmd_serve::run(args),
         Command::Keygen(args) => cmd_keygen::run(args),
@@ -87,6 +95,13 @@ fn main() -> ExitCode {
     }
 }
 
+/// Colour only for a person at a terminal: never in a log file, a pipe or a journal, and never
+/// where NO_COLOR (https://no-color.org) is set to anything but the empty string.
+fn colour_on_stderr() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
 fn init_logging(verbose: u8) {
     let default = match verbose {
         0 => "info",
@@ -102,6 +117,7 @@ fn init_logging(verbose: u8) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_target(false)
+        .with_ansi(colour_on_stderr())
         .log_internal_errors(false)
         .init();
 }

@@ -38,6 +38,23 @@ pub fn volume_cipher(spec: &str) -> Result<&'static str> {
     })
 }
 
+/// clap's value parser for a volume `--cipher`: an unknown or refused name is a usage error (exit
+/// status 2), reported before anything is opened; the spelling the user gave is kept.
+pub fn parse_volume_cipher(spec: &str) -> Result<String, String> {
+    volume_cipher(spec).map(|_| spec.to_string()).map_err(|e| e.to_string())
+}
+
+/// clap's value parser for `--cipher` of the commands that take the Linux crypto API names of the
+/// cipher registry (`cipher`, `bench cipher`).
+pub fn parse_registry_cipher(name: &str) -> Result<String, String> {
+    let ciphers = cryptbridge_cipher::registry::ciphers();
+    if ciphers.iter().any(|c| c.name == name) {
+        return Ok(name.to_string());
+    }
+    let known: Vec<_> = ciphers.iter().map(|c| c.name).collect();
+    Err(format!("unknown cipher `{name}` (known: {})", known.join(", ")))
+}
+
 /// `NAME`, `capi:NAME-plain64` or the dm-crypt spelling `cipher-mode-plain64`.
 fn wide_block(spec: &str) -> Option<&'static str> {
     for &(name, dm) in WIDE_BLOCK {

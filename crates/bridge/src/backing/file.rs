@@ -4,6 +4,9 @@
 //! A file created here gets mode 0600 (it holds the ciphertext and, by its changes, which sectors
 //! are written); an existing file keeps its mode. If opening fails after the file was created, it
 //! is removed again, so a retry with corrected options does not find a stray empty file.
+//!
+//! While it is served, the image is locked as qemu locks its images ([`super::image_lock`]): one
+//! writer, or any number of read-only servers.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
@@ -11,7 +14,7 @@ use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
-use super::{check_aligned, BackingError, BackingOptions};
+use super::{check_aligned, image_lock, BackingError, BackingOptions};
 
 pub(super) struct FileBacking {
     file: File,
@@ -66,6 +69,10 @@ impl FileBacking {
             options.custom_flags(libc::O_DIRECT);
         }
         let mut file = options.open(path).map_err(io_err)?;
+        image_lock::lock(&file, !opts.read_only).map_err(|e| match e {
+            image_lock::LockError::Conflict(why) => BackingError::Locked { path: path.to_path_buf(), why, read_only: opts.read_only },
+            image_lock::LockError::Io(error) => io_err(error),
+        })?;
         let meta = file.metadata().map_err(io_err)?;
         let is_block_device = meta.file_type().is_block_device();
         if !is_block_device && !meta.is_file() {

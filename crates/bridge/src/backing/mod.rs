@@ -4,6 +4,7 @@
 //! a discard, relative to the export's window (a LUKS data segment, or all of it).
 
 mod file;
+mod image_lock;
 mod nbd;
 
 use std::io;
@@ -42,6 +43,8 @@ pub enum BackingError {
     TooSmall { path: PathBuf, sector_size: usize },
     #[error("data area of {len} bytes at offset {offset} does not fit the {size}-byte backing store in whole {sector_size}-byte sectors")]
     BadWindow { offset: u64, len: u64, size: u64, sector_size: usize },
+    #[error("backing {path} is in use: {why}; another process (a second cryptbridge serve, qemu, qemu-nbd) has it open{}", if *read_only { " for writing" } else { " and does not share it with a writer: two writers, or a writer under a reader that needs the image unchanged, corrupt what they see (read-only servers may share an image: --read-only)" })]
+    Locked { path: PathBuf, why: String, read_only: bool },
     #[error("backing {path} is neither a regular file nor a block device")]
     NotFileOrDevice { path: PathBuf },
     // The io::Error is part of the message, not a `source`, so that error chains print it once.

@@ -52,7 +52,7 @@ impl Volume {
 
 /// Opens the volume for `--type luks` (checking the option combinations of either type).
 pub fn open(args: &Args) -> Result<Option<Volume>> {
-    if args.volume_type == VolumeType::Plain {
+    if args.volume_type() == VolumeType::Plain {
         if args.header.is_some() || args.key_slot.is_some() {
             usage("--header and --key-slot need --type luks".into());
         }

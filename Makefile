@@ -73,7 +73,7 @@ deps:
 
 # Serve the embedded default: a sparse image and a generated key under $(DATA_DIR).
 run: build
-	@command -v nbdinfo >/dev/null || scripts/install-deps.sh
+	@scripts/install-deps.sh --run
 	@mkdir -p $(DATA_DIR)
 	@test -f $(DATA_DIR)/volume.key || $(BIN) keygen --cipher aes-xts-plain64 --key-size 512 $(DATA_DIR)/volume.key
 	@echo "$$RUN_BANNER"

@@ -6,11 +6,18 @@
 #
 #   scripts/install-deps.sh            # install what is missing
 #   scripts/install-deps.sh --check    # only report what is missing (exit 1 if anything is)
+#   scripts/install-deps.sh --run      # only what `make run` and the commands it prints use
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 check_only=0
-[[ "${1:-}" == "--check" ]] && check_only=1
+run_only=0
+case "${1:-}" in
+    --check) check_only=1 ;;
+    --run) run_only=1 ;;
+    "") ;;
+    *) echo "usage: scripts/install-deps.sh [--check|--run]" >&2; exit 2 ;;
+esac
 
 export DEBIAN_FRONTEND=noninteractive
 
@@ -37,6 +44,17 @@ declare -A OPT_CMD_PKG=(
     [cryptsetup]=cryptsetup-bin
 )
 
+# `make run` and the commands its banner prints (nbdinfo, nbdcopy, nbdfuse, losetup, mkfs.ext4,
+# mount, fusermount3, cryptsetup): the rest is for the tests.
+if ((run_only)); then
+    for cmd in "${!CMD_PKG[@]}"; do
+        case "$cmd" in
+            nbdinfo | nbdcopy | nbdfuse | mkfs.ext4 | losetup | mount | fusermount3) ;;
+            *) unset "CMD_PKG[$cmd]" ;;
+        esac
+    done
+fi
+
 have_cmd() {
     command -v "$1" >/dev/null 2>&1 || [[ -x "/usr/sbin/$1" ]] || [[ -x "/sbin/$1" ]]
 }
@@ -53,7 +71,7 @@ for cmd in "${!CMD_PKG[@]}"; do
 done
 
 # nbdkit plugins/filters the tests may use
-if have_cmd nbdkit; then
+if ((!run_only)) && have_cmd nbdkit; then
     plugdir="$(nbdkit --dump-config 2>/dev/null | sed -n 's/^plugindir=//p')"
     filtdir="$(nbdkit --dump-config 2>/dev/null | sed -n 's/^filterdir=//p')"
     [[ -n "$plugdir" && -e "$plugdir/nbdkit-file-plugin.so" ]] || add_pkg nbdkit
@@ -65,7 +83,7 @@ fi
 # --no-install-recommends, so it is checked by a file of its own.
 AARCH64_TARGET=aarch64-unknown-linux-gnu
 host_arch="$(uname -m)"
-if [[ "$host_arch" == x86_64 ]]; then
+if [[ "$host_arch" == x86_64 ]] && ((!run_only)); then
     have_cmd aarch64-linux-gnu-gcc || add_pkg gcc-aarch64-linux-gnu
     [[ -e /usr/aarch64-linux-gnu/lib/crt1.o ]] || add_pkg libc6-dev-arm64-cross
     have_cmd qemu-aarch64 || add_pkg qemu-user
@@ -114,6 +132,9 @@ have_rust_target() {
     libdir="$(rustc --print target-libdir --target "$1" 2>/dev/null)" || return 1
     compgen -G "$libdir/libstd-*.rlib" >/dev/null
 }
+if ((run_only)); then
+    exit 0
+fi
 if [[ "$host_arch" == x86_64 ]] && ! have_rust_target "$AARCH64_TARGET"; then
     if ! command -v rustup >/dev/null 2>&1; then
         echo "install-deps: aarch64 Rust target: SKIPPED (rustup not found; install $AARCH64_TARGET's" \

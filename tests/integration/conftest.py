@@ -185,8 +185,14 @@ class Workspace:
         self.sockdir = Path(tempfile.mkdtemp(prefix="cb", dir="/tmp"))
         self.bridges: list[Bridge] = []
         self._n = 0
+        self._backings = 0
 
-    def backing(self, size: int, name: str = "backing.img") -> Path:
+    def backing(self, size: int, name: Optional[str] = None) -> Path:
+        """A new sparse file; without a name, a new one per call (backing.img, backing2.img, ...):
+        a served image is locked, so two servers in one test need two images."""
+        if name is None:
+            self._backings += 1
+            name = "backing.img" if self._backings == 1 else f"backing{self._backings}.img"
         p = self.tmp / name
         with open(p, "wb") as f:
             f.truncate(size)

@@ -1,6 +1,6 @@
 //! Headers written by the real cryptsetup, opened here: the volume key must equal the one
-//! `cryptsetup luksDump --dump-volume-key` prints. Skipped (with the reason on stderr) where
-//! cryptsetup is not installed; the Python interop suite (tests/integration/test_luks.py) covers
+//! `cryptsetup luksDump --dump-volume-key` prints. Listed as ignored, with the reason, where
+//! cryptsetup is not installed (a check that could not run never counts as a pass); the Python interop suite (tests/integration/test_luks.py) covers
 //! the data path.
 
 use std::path::{Path, PathBuf};
@@ -10,6 +10,29 @@ use cryptbridge_volume::{Header, VolumeError};
 
 fn cryptsetup() -> Option<PathBuf> {
     ["/usr/sbin/cryptsetup", "/sbin/cryptsetup", "/usr/bin/cryptsetup"].iter().map(PathBuf::from).find(|p| p.exists())
+}
+
+fn main() {
+    let args = libtest_mimic::Arguments::from_args();
+    let tests: [(&str, fn(&Path)); 2] = [
+        ("cryptsetup_headers_open_with_the_same_key", cryptsetup_headers_open_with_the_same_key),
+        ("volumes_formatted_here_open_in_cryptsetup", volumes_formatted_here_open_in_cryptsetup),
+    ];
+    let cs = cryptsetup();
+    let trials = tests
+        .into_iter()
+        .map(|(name, test)| match cs.clone() {
+            Some(cs) => libtest_mimic::Trial::test(name, move || {
+                test(&cs);
+                Ok(())
+            }),
+            None => {
+                eprintln!("SKIPPED {name}: cryptsetup is not installed (scripts/install-deps.sh installs cryptsetup-bin)");
+                libtest_mimic::Trial::test(format!("{name} (skipped: cryptsetup not installed)"), || Ok(())).with_ignored_flag(true)
+            }
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
 }
 
 fn run(cmd: &mut Command) -> String {
@@ -26,12 +49,7 @@ fn dumped_key(cs: &Path, image: &Path, pass: &Path) -> Vec<u8> {
     hex::decode(hex).expect("hex")
 }
 
-#[test]
-fn cryptsetup_headers_open_with_the_same_key() {
-    let Some(cs) = cryptsetup() else {
-        eprintln!("SKIPPED: cryptsetup not installed (scripts/install-deps.sh installs cryptsetup-bin)");
-        return;
-    };
+fn cryptsetup_headers_open_with_the_same_key(cs: &Path) {
     let dir = tempfile::tempdir().unwrap();
     let pass = dir.path().join("pass");
     std::fs::write(&pass, b"a passphrase\nwith a newline inside").unwrap();
@@ -46,8 +64,8 @@ fn cryptsetup_headers_open_with_the_same_key() {
     for (name, opts, sector, key_bytes) in cases {
         let image = dir.path().join(format!("{name}.img"));
         std::fs::File::create(&image).unwrap().set_len(20 << 20).unwrap();
-        run(Command::new(&cs).args(["luksFormat", "--batch-mode", "--key-file"]).arg(&pass).args(&opts).arg(&image));
-        let want = dumped_key(&cs, &image, &pass);
+        run(Command::new(cs).args(["luksFormat", "--batch-mode", "--key-file"]).arg(&pass).args(&opts).arg(&image));
+        let want = dumped_key(cs, &image, &pass);
         let file = std::fs::File::open(&image).unwrap();
         let header = Header::read(&file).unwrap();
         assert!(header.warnings().is_empty(), "{name}: {:?}", header.warnings());
@@ -59,15 +77,10 @@ fn cryptsetup_headers_open_with_the_same_key() {
     }
 }
 
-#[test]
-fn volumes_formatted_here_open_in_cryptsetup() {
+fn volumes_formatted_here_open_in_cryptsetup(cs: &Path) {
     use cryptbridge_volume::format::{format, FormatParams};
     use cryptbridge_volume::hash::Hash;
     use cryptbridge_volume::kdf::{Argon2Variant, Kdf};
-    let Some(cs) = cryptsetup() else {
-        eprintln!("SKIPPED: cryptsetup not installed (scripts/install-deps.sh installs cryptsetup-bin)");
-        return;
-    };
     let dir = tempfile::tempdir().unwrap();
     let pass = dir.path().join("pass");
     std::fs::write(&pass, b"formatted here").unwrap();
@@ -90,9 +103,9 @@ fn volumes_formatted_here_open_in_cryptsetup() {
             detached: false,
         };
         format(&file, "v.img", 20 << 20, &params, b"formatted here").unwrap();
-        let test = Command::new(&cs).args(["open", "--test-passphrase", "--key-file"]).arg(&pass).arg(&image).output().unwrap();
+        let test = Command::new(cs).args(["open", "--test-passphrase", "--key-file"]).arg(&pass).arg(&image).output().unwrap();
         assert!(test.status.success(), "LUKS{version}/{sector}: {}", String::from_utf8_lossy(&test.stderr));
         let unlocked = Header::read(&file).unwrap().unlock(&file, b"formatted here", None).unwrap();
-        assert_eq!(dumped_key(&cs, &image, &pass), unlocked.volume_key.as_slice(), "LUKS{version}/{sector}");
+        assert_eq!(dumped_key(cs, &image, &pass), unlocked.volume_key.as_slice(), "LUKS{version}/{sector}");
     }
 }

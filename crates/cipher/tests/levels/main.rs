@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod fast_units;
+mod registers;
 mod tes;
 mod xts;
 
@@ -34,6 +35,7 @@ fn main() {
             }
         }
     }
+    trials.extend(registers::trials());
     libtest_mimic::run(&args, trials).exit();
 }
 

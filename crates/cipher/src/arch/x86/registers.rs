@@ -64,25 +64,8 @@ unsafe fn clear_sse() {
 mod tests {
     use super::*;
 
-    /// Loads a marker into every vector register, clears, and reads them all back.
-    #[test]
-    fn leaves_every_vector_register_zero() {
-        if !super::super::has_feature("avx512f") {
-            eprintln!("SKIPPED leaves_every_vector_register_zero: this CPU has no AVX-512F");
-            return;
-        }
-        let marker = [0xa5u8; 64];
-        let mut out = [[0xffu8; 64]; 32];
-        // SAFETY: AVX-512F is present (checked above). The first block loads the marker into
-        // every zmm register and declares them all clobbered; the second stores all 32 into
-        // `out`, which is 32 x 64 bytes.
-        unsafe {
-            load_all(marker.as_ptr());
-            clear_vector_registers();
-            store_all(out.as_mut_ptr().cast());
-        }
-        assert!(out.iter().all(|r| r.iter().all(|&b| b == 0)));
-    }
+    // The AVX-512 and AVX paths, through the public `clear_vector_registers`, are checked in
+    // tests/levels/registers.rs, where a CPU without the feature lists the check as ignored.
 
     /// The path of CPUs without AVX: xmm0-15 (the low 128 bits that SSE code uses).
     #[test]
@@ -111,37 +94,5 @@ mod tests {
             xmm!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
         }
         assert!(out.iter().all(|r| r.iter().all(|&b| b == 0)));
-    }
-
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load_all(p: *const u8) {
-        macro_rules! loads {
-            ($($r:literal)*) => {
-                // SAFETY: reads 64 bytes at `p` (the caller's marker); writes only clobbered
-                // registers.
-                unsafe { core::arch::asm!(
-                    $(concat!("vmovdqu64 zmm", $r, ", zmmword ptr [{p}]"),)*
-                    p = in(reg) p,
-                    clobber_abi("C"),
-                    options(readonly, nostack, preserves_flags),
-                ) }
-            };
-        }
-        loads!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31);
-    }
-
-    #[target_feature(enable = "avx512f")]
-    unsafe fn store_all(p: *mut u8) {
-        macro_rules! stores {
-            ($($r:literal)*) => {
-                // SAFETY: writes 32 x 64 bytes at `p`, which the caller provides.
-                unsafe { core::arch::asm!(
-                    $(concat!("vmovdqu64 zmmword ptr [{p} + 64 * ", $r, "], zmm", $r),)*
-                    p = in(reg) p,
-                    options(nostack, preserves_flags),
-                ) }
-            };
-        }
-        stores!(0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31);
     }
 }

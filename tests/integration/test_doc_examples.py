@@ -71,6 +71,7 @@ class Block:
     text: str
     kind: Optional[str] = None  # None: run in the foreground
     reason: str = ""
+    seconds: float = 0.0  # how long it ran (a background block: until ready)
 
     @property
     def where(self) -> str:
@@ -192,8 +193,11 @@ def fixed_ports(blocks: list[Block]) -> set[int]:
 
 def port_free(port: int) -> bool:
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # SO_REUSEADDR as the server sets it (Rust's TcpListener): connections in TIME_WAIT from an
+    # earlier run do not count, a listener (or a socket bound to the port) does.
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        s.bind(("127.0.0.1", port))  # no SO_REUSEADDR: a listener or a connection in TIME_WAIT counts
+        s.bind(("127.0.0.1", port))
         return True
     except OSError:
         return False
@@ -280,8 +284,10 @@ class DocRun:
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         self.groups.append(proc)
+        t0 = time.monotonic()
         try:
             rc = proc.wait(timeout=BLOCK_TIMEOUT)
+            b.seconds = time.monotonic() - t0
         except subprocess.TimeoutExpired:
             _stop_group(proc)
             self.fail(b, f"did not finish within {BLOCK_TIMEOUT:.0f} s", _tail(log))
@@ -299,11 +305,13 @@ class DocRun:
             proc = subprocess.Popen(["bash", "-euo", "pipefail", str(script)], cwd=self.workdir, env=self.env,
                                     stdin=subprocess.DEVNULL, stdout=o, stderr=e, start_new_session=True)
         r = Running(b, proc, out, err)
+        t0 = time.monotonic()
         want = max(1, len(re.findall(r"\bcryptbridge serve\b", b.text)))
         deadline = time.monotonic() + READY_TIMEOUT
         while True:
             ready = [ln for ln in _tail(out).splitlines() if ln.startswith("ready ")]
             if len(ready) >= want:
+                b.seconds = time.monotonic() - t0
                 self.background.append(r)
                 self.ran.append(b)
                 return
@@ -406,6 +414,8 @@ def test_doc_examples(doc):
         r.cleanup()
     elapsed = time.monotonic() - t0
     print(_summary_line(r) + f" in {elapsed:.1f} s")
+    for b in r.ran:
+        print(f"  {b.where} {b.kind or 'foreground'}: {b.seconds:.1f} s")
     if r.failed:
         msgs = "\n\n".join(m for _, m in r.failed)
         pytest.fail(f"{len(r.failed)} example block(s) of {doc} failed (kept in {top}):\n\n{msgs}\n\n"

@@ -51,6 +51,9 @@ import pytest
 from conftest import BIN, REPO, require_binary
 
 DOCS = ["README.md", "docs/cli.md", "docs/network.md", "docs/luks.md", "docs/tes.md"]
+# `make run`'s banner (RUN_BANNER in the Makefile): `make run` itself is started (with its data in
+# the temporary directory, the binary as built), and the commands its banner prints are run.
+BANNER = "Makefile:RUN_BANNER"
 
 SHELL_LANGS = {"sh", "bash", "shell", "console"}
 MARKER_RE = re.compile(r"^\s*<!--\s*doc-test:\s*(\S+)\s*(.*?)\s*-->\s*$")
@@ -327,6 +330,20 @@ class DocRun:
                 return
             time.sleep(0.05)
 
+    def make_run(self) -> list[Block]:
+        """Starts `make run` in the background (data under the temporary directory; -o: the
+        binary as built, not remade) and returns the blocks its banner prints."""
+        data = self.workdir.parent / "data"
+        b = Block(BANNER, 0, "sh", f"make -s -C {REPO} -o target/release/cryptbridge run DATA_DIR={data}\n",
+                  kind="background")
+        self.start_background(b)
+        banner = _tail(self.workdir.parent / f"block{self.n:02d}.stdout")
+        if self.failed:
+            return []
+        blocks = banner_blocks(banner)
+        assert blocks and blocks[0].text.strip(), f"no commands found in make run's banner:\n{banner}"
+        return blocks
+
     def stop_background(self) -> None:
         for r in self.background:
             early = r.proc.poll()
@@ -343,6 +360,25 @@ class DocRun:
         for p in self.groups:
             if _group_alive(p.pid):
                 _stop_group(p)
+
+
+def banner_blocks(stdout: str) -> list[Block]:
+    """The commands `make run` prints: the indented lines after "Use it from another terminal:"
+    (one block) and after "As root" (a root block), up to the first line that is not indented."""
+    blocks: list[Block] = []
+    cur: Optional[Block] = None
+    for n, line in enumerate(stdout.splitlines(), 1):
+        if line.startswith("Use it from another terminal"):
+            cur = Block(BANNER, n, "sh", "")
+            blocks.append(cur)
+        elif line.startswith("As root") and cur is not None:
+            cur = Block(BANNER, n, "sh", "", kind="root")
+            blocks.append(cur)
+        elif line.startswith("  ") and cur is not None:
+            cur.text += line[2:] + "\n"
+        elif cur is not None:
+            break
+    return blocks
 
 
 def _summary_line(r: DocRun) -> str:
@@ -377,12 +413,15 @@ def test_markers_parse():
         assert any(b.kind != "skip" for b in blocks), f"{doc}: no runnable shell example at all"
 
 
-@pytest.mark.parametrize("doc", DOCS)
+@pytest.mark.parametrize("doc", DOCS + [BANNER])
 def test_doc_examples(doc):
     require_binary()
-    blocks = parse_blocks(doc, (REPO / doc).read_text())
-    root_reason = root_skip_reason() if any(b.kind == "root" for b in blocks) else None
-    busy = sorted(p for p in fixed_ports(blocks) if not port_free(p))
+    if doc == BANNER:
+        # `make run` serves on 127.0.0.1:10809 (LISTEN); its banner is read once it is ready.
+        blocks = [Block(BANNER, 0, "sh", "make run", kind="background")]
+    else:
+        blocks = parse_blocks(doc, (REPO / doc).read_text())
+    busy = sorted(p for p in fixed_ports(blocks) | ({10809} if doc == BANNER else set()) if not port_free(p))
     if busy:
         RESULTS[doc] = f"{doc}: not run: port(s) {busy} on 127.0.0.1 in use (the examples use them as printed)"
         pytest.skip(f"{doc}: TCP port(s) {busy} in use; its examples listen on them as printed")
@@ -397,6 +436,9 @@ def test_doc_examples(doc):
     RESULTS[doc] = r
     t0 = time.monotonic()
     try:
+        if doc == BANNER:
+            blocks = r.make_run()
+        root_reason = root_skip_reason() if any(b.kind == "root" for b in blocks) else None
         for b in blocks:
             if b.kind == "skip":
                 r.skipped.append((b, b.reason))

@@ -38,11 +38,14 @@ cryptbridge: serving $(DATA_DIR)/volume.img ($(IMAGE_SIZE), sparse; only ciphert
 
 Use it from another terminal:
   nbdinfo $(URI)                                  # size, block sizes, flags
-  nbdcopy disk.img $(URI)                         # write an image through the bridge
+  truncate -s 64M disk.img                        # an image to write (any raw image up to $(IMAGE_SIZE))
+  nbdcopy disk.img $(URI)                         # write it through the bridge (encrypted)
   nbdcopy $(URI) copy.img                         # read it back (decrypted)
+As root, an ext4 file system on it, and the undo:
   mkdir -p /tmp/nbd && nbdfuse /tmp/nbd/disk $(URI) &   # expose the export as a file
   until [ -e /tmp/nbd/disk ]; do sleep 0.1; done  # wait for nbdfuse
   dev=$$(losetup -f --show /tmp/nbd/disk) && mkfs.ext4 $$dev && mount $$dev /mnt
+  umount /mnt && losetup -d $$dev && fusermount3 -u /tmp/nbd   # undo the three lines above
 Same bytes as: cryptsetup open --type plain --cipher aes-xts-plain64 --key-size 512 \
   --sector-size 4096 --key-file $(DATA_DIR)/volume.key $(DATA_DIR)/volume.img NAME
 Stop with Ctrl-C (answered writes are synced first).

@@ -158,7 +158,7 @@ def test_hex_key_file_refused_with_the_conversion(ws, nbytes, newline):
 def test_overlong_key_file_message(ws):
     img = ws.backing(16 * MiB)
     key = write_key(ws.tmp / "long.key", os.urandom(65))
-    err = refused(cb(*serve_args(ws, img, key), timeout=30), "is 65 bytes", "at most 64")
+    err = refused(cb(*serve_args(ws, img, key), timeout=30), "is 65 bytes, more than 64 bytes", "raw key file")
     assert "endless" not in err  # a regular file is not called a device or a stream
     refused(cb(*serve_args(ws, img, "/dev/zero"), timeout=30), "not a device or an endless stream")
 
@@ -223,3 +223,21 @@ def test_no_colour_unless_stderr_is_a_terminal(tmp_path):
     assert b"WARN" in tty and ANSI.search(tty), tty
     no_colour = log_line_stderr(tmp_path, dict(env, NO_COLOR="1"), on_terminal=True)
     assert b"WARN" in no_colour and not ANSI.search(no_colour), no_colour
+
+
+def test_plain_serve_of_a_remote_luks_export_refused(ws):
+    """The same guard over an upstream NBD export (nbdkit's file plugin over a LUKS image)."""
+    need_tool("nbdkit")
+    img = luks_image(ws)
+    sock = ws.sockdir / "up.sock"
+    up = subprocess.Popen(["nbdkit", "-f", "-U", str(sock), "file", str(img)], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        key, _ = ws.key()
+        uri = f"nbd+unix:///?socket={sock}"
+        refused(cb(*serve_args(ws, uri, key), timeout=30), "starts with a LUKS2 header", "--type luks")
+    finally:
+        up.terminate()
+        up.wait(timeout=20)

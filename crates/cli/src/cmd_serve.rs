@@ -411,7 +411,12 @@ fn refuse_luks_as_plain(backing: &cryptbridge_bridge::Backing, path: &Path) -> R
     let start = buf.as_ptr().align_offset(SECTOR);
     let first = &mut buf[start..start + SECTOR];
     let len = (backing.size() as usize).min(SECTOR) / 512 * 512;
-    backing.read_at(&mut first[..len], 0).with_context(|| format!("cannot read the start of {}", path.display()))?;
+    if let Err(e) = backing.read_at(&mut first[..len], 0) {
+        // The check guards against a mistake; a store whose first sector cannot be read now can
+        // still serve the rest, and each request reports its own errors.
+        tracing::warn!("cannot read the start of {} to look for a LUKS header: {e}", path.display());
+        return Ok(());
+    }
     if first.len() >= 8 && first[..6] == cryptbridge_volume::LUKS_MAGIC {
         let version = u16::from_be_bytes([first[6], first[7]]);
         bail!(

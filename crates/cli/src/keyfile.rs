@@ -59,8 +59,8 @@ pub fn read_key(path: &Path, key_bits: Option<usize>) -> Result<Zeroizing<Vec<u8
     if len > MAX_KEY_BYTES {
         if meta.is_file() {
             bail!(
-                "key file {} is {} bytes; a raw key file holds only the key, at most {MAX_KEY_BYTES} bytes \
-                 (32 or 64 for aes-xts-plain64, as `cryptbridge keygen` writes it)",
+                "key file {} is {} bytes, more than {MAX_KEY_BYTES} bytes: a raw key file holds only the key \
+                 (32 or 64 bytes for aes-xts-plain64, as `cryptbridge keygen` writes it)",
                 path.display(),
                 meta.len()
             );

@@ -30,7 +30,7 @@ pub fn clear_vector_registers() {
     #[cfg(target_arch = "x86_64")]
     arch::x86::registers::clear_vector_registers();
 }
-pub use registry::{new_cipher, CipherSpec};
+pub use registry::{lookup, lookup_volume, new_cipher, CipherSpec, LookupError, TweakKind};
 
 /// A tweakable, length-preserving cipher over one data unit (usually a disk sector).
 pub trait SectorCipher: Send + Sync {

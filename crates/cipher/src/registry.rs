@@ -1,4 +1,9 @@
-//! Cipher names -> constructors, in the Linux crypto API's composable naming (`xts(aes)`).
+//! The cipher catalogue: every cipher this crate can build, once, with every spelling a user or a
+//! LUKS header may give for it (Linux crypto API name `xts(aes)`, `capi:xts(aes)-plain64`, the
+//! dm-crypt spec `aes-xts-plain64`), its key sizes, tweak, limits and constructor. The CLI and the
+//! LUKS reader both resolve names here, so they cannot disagree about what a name means.
+
+use thiserror::Error;
 
 use crate::adiantum::{Adiantum, XChaChaRounds};
 use crate::aez::Aez;
@@ -20,65 +25,164 @@ pub enum KeyPolicy {
     Volume,
 }
 
-/// A cipher the registry knows: its name and what it takes.
+/// What a scheme makes of the sector number (`SectorCipher::encrypt_unit`); all of it is
+/// dm-crypt's `plain64` IV, which differs only in how long the IV buffer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TweakKind {
+    /// The sector number as a 16-byte little-endian block.
+    Sector16,
+    /// The sector number as 16 little-endian bytes zero-padded to 32: Linux's HCTR2 and Adiantum
+    /// take a 32-byte IV, and dm-crypt's plain64 fills only the first 8 bytes of it.
+    Sector32,
+    /// No tweak at all (ECB): the reason it is refused for volumes.
+    Ignored,
+}
+
+/// Builds a cipher from a key.
+pub type Constructor = fn(&[u8], KeyPolicy) -> Result<Box<dyn SectorCipher>, CipherError>;
+
+/// One catalogue entry.
 #[derive(Debug, Clone, Copy)]
 pub struct CipherSpec {
+    /// The Linux crypto API name (`xts(aes)`); what `new_cipher` and `SectorCipher::name` use.
     pub name: &'static str,
     pub summary: &'static str,
+    /// Every other spelling accepted for it, lower case: the dm-crypt `cipher-mode-plain64` spec
+    /// first where one exists (what a LUKS header stores), and always `capi:NAME-plain64`.
+    pub specs: &'static [&'static str],
+    /// Key sizes in bytes the constructor accepts (AEZ takes any length; its listed sizes are the
+    /// ones worth using).
+    pub key_sizes: &'static [usize],
+    pub tweak: TweakKind,
     /// Smallest data unit in bytes.
     pub min_data_len: usize,
+    /// Whether a volume may use it.
+    pub volume: bool,
+    pub build: Constructor,
 }
+
+impl CipherSpec {
+    /// The spelling to suggest: the dm-crypt spec where one exists, else the `capi:` form.
+    pub fn preferred_spec(&self) -> &'static str {
+        self.specs[0]
+    }
+
+    /// The name and every spec, in that order.
+    pub fn spellings(&self) -> impl Iterator<Item = &'static str> {
+        std::iter::once(self.name).chain(self.specs.iter().copied())
+    }
+}
+
+const ECB_WHY: &str = "it ignores the sector number, so equal plaintext blocks are visible as equal ciphertext";
 
 const CIPHERS: &[CipherSpec] = &[
     CipherSpec {
         name: "xts(aes)",
         summary: "XTS-AES-128/192/256 (IEEE 1619-2007); key = Key1 || Key2 (32, 48 or 64 bytes)",
+        specs: &["aes-xts-plain64", "capi:xts(aes)-plain64"],
+        key_sizes: &[32, 48, 64],
+        tweak: TweakKind::Sector16,
         min_data_len: 16,
+        volume: true,
+        build: |key, policy| {
+            Ok(Box::new(match policy {
+                KeyPolicy::Permissive => Xts::new(key)?,
+                KeyPolicy::Volume => Xts::new_strict(key)?,
+            }))
+        },
     },
     CipherSpec {
         name: "ecb(aes)",
         summary: "raw AES-ECB, tweak ignored; a benchmark baseline, refused for volumes",
+        specs: &["aes-ecb", "capi:ecb(aes)-plain64"],
+        key_sizes: &[16, 24, 32],
+        tweak: TweakKind::Ignored,
         min_data_len: 16,
+        volume: false,
+        build: |key, policy| match policy {
+            KeyPolicy::Permissive => Ok(Box::new(Ecb::new(key)?)),
+            KeyPolicy::Volume => Err(CipherError::NotForVolumes("ecb(aes)", ECB_WHY)),
+        },
     },
     CipherSpec {
         name: "eme2(aes)",
         summary: "EME2-AES wide-block TES (IEEE 1619.2-2010); key = K_AD || K_ECB || AES key (48 or 64 bytes); tweak of any length; >= 16 bytes",
+        specs: &["aes-eme2-plain64", "capi:eme2(aes)-plain64"],
+        key_sizes: &[48, 64],
+        tweak: TweakKind::Sector16,
         min_data_len: 16,
+        volume: true,
+        build: |key, _| Ok(Box::new(Eme2::new(key)?)),
     },
     CipherSpec {
         name: "xcb(aes)",
         summary: "LEGACY, broken (plaintext recovery: Bhati-Andreeva ePrint 2024/1554): XCB-AES (IEEE 1619.2); key = AES key (16/32); tweak of any length; >= 16 bytes",
+        specs: &["aes-xcb-plain64", "capi:xcb(aes)-plain64"],
+        key_sizes: &[16, 32],
+        tweak: TweakKind::Sector16,
         min_data_len: 16,
+        volume: true,
+        build: |key, _| Ok(Box::new(Xcb::new(key)?)),
     },
     CipherSpec {
         name: "fast-horner(aes)",
         summary: "FAST wide-block TES, Horner hash (Chakraborty et al.); key = AES key (16/24/32); 16-byte tweak; >= 48 bytes, whole blocks",
+        specs: &["capi:fast-horner(aes)-plain64"],
+        key_sizes: &[16, 24, 32],
+        tweak: TweakKind::Sector16,
         min_data_len: 48,
+        volume: true,
+        build: |key, _| Ok(Box::new(Fast::new(key, FastHash::Horner)?)),
     },
     CipherSpec {
         name: "fast-brw(aes)",
         summary: "FAST wide-block TES, BRW hash; key = AES key (16/24/32); 16-byte tweak; >= 48 bytes, whole blocks",
+        specs: &["capi:fast-brw(aes)-plain64"],
+        key_sizes: &[16, 24, 32],
+        tweak: TweakKind::Sector16,
         min_data_len: 48,
+        volume: true,
+        build: |key, _| Ok(Box::new(Fast::new(key, FastHash::Brw)?)),
     },
     CipherSpec {
         name: "aez",
         summary: "AEZ v5 enciphering (tau = 0, tweak = nonce, no AD); key of any length (48 bytes used as is, else BLAKE2b Extract); >= 1 byte",
+        specs: &["capi:aez-plain64"],
+        key_sizes: &[48, 16, 32, 64],
+        tweak: TweakKind::Sector16,
         min_data_len: 1,
+        volume: true,
+        build: |key, _| Ok(Box::new(Aez::new(key)?)),
     },
     CipherSpec {
         name: "hctr2(aes)",
         summary: "HCTR2 wide-block TES as in Linux/fscrypt; key = AES key (16/24/32); tweak of any length (Linux: 32); >= 16 bytes",
+        specs: &["aes-hctr2-plain64", "capi:hctr2(aes)-plain64"],
+        key_sizes: &[16, 24, 32],
+        tweak: TweakKind::Sector32,
         min_data_len: 16,
+        volume: true,
+        build: |key, _| Ok(Box::new(Hctr2::new(key)?)),
     },
     CipherSpec {
         name: "adiantum(xchacha12,aes)",
         summary: "Adiantum (XChaCha12, AES-256, NH-Poly1305) as in Linux/fscrypt; key = 32 bytes; tweak of any length (Linux: 32); >= 16 bytes",
+        specs: &["xchacha12,aes-adiantum-plain64", "capi:adiantum(xchacha12,aes)-plain64"],
+        key_sizes: &[32],
+        tweak: TweakKind::Sector32,
         min_data_len: 16,
+        volume: true,
+        build: |key, _| Ok(Box::new(Adiantum::new(key, XChaChaRounds::R12)?)),
     },
     CipherSpec {
         name: "adiantum(xchacha20,aes)",
         summary: "Adiantum with XChaCha20; key = 32 bytes; tweak of any length (Linux: 32); >= 16 bytes",
+        specs: &["xchacha20,aes-adiantum-plain64", "capi:adiantum(xchacha20,aes)-plain64"],
+        key_sizes: &[32],
+        tweak: TweakKind::Sector32,
         min_data_len: 16,
+        volume: true,
+        build: |key, _| Ok(Box::new(Adiantum::new(key, XChaChaRounds::R20)?)),
     },
 ];
 
@@ -87,31 +191,203 @@ pub fn ciphers() -> &'static [CipherSpec] {
     CIPHERS
 }
 
-/// Builds the cipher called `name` (Linux crypto API name) with `key`.
+/// Builds the cipher called `name` (Linux crypto API name, exactly) with `key`.
 pub fn new_cipher(name: &str, key: &[u8], policy: KeyPolicy) -> Result<Box<dyn SectorCipher>, CipherError> {
-    match name {
-        "xts(aes)" => Ok(Box::new(match policy {
-            KeyPolicy::Permissive => Xts::new(key)?,
-            KeyPolicy::Volume => Xts::new_strict(key)?,
-        })),
-        "ecb(aes)" => match policy {
-            KeyPolicy::Permissive => Ok(Box::new(Ecb::new(key)?)),
-            KeyPolicy::Volume => Err(CipherError::NotForVolumes(
-                "ecb(aes)",
-                "it ignores the sector number, so equal plaintext blocks are visible as equal ciphertext",
-            )),
-        },
-        "eme2(aes)" => Ok(Box::new(Eme2::new(key)?)),
-        "xcb(aes)" => Ok(Box::new(Xcb::new(key)?)),
-        "fast-horner(aes)" => Ok(Box::new(Fast::new(key, FastHash::Horner)?)),
-        "fast-brw(aes)" => Ok(Box::new(Fast::new(key, FastHash::Brw)?)),
-        "aez" => Ok(Box::new(Aez::new(key)?)),
-        "hctr2(aes)" => Ok(Box::new(Hctr2::new(key)?)),
-        "adiantum(xchacha12,aes)" => Ok(Box::new(Adiantum::new(key, XChaChaRounds::R12)?)),
-        "adiantum(xchacha20,aes)" => Ok(Box::new(Adiantum::new(key, XChaChaRounds::R20)?)),
-        other => Err(CipherError::UnknownCipher(
-            other.to_string(),
+    match CIPHERS.iter().find(|c| c.name == name) {
+        Some(c) => (c.build)(key, policy),
+        None => Err(CipherError::UnknownCipher(
+            name.to_string(),
             CIPHERS.iter().map(|c| c.name).collect::<Vec<_>>().join(", "),
         )),
+    }
+}
+
+/// Why a spelling names no usable cipher. Every message starts with "cipher `SPEC`" and lists what
+/// is supported, so the user can fix the name from the message alone.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum LookupError {
+    /// A dm-crypt IV generator other than `plain64`: each one derives the tweak differently, and
+    /// only `plain64` (the sector number, little-endian) is implemented.
+    #[error("cipher `{spec}` is not supported: only the plain64 IV is supported, not `{iv}`{hint} (supported: {supported})")]
+    UnsupportedIv { spec: String, iv: String, hint: String, supported: String },
+    #[error("cipher `{spec}` is not supported (supported: {supported})")]
+    Unknown { spec: String, supported: String },
+    #[error("cipher `{spec}` ({name}) is refused for volumes: {why}")]
+    NotForVolumes { spec: String, name: &'static str, why: &'static str },
+}
+
+/// dm-crypt's IV generators (`cipher-chainmode-ivmode[:ivopts]`), so that `aes-xts-plain` gets
+/// "wrong IV" rather than "unknown cipher".
+const IV_MODES: &[&str] = &["plain", "plain64", "plain64be", "essiv", "benbi", "null", "lmk", "tcw", "random", "eboiv", "elephant"];
+
+/// The volume spellings to list in a refusal, `; `-separated because Adiantum's spec has a comma.
+fn supported_list() -> String {
+    let specs: Vec<_> = CIPHERS.iter().filter(|c| c.volume).map(|c| c.preferred_spec()).collect();
+    format!("{}; or a Linux crypto API name such as xts(aes), or capi:NAME-plain64", specs.join("; "))
+}
+
+/// Finds the entry for any spelling: the Linux crypto API name, `capi:NAME-plain64`, or a dm-crypt
+/// spec. ASCII case is ignored, as the LUKS reader always did (cryptsetup-written headers are lower
+/// case, but hand-made ones need not be). Volume use is not checked: see [`lookup_volume`].
+pub fn lookup(spec: &str) -> Result<&'static CipherSpec, LookupError> {
+    let lower = spec.to_ascii_lowercase();
+    if let Some(c) = CIPHERS.iter().find(|c| c.spellings().any(|s| s == lower)) {
+        return Ok(c);
+    }
+    if let Some((head, iv)) = lower.rsplit_once('-') {
+        let iv_mode = iv.split(':').next().unwrap_or(iv);
+        if !head.is_empty() && iv_mode != "plain64" && IV_MODES.contains(&iv_mode) {
+            let with_plain64 = format!("{head}-plain64");
+            let hint = match CIPHERS.iter().find(|c| c.volume && c.specs.contains(&with_plain64.as_str())) {
+                Some(_) => format!(" (use {with_plain64})"),
+                None => String::new(),
+            };
+            return Err(LookupError::UnsupportedIv { spec: spec.to_string(), iv: iv.to_string(), hint, supported: supported_list() });
+        }
+    }
+    Err(LookupError::Unknown { spec: spec.to_string(), supported: supported_list() })
+}
+
+/// [`lookup`], refusing ciphers that volumes must not use (ECB).
+pub fn lookup_volume(spec: &str) -> Result<&'static CipherSpec, LookupError> {
+    let c = lookup(spec)?;
+    if !c.volume {
+        return Err(LookupError::NotForVolumes { spec: spec.to_string(), name: c.name, why: ECB_WHY });
+    }
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Spellings and the cipher each must name, written out by hand.
+    const KNOWN: &[(&str, &str)] = &[
+        ("aes-xts-plain64", "xts(aes)"),
+        ("AES-XTS-PLAIN64", "xts(aes)"),
+        ("capi:xts(aes)-plain64", "xts(aes)"),
+        ("xts(aes)", "xts(aes)"),
+        ("aes-hctr2-plain64", "hctr2(aes)"),
+        ("capi:hctr2(aes)-plain64", "hctr2(aes)"),
+        ("xchacha12,aes-adiantum-plain64", "adiantum(xchacha12,aes)"),
+        ("xchacha20,aes-adiantum-plain64", "adiantum(xchacha20,aes)"),
+        ("capi:adiantum(xchacha20,aes)-plain64", "adiantum(xchacha20,aes)"),
+        ("aes-eme2-plain64", "eme2(aes)"),
+        ("capi:eme2(aes)-plain64", "eme2(aes)"),
+        ("aes-xcb-plain64", "xcb(aes)"),
+        ("capi:fast-horner(aes)-plain64", "fast-horner(aes)"),
+        ("fast-brw(aes)", "fast-brw(aes)"),
+        ("aez", "aez"),
+        ("capi:aez-plain64", "aez"),
+        ("aes-ecb", "ecb(aes)"),
+    ];
+
+    #[test]
+    fn known_spellings() {
+        for &(spec, name) in KNOWN {
+            assert_eq!(lookup(spec).map(|c| c.name), Ok(name), "{spec}");
+        }
+    }
+
+    #[test]
+    fn every_listed_spelling_round_trips() {
+        let mut seen = std::collections::HashSet::new();
+        for c in CIPHERS {
+            assert!(c.specs.contains(&format!("capi:{}-plain64", c.name).as_str()), "{}: no capi: form", c.name);
+            assert!(!c.key_sizes.is_empty(), "{}", c.name);
+            for s in c.spellings() {
+                assert!(seen.insert(s), "{s} listed twice");
+                assert_eq!(s, s.to_ascii_lowercase(), "spellings are stored in lower case");
+                assert_eq!(lookup(s).map(|e| e.name), Ok(c.name), "{s}");
+                assert_eq!(lookup(&s.to_ascii_uppercase()).map(|e| e.name), Ok(c.name), "{s} in upper case");
+                assert_eq!(lookup_volume(s).is_ok(), c.volume, "{s}");
+            }
+        }
+        assert_eq!(CIPHERS.len(), 10);
+    }
+
+    #[test]
+    fn refusals() {
+        for (spec, iv) in [("aes-xts-plain", "plain"), ("aes-xts-essiv:sha256", "essiv:sha256"), ("aes-xts-benbi", "benbi"), ("AES-XTS-Plain", "plain")] {
+            let e = lookup(spec).unwrap_err();
+            assert!(matches!(&e, LookupError::UnsupportedIv { iv: i, .. } if i == iv), "{spec}: {e:?}");
+            let m = e.to_string();
+            assert!(m.contains("only the plain64 IV is supported") && m.contains("(use aes-xts-plain64)") && m.contains(spec), "{m}");
+        }
+        let m = lookup("aes-hctr2-essiv:sha256").unwrap_err().to_string();
+        assert!(m.contains("only the plain64 IV") && m.contains("use aes-hctr2-plain64"), "{m}");
+        let m = lookup("aes-cbc-essiv:sha256").unwrap_err().to_string();
+        assert!(m.starts_with("cipher `aes-cbc-essiv:sha256` is not supported") && m.contains("only the plain64 IV") && !m.contains("(use "), "{m}");
+        for spec in ["bogus", "", "aes-cbc-plain64", "fast-horner(aes)-plain64", "capi:cbc(aes)-plain64", "xts(aes) ", "-plain"] {
+            let e = lookup(spec).unwrap_err();
+            assert!(matches!(e, LookupError::Unknown { .. }), "{spec}: {e:?}");
+            let m = e.to_string();
+            assert!(m.contains("aes-xts-plain64; ") && m.contains("xchacha12,aes-adiantum-plain64") && m.contains("capi:aez-plain64"), "{m}");
+            assert!(!m.contains("aes-ecb"), "ECB is not offered: {m}");
+        }
+        for spec in ["aes-ecb", "ecb(aes)", "capi:ecb(aes)-plain64"] {
+            assert!(lookup(spec).is_ok());
+            let e = lookup_volume(spec).unwrap_err();
+            assert!(matches!(e, LookupError::NotForVolumes { name: "ecb(aes)", .. }), "{spec}: {e:?}");
+            assert!(e.to_string().contains("refused for volumes"));
+        }
+        assert!(new_cipher("aes-xts-plain64", &[1u8; 64], KeyPolicy::Permissive).is_err(), "new_cipher takes API names only");
+        assert!(new_cipher("XTS(AES)", &[1u8; 64], KeyPolicy::Permissive).is_err());
+    }
+
+    /// A key of `len` bytes whose bytes are not all equal and, for XTS, whose halves differ.
+    fn key_of(seed: &[u8], len: usize) -> Vec<u8> {
+        let mut k: Vec<u8> = seed.iter().cycle().take(len).copied().collect();
+        k[len - 1] ^= 0x80;
+        if k[..len / 2] == k[len / 2..] {
+            k[0] ^= 1;
+        }
+        k
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(16))]
+
+        /// Each listed key size builds, under the policy volumes use, and the tweak kind is what
+        /// encrypt_unit really feeds the scheme.
+        #[test]
+        fn constructors_take_listed_key_sizes(seed in proptest::collection::vec(any::<u8>(), 64..=80), unit in any::<u64>(), data in proptest::collection::vec(any::<u8>(), 512)) {
+            for c in CIPHERS {
+                let policy = if c.volume { KeyPolicy::Volume } else { KeyPolicy::Permissive };
+                for &len in c.key_sizes {
+                    let key = key_of(&seed, len);
+                    let cipher = (c.build)(&key, policy).unwrap_or_else(|e| panic!("{} with {len} bytes: {e}", c.name));
+                    prop_assert_eq!(cipher.name(), c.name);
+                    prop_assert_eq!(cipher.key_len(), len);
+                    let mut by_unit = data.clone();
+                    cipher.encrypt_unit(unit, &mut by_unit).unwrap();
+                    prop_assert_ne!(&by_unit, &data);
+                    let mut le = [0u8; 32];
+                    le[..8].copy_from_slice(&unit.to_le_bytes());
+                    let tweak: &[u8] = match c.tweak {
+                        TweakKind::Sector16 => &le[..16],
+                        TweakKind::Sector32 => &le[..],
+                        TweakKind::Ignored => &[],
+                    };
+                    let mut by_tweak = data.clone();
+                    cipher.encrypt(tweak, &mut by_tweak).unwrap();
+                    prop_assert_eq!(&by_unit, &by_tweak, "{}: encrypt_unit is not encrypt({:?} tweak)", c.name, c.tweak);
+                    cipher.decrypt_unit(unit, &mut by_unit).unwrap();
+                    prop_assert_eq!(&by_unit, &data);
+                }
+                let short = vec![7u8; c.key_sizes.iter().min().unwrap() - 1];
+                if c.name != "aez" {
+                    prop_assert!((c.build)(&short, policy).is_err(), "{}: {}-byte key accepted", c.name, short.len());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn ecb_refused_by_volume_policy() {
+        let e = new_cipher("ecb(aes)", &[3u8; 32], KeyPolicy::Volume).err().unwrap();
+        assert!(matches!(e, CipherError::NotForVolumes("ecb(aes)", _)));
+        assert!(new_cipher("ecb(aes)", &[3u8; 32], KeyPolicy::Permissive).is_ok());
     }
 }

@@ -1,41 +1,15 @@
 //! Cipher names as users type them: dm-crypt/cryptsetup `aes-xts-plain64`, its `capi:` form, or
-//! the Linux crypto API name itself.
+//! the Linux crypto API name itself. The names live in the cipher crate's catalogue
+//! (`cryptbridge_cipher::registry`), which the LUKS reader uses too, so `serve --cipher` and a LUKS
+//! header accept the same names.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 
-/// Wide-block schemes a volume may use: (Linux crypto API name, dm-crypt `cipher-mode` spelling
-/// without the IV suffix, if any).
-const WIDE_BLOCK: &[(&str, Option<&str>)] = &[
-    ("hctr2(aes)", Some("aes-hctr2")),
-    ("adiantum(xchacha12,aes)", Some("xchacha12,aes-adiantum")),
-    ("adiantum(xchacha20,aes)", Some("xchacha20,aes-adiantum")),
-    ("eme2(aes)", Some("aes-eme2")),
-    ("xcb(aes)", Some("aes-xcb")),
-    ("fast-horner(aes)", None),
-    ("fast-brw(aes)", None),
-    ("aez", None),
-];
-
-/// Maps a volume cipher spec to (Linux crypto API name, IV generator). Only `plain64` exists
-/// here: the tweak is the sector number as a 16-byte little-endian block (zero-padded to 32 bytes
-/// for HCTR2 and Adiantum, as Linux does).
+/// Maps a volume cipher spec to its Linux crypto API name. Only the `plain64` IV exists here: the
+/// tweak is the sector number as a 16-byte little-endian block (zero-padded to 32 bytes for HCTR2
+/// and Adiantum, as Linux does); ECB is refused.
 pub fn volume_cipher(spec: &str) -> Result<&'static str> {
-    Ok(match spec {
-        "aes-xts-plain64" | "capi:xts(aes)-plain64" | "xts(aes)" => "xts(aes)",
-        "aes-xts-plain" | "aes-xts-essiv:sha256" | "aes-xts-benbi" => {
-            bail!("cipher `{spec}`: only the plain64 IV is supported (use aes-xts-plain64)")
-        }
-        "aes-ecb" | "ecb(aes)" => {
-            bail!("cipher `{spec}`: ECB ignores the sector number and shows equal plaintext blocks; refused for volumes")
-        }
-        _ => match wide_block(spec) {
-            Some(name) => name,
-            None => bail!(
-                "unknown volume cipher `{spec}` (supported: aes-xts-plain64, capi:xts(aes)-plain64, xts(aes); wide-block: {})",
-                WIDE_BLOCK.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
-            ),
-        },
-    })
+    Ok(cryptbridge_cipher::registry::lookup_volume(spec)?.name)
 }
 
 /// clap's value parser for a volume `--cipher`: an unknown or refused name is a usage error (exit
@@ -55,24 +29,10 @@ pub fn parse_registry_cipher(name: &str) -> Result<String, String> {
     Err(format!("unknown cipher `{name}` (known: {})", known.join(", ")))
 }
 
-/// `NAME`, `capi:NAME-plain64` or the dm-crypt spelling `cipher-mode-plain64`.
-fn wide_block(spec: &str) -> Option<&'static str> {
-    for &(name, dm) in WIDE_BLOCK {
-        if spec == name || spec.strip_prefix("capi:").and_then(|s| s.strip_suffix("-plain64")) == Some(name) {
-            return Some(name);
-        }
-        if let Some(dm) = dm {
-            if spec.strip_suffix("-plain64") == Some(dm) {
-                return Some(name);
-            }
-        }
-    }
-    None
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use cryptbridge_volume::cipher_spec::crypto_api_name;
 
     #[test]
     fn spellings() {
@@ -90,5 +50,51 @@ mod tests {
         assert!(volume_cipher("aes-ecb").is_err());
         assert!(volume_cipher("aes-hctr2-essiv:sha256").is_err());
         assert!(volume_cipher("fast-horner(aes)-plain64").is_err());
+        let e = volume_cipher("aes-xts-plain").unwrap_err().to_string();
+        assert!(e.contains("only the plain64 IV is supported") && e.contains("use aes-xts-plain64"), "{e}");
+    }
+
+    /// `serve`/`keygen --cipher` and a LUKS header take exactly the same names, for the same cipher.
+    #[test]
+    fn cli_and_luks_accept_the_same_names() {
+        // Every spelling the catalogue lists, in its case and in upper case, plus names that must be
+        // refused by both.
+        let mut names: Vec<String> = Vec::new();
+        for c in cryptbridge_cipher::registry::ciphers() {
+            for s in c.spellings() {
+                names.push(s.to_string());
+                names.push(s.to_ascii_uppercase());
+            }
+        }
+        let refused = [
+            "aes-xts-plain", "aes-xts-essiv:sha256", "aes-xts-benbi", "aes-xts-null", "aes-cbc-essiv:sha256", "aes-cbc-plain64",
+            "aes-ecb", "ecb(aes)", "capi:ecb(aes)-plain64", "aes-eme2-plain", "fast-horner(aes)-plain64", "bogus", "", "capi:",
+            "capi:xts(aes)", "xts(aes)-plain64", "aes-xts-plain64 ",
+        ];
+        names.extend(refused.iter().map(|s| s.to_string()));
+        let mut accepted = 0;
+        for n in &names {
+            let cli = volume_cipher(n).ok();
+            let luks = crypto_api_name(n).ok();
+            assert_eq!(cli, luks, "`{n}`: serve --cipher says {cli:?}, a LUKS header {luks:?}");
+            accepted += usize::from(cli.is_some());
+        }
+        for n in refused {
+            assert!(volume_cipher(n).is_err(), "`{n}` accepted");
+        }
+        // 9 volume ciphers: 2 spellings each for the 3 without a dm-crypt spec, else 3; twice for case.
+        assert_eq!(accepted, 2 * (3 * 2 + 6 * 3));
+        // The names that used to differ between the two.
+        for (n, want) in [
+            ("aes-eme2-plain64", "eme2(aes)"),
+            ("capi:eme2(aes)-plain64", "eme2(aes)"),
+            ("aes-xcb-plain64", "xcb(aes)"),
+            ("capi:aez-plain64", "aez"),
+            ("xts(aes)", "xts(aes)"),
+            ("AES-XTS-PLAIN64", "xts(aes)"),
+        ] {
+            assert_eq!(volume_cipher(n).unwrap(), want, "{n}");
+            assert_eq!(crypto_api_name(n).unwrap(), want, "{n}");
+        }
     }
 }

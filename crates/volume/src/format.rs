@@ -27,7 +27,7 @@ use zeroize::Zeroizing;
 
 use crate::af;
 use crate::base64;
-use crate::cipher_spec::{crypto_api_name, encrypt_area, sector_cipher};
+use crate::cipher_spec::{encrypt_area, header_api_name, sector_cipher};
 use crate::device::ReadAt;
 use crate::error::{io_err, Result, VolumeError};
 use crate::hash::Hash;
@@ -178,7 +178,7 @@ pub fn digest_iterations(hash: Hash, key_bytes: usize) -> u32 {
 }
 
 fn check_params(p: &FormatParams) -> Result<()> {
-    crypto_api_name(&p.cipher)?;
+    header_api_name(&p.cipher)?;
     let probe = vec![1u8; p.key_bytes];
     let mut probe2 = probe.clone();
     probe2[p.key_bytes / 2..].fill(2);

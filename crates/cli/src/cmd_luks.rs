@@ -179,7 +179,8 @@ pub struct FormatArgs {
     /// LUKS2 label.
     #[arg(long, default_value = "")]
     label: String,
-    /// Overwrite a device that already holds a LUKS header, without asking.
+    /// Overwrite a device that already holds something (a LUKS header, a filesystem, swap, a
+    /// partition table), without asking.
     #[arg(short = 'q', long)]
     batch_mode: bool,
 }
@@ -431,19 +432,9 @@ fn format_volume(a: FormatArgs) -> Result<ExitCode> {
         bail!("LUKS1 has 512-byte sectors; --sector-size {} needs --type luks2", a.sector_size);
     }
     let key_bytes = a.key_size / 8;
-    let kdf = pick_kdf(version, &a.kdf, hash, key_bytes)?;
-    let digest_iterations = if a.kdf.pbkdf_force_iterations.is_some() { MIN_PBKDF2_ITERATIONS } else { format::digest_iterations(hash, key_bytes) };
-    let params = FormatParams {
-        version,
-        cipher: a.cipher.clone(),
-        key_bytes,
-        sector_size: a.sector_size,
-        kdf,
-        hash,
-        digest_iterations,
-        label: a.label.clone(),
-        data_offset: a.offset.map(|s| s * 512),
-        detached: a.header.is_some(),
+    let data_offset = match a.offset {
+        Some(s) => Some(s.checked_mul(512).with_context(|| format!("--offset {s}: too large"))?),
+        None => None,
     };
     let data = std::fs::OpenOptions::new()
         .read(true)
@@ -451,6 +442,10 @@ fn format_volume(a: FormatArgs) -> Result<ExitCode> {
         .open(&a.device)
         .with_context(|| format!("cannot open {} (it must exist)", a.device.display()))?;
     let data_size = ReadAt::size(&data).with_context(|| format!("cannot size {}", a.device.display()))?;
+    // Everything that needs no KDF is checked before one runs or a byte is written: cipher and
+    // key size, sector size, the offset's alignment, room for data on the data device.
+    let layout = format::Layout { version, cipher: &a.cipher, key_bytes, sector_size: a.sector_size, data_offset, detached: a.header.is_some() };
+    layout.check(data_size, &a.device.display().to_string())?;
     let header_path = a.header.as_ref().unwrap_or(&a.device);
     let header_file = match &a.header {
         None => data,
@@ -463,10 +458,22 @@ fn format_volume(a: FormatArgs) -> Result<ExitCode> {
             .open(p)
             .with_context(|| format!("cannot open or create the header file {}", p.display()))?,
     };
-    if !a.batch_mode && Header::read(&header_file).is_ok() {
-        bail!("{} already holds a LUKS header; formatting destroys it and every key to its data (give --batch-mode to do it anyway)", header_path.display());
-    }
+    confirm_overwrite(a.batch_mode, &header_file, header_path)?;
     let pass = read_new_passphrase(a.key_file.as_deref(), &header_path.display().to_string())?;
+    let kdf = pick_kdf(version, &a.kdf, hash, key_bytes)?;
+    let digest_iterations = if a.kdf.pbkdf_force_iterations.is_some() { MIN_PBKDF2_ITERATIONS } else { format::digest_iterations(hash, key_bytes) };
+    let params = FormatParams {
+        version,
+        cipher: a.cipher.clone(),
+        key_bytes,
+        sector_size: a.sector_size,
+        kdf,
+        hash,
+        digest_iterations,
+        label: a.label.clone(),
+        data_offset,
+        detached: a.header.is_some(),
+    };
     let out = format::format(&header_file, &header_path.display().to_string(), data_size, &params, &pass)?;
     tracing::info!(
         "formatted {} as LUKS{version} {} ({} {}-bit, {}-byte sectors, {}), data at byte {}",
@@ -570,25 +577,49 @@ fn check_stdin_once(a: Option<&std::path::Path>, b: Option<&std::path::Path>) ->
     Ok(())
 }
 
-/// cryptsetup's question before the last keyslot goes: typed `YES` on a terminal, or
-/// --batch-mode; without a terminal, a refusal (a script must say --batch-mode).
-fn confirm_last_keyslot(batch: bool, name: &str, slot: u32) -> Result<()> {
+/// cryptsetup's question before something is destroyed: typed `YES` on a terminal, or
+/// --batch-mode; without a terminal, a refusal (a script must say --batch-mode). `what` says what
+/// is lost, `aborted` what the refusal says was left alone.
+fn confirm(batch: bool, what: &str, aborted: &str) -> Result<()> {
     if batch {
         return Ok(());
     }
-    let msg = format!("keyslot {slot} is the last keyslot of {name}: the volume becomes unusable for good once it is removed");
     if !std::io::stdin().is_terminal() {
-        bail!("{msg}; give --batch-mode (-q) to remove it anyway");
+        bail!("{what}; give --batch-mode (-q) to go ahead anyway (no terminal to ask on)");
     }
     let mut err = std::io::stderr().lock();
-    write!(err, "\nWARNING!\n========\n{msg}.\n\nAre you sure? (Type 'yes' in capital letters): ")?;
+    write!(err, "\nWARNING!\n========\n{what}.\n\nAre you sure? (Type 'yes' in capital letters): ")?;
     err.flush()?;
     let mut answer = String::new();
     std::io::stdin().read_line(&mut answer)?;
     if answer.trim_end_matches(['\n', '\r']) != "YES" {
-        bail!("operation aborted, keyslot {slot} was NOT wiped");
+        bail!("operation aborted, {aborted}");
     }
     Ok(())
+}
+
+fn confirm_last_keyslot(batch: bool, name: &str, slot: u32) -> Result<()> {
+    let what = format!("keyslot {slot} is the last keyslot of {name}: the volume becomes unusable for good once it is removed");
+    confirm(batch, &what, &format!("keyslot {slot} was NOT wiped"))
+}
+
+/// Before a new header is written: what the device holds already (a LUKS header, a filesystem,
+/// swap, a partition table) is named, as cryptsetup warns, and only overwritten after a `YES` on
+/// a terminal or with --batch-mode.
+fn confirm_overwrite(batch: bool, file: &std::fs::File, path: &std::path::Path) -> Result<()> {
+    let found = cryptbridge_volume::probe::signatures(file, path);
+    if found.is_empty() {
+        return Ok(());
+    }
+    let name = path.display().to_string();
+    if !batch {
+        for s in &found {
+            eprintln!("WARNING: {}", s.warning(&name));
+        }
+    }
+    let list = found.iter().map(|s| s.description.as_str()).collect::<Vec<_>>().join(", ");
+    let what = format!("{name} already contains {list}: formatting overwrites it irrevocably (with a LUKS header, every key to its data is lost)");
+    confirm(batch, &what, &format!("{name} was NOT changed"))
 }
 
 fn add_key(a: AddKeyArgs) -> Result<ExitCode> {

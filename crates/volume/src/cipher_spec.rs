@@ -15,6 +15,28 @@ const SPECS: &[(&str, &str)] = &[
     ("xchacha20,aes-adiantum-plain64", "adiantum(xchacha20,aes)"),
 ];
 
+/// Volume key sizes in bits each data cipher takes, as cryptsetup and the kernel accept them for a
+/// volume: XTS takes two AES keys (AES-128 or AES-256 halves; cryptsetup documents 256 and 512),
+/// HCTR2 one AES key, Adiantum one 256-bit key.
+const KEY_BITS: &[(&str, &[usize])] =
+    &[("xts(aes)", &[256, 512]), ("hctr2(aes)", &[128, 192, 256]), ("adiantum(xchacha12,aes)", &[256]), ("adiantum(xchacha20,aes)", &[256])];
+
+/// The volume key sizes (bits) a data cipher takes.
+pub fn key_bits(spec: &str) -> Result<&'static [usize]> {
+    let name = crypto_api_name(spec)?;
+    Ok(KEY_BITS.iter().find(|(n, _)| *n == name).map_or(&[][..], |(_, b)| *b))
+}
+
+/// Refuses a volume key size the data cipher does not take, naming the sizes it does.
+pub fn check_key_bits(spec: &str, bits: usize) -> Result<()> {
+    let allowed = key_bits(spec)?;
+    if allowed.contains(&bits) {
+        return Ok(());
+    }
+    let list = allowed.iter().map(|b| b.to_string()).collect::<Vec<_>>();
+    Err(VolumeError::Invalid(format!("--key-size {bits} is not a key size of {spec}: use {}", list.join(" or "))))
+}
+
 /// The crypto API name for a dm-crypt spec, or a clear refusal.
 pub fn crypto_api_name(spec: &str) -> Result<&'static str> {
     let lower = spec.to_ascii_lowercase();
@@ -75,5 +97,14 @@ mod tests {
         assert!(e.contains("aes-cbc-essiv:sha256") && e.contains("aes-xts-plain64"), "{e}");
         assert!(crypto_api_name("aes-xts-plain").is_err());
         assert_eq!(luks1_spec("aes", "xts-plain64"), "aes-xts-plain64");
+    }
+
+    #[test]
+    fn key_sizes() {
+        assert!(check_key_bits("aes-xts-plain64", 512).is_ok() && check_key_bits("aes-xts-plain64", 256).is_ok());
+        let e = check_key_bits("aes-xts-plain64", 384).unwrap_err().to_string();
+        assert!(e.contains("384") && e.contains("256 or 512"), "{e}");
+        assert!(check_key_bits("xchacha12,aes-adiantum-plain64", 512).is_err());
+        assert!(check_key_bits("aes-hctr2-plain64", 256).is_ok());
     }
 }

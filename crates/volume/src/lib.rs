@@ -19,6 +19,7 @@ pub mod kdf;
 pub mod keyslots;
 pub mod luks1;
 pub mod luks2;
+pub mod probe;
 pub mod secret;
 
 use std::fmt;

@@ -359,3 +359,24 @@ def test_cryptsetup_waits_for_our_lock(ws):
                 p.kill()
     assert cs_slots(img) == [0, 1, 2]
     assert opens(img, ours_new) and opens(img, theirs_new) and opens(img, pw)
+
+
+def test_format_over_a_filesystem_asks_on_a_terminal(ws):
+    """On a terminal, luks format over an ext4 filesystem warns and asks cryptsetup's question:
+    anything but YES leaves the image as it was; YES formats it."""
+    import hashlib as _h
+
+    from test_luks import need, run
+
+    img = sparse(ws.tmp / "v.img", 24 * MiB)
+    run([need("mkfs.ext4"), "-q", "-F", img], timeout=120, check=True)
+    before = _h.sha256(img.read_bytes()).hexdigest()
+    pw = write_file(ws.tmp / "pass", PASS)
+    argv = [str(require_binary()), "luks", "format", "--pbkdf", "pbkdf2", *FAST_PBKDF2, "--key-file", str(pw), str(img)]
+    for answer in (b"no\n", b"yes\n"):
+        rc, out = on_a_terminal(argv, answer, b"Type 'yes' in capital letters")
+        assert rc == 1 and b"already contains a 'ext4' superblock signature" in out and b"NOT changed" in out, out
+        assert _h.sha256(img.read_bytes()).hexdigest() == before, f"answered {answer!r}: the image changed"
+    rc, out = on_a_terminal(argv, b"YES\n", b"Type 'yes' in capital letters")
+    assert rc == 0, out
+    assert opens(img, pw)

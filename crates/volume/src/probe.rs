@@ -125,6 +125,8 @@ pub fn blkid(path: &Path) -> Option<Vec<Signature>> {
                 let description = match (t.as_str(), usage.as_str()) {
                     ("crypto_LUKS", _) => format!("a LUKS{} header", get("VERSION").unwrap_or_default()),
                     ("swap", _) => "swap space".to_string(),
+                    ("xfs", _) => "an XFS filesystem".to_string(),
+                    ("vfat", _) => "a FAT filesystem".to_string(),
                     (_, "filesystem") => format!("a{} {t} filesystem", if t.starts_with(['a', 'e', 'i', 'o', 'u']) { "n" } else { "" }),
                     (_, "") => format!("a {t} signature"),
                     (_, u) => format!("a {t} signature ({u})"),

@@ -288,6 +288,41 @@ def test_wrong_passphrase_exits_1_with_a_clear_message(ws, luks2_img):
     assert "no key available with this passphrase (tried keyslot 0)" in p.stderr.decode(), p.stderr
 
 
+def test_a_key_file_ending_in_a_newline_is_pointed_out(ws):
+    """A passphrase set at a prompt has no newline; a key file made with echo has one. Both tools
+    read key files whole, so it does not open; the error says why and how to fix it, for serve and
+    for every luks keyslot command, and following the advice opens it."""
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    typed = write_file(ws.tmp / "typed", b"typed at a prompt")
+    luks_format(img, typed, "--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2)
+    echoed = write_file(ws.tmp / "echoed", b"typed at a prompt\n")
+    assert cryptsetup("open", "--test-passphrase", "--key-file", echoed, img, check=False).returncode != 0
+    new = write_file(ws.tmp / "new", b"new")
+    runs = [
+        serve_fails(ws, "--backing", img, "--key-file", echoed),
+        run([require_binary(), "luks", "test-passphrase", "--key-file", echoed, img], timeout=60, stdin=subprocess.DEVNULL),
+        run([require_binary(), "luks", "add-key", "--key-file", echoed, *FAST_PBKDF2, "--pbkdf", "pbkdf2", img, new], timeout=60, stdin=subprocess.DEVNULL),
+        run([require_binary(), "luks", "change-key", "--key-file", echoed, *FAST_PBKDF2, "--pbkdf", "pbkdf2", img, new], timeout=60, stdin=subprocess.DEVNULL),
+        run([require_binary(), "luks", "remove-key", "--key-file", echoed, img], timeout=60, stdin=subprocess.DEVNULL),
+        run([require_binary(), "luks", "kill-slot", "--batch-mode", "--key-file", echoed, img, "0"], timeout=60, stdin=subprocess.DEVNULL),
+        run([require_binary(), "serve", "--type", "luks", "--backing", img, "--key-file", "-", "--unix", ws.sockdir / "x.sock"], input=b"typed at a prompt\n", timeout=60),
+    ]
+    for p in runs:
+        err = p.stderr.decode()
+        assert p.returncode == 1 and "no key available with this passphrase" in err, err
+        assert "newline, which is part of the passphrase" in err, err
+    assert f"truncate -s -1 {echoed}" in runs[0].stderr.decode()
+    assert "standard input ended with a newline" in runs[-1].stderr.decode()
+    # A wrong passphrase without a newline gets no such note.
+    other = write_file(ws.tmp / "other", b"something else")
+    p = run([require_binary(), "luks", "test-passphrase", "--key-file", other, img], timeout=60, stdin=subprocess.DEVNULL)
+    assert p.returncode == 1 and b"no key available" in p.stderr and b"newline" not in p.stderr, p.stderr
+    assert cryptsetup("luksDump", img).returncode == 0 and volume_key(img, typed)  # nothing changed
+    run(["truncate", "-s", "-1", echoed], check=True)
+    assert run([require_binary(), "luks", "test-passphrase", "--key-file", echoed, img], timeout=60).returncode == 0
+    cryptsetup("open", "--test-passphrase", "--key-file", echoed, img)
+
+
 def test_passphrase_from_stdin_and_no_passphrase_without_a_terminal(ws, luks2_img):
     img, pw = luks2_img
     p = run([require_binary(), "serve", "--type", "luks", "--backing", img, "--key-file", "-", "--unix", ws.sockdir / "x.sock"],

@@ -545,12 +545,9 @@ impl LockedHeader {
         HeaderDevice { file: &self.file, name: &self.name, detached: self.detached }
     }
 
-    /// Unlocks with `pass` (every keyslot, or `slot`).
-    fn unlock(&self, pass: &[u8], slot: Option<u32>) -> Result<Unlocked> {
-        self.header.unlock(&self.file, pass, slot).map_err(|e| match e {
-            VolumeError::WrongPassphrase(_) | VolumeError::NoKeyslot(_) => anyhow::anyhow!("{}: {e}", self.name),
-            e => anyhow::Error::new(e).context(format!("cannot open {}", self.name)),
-        })
+    /// Unlocks with `pass` (read from `key_file`, or typed): every keyslot, or `slot`.
+    fn unlock(&self, pass: &[u8], key_file: Option<&std::path::Path>, slot: Option<u32>) -> Result<Unlocked> {
+        self.header.unlock(&self.file, pass, slot).map_err(|e| passphrase::unlock_error(e, &self.name, key_file, pass))
     }
 
     fn reread(&mut self) -> Result<()> {
@@ -631,7 +628,7 @@ fn add_key(a: AddKeyArgs) -> Result<ExitCode> {
     };
     let locked = LockedHeader::open(&a.common)?;
     let pass = passphrase::read(a.common.key_file.as_deref(), &format!("Enter any existing passphrase for {}: ", locked.name))?;
-    let unlocked = locked.unlock(&pass, unlock_slot)?;
+    let unlocked = locked.unlock(&pass, a.common.key_file.as_deref(), unlock_slot)?;
     drop(pass);
     let new_pass = read_new_passphrase_prompt(new_file, "Enter new passphrase for key slot: ")?;
     let params = locked.new_keyslot(&a.kdf, unlocked.volume_key.len())?;
@@ -647,7 +644,7 @@ fn remove_key(a: RemoveKeyArgs) -> Result<ExitCode> {
     let locked = LockedHeader::open(&a.common)?;
     let file = a.remove_key_file.as_deref().or(a.common.key_file.as_deref());
     let pass = passphrase::read(file, &format!("Enter passphrase to be deleted from {}: ", locked.name))?;
-    let unlocked = locked.unlock(&pass, a.key_slot)?;
+    let unlocked = locked.unlock(&pass, file, a.key_slot)?;
     drop(pass);
     if locked.header.active_keyslots() == [unlocked.keyslot] {
         confirm_last_keyslot(a.common.batch_mode, &locked.name, unlocked.keyslot)?;
@@ -673,7 +670,7 @@ fn kill_slot(a: KillSlotArgs) -> Result<ExitCode> {
     if !a.common.batch_mode || a.common.key_file.is_some() {
         let pass = passphrase::read(a.common.key_file.as_deref(), &format!("Enter any remaining passphrase for {}: ", locked.name))?;
         if last {
-            locked.unlock(&pass, Some(slot))?;
+            locked.unlock(&pass, a.common.key_file.as_deref(), Some(slot))?;
         } else {
             let others: Vec<u32> = active.iter().copied().filter(|&s| s != slot).collect();
             let mut opened = false;
@@ -688,7 +685,8 @@ fn kill_slot(a: KillSlotArgs) -> Result<ExitCode> {
                 }
             }
             if !opened {
-                bail!("{}: {}; keyslot {slot} was NOT wiped", locked.name, VolumeError::WrongPassphrase(others));
+                let e = passphrase::unlock_error(VolumeError::WrongPassphrase(others), &locked.name, a.common.key_file.as_deref(), &pass);
+                return Err(e.context(format!("keyslot {slot} was NOT wiped")));
             }
         }
     }
@@ -701,7 +699,7 @@ fn change_key(a: ChangeKeyArgs) -> Result<ExitCode> {
     check_stdin_once(a.common.key_file.as_deref(), a.new_key_file.as_deref())?;
     let mut locked = LockedHeader::open(&a.common)?;
     let pass = passphrase::read(a.common.key_file.as_deref(), &format!("Enter passphrase to be changed for {}: ", locked.name))?;
-    let unlocked = locked.unlock(&pass, a.key_slot)?;
+    let unlocked = locked.unlock(&pass, a.common.key_file.as_deref(), a.key_slot)?;
     drop(pass);
     let new_pass = read_new_passphrase_prompt(a.new_key_file.as_deref(), "Enter new passphrase: ")?;
     let params = locked.new_keyslot(&a.kdf, unlocked.volume_key.len())?;
@@ -730,10 +728,7 @@ fn test_passphrase(a: TestPassphraseArgs) -> Result<ExitCode> {
     header.data_segment().with_context(|| format!("{name} cannot be opened here"))?;
     let pass = passphrase::read(a.key_file.as_deref(), &format!("Enter passphrase for {name}: "))?;
     let started = std::time::Instant::now();
-    let unlocked = header.unlock(&file, &pass, a.key_slot).map_err(|e| match e {
-        VolumeError::WrongPassphrase(_) | VolumeError::NoKeyslot(_) => anyhow::anyhow!("{name}: {e}"),
-        e => anyhow::Error::new(e).context(format!("cannot open {name}")),
-    })?;
+    let unlocked = header.unlock(&file, &pass, a.key_slot).map_err(|e| passphrase::unlock_error(e, &name, a.key_file.as_deref(), &pass))?;
     tracing::info!("keyslot {} of {name} opened in {} ms", unlocked.keyslot, started.elapsed().as_millis());
     Ok(ExitCode::SUCCESS)
 }

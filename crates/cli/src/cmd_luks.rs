@@ -260,8 +260,17 @@ fn dump(a: DumpArgs) -> Result<ExitCode> {
     }
     let mut out = String::new();
     match &header {
-        Header::Luks1(h) => text_luks1(h, &mut out),
+        Header::Luks1(h) => text_luks1(h, &a.device.display().to_string(), &mut out),
         Header::Luks2(h) => text_luks2(h, &mut out),
+    }
+    // What cryptsetup does not print: which copy was read, problems, and what serve makes of it.
+    out += "\n";
+    if let Header::Luks2(h) = &header {
+        let copy = match h.copy {
+            luks2::Copy::Primary => "primary",
+            luks2::Copy::Secondary => "secondary",
+        };
+        out += &format!("Read from:     {copy} header copy\n");
     }
     for w in header.warnings() {
         out += &format!("Warning:       {w}\n");
@@ -309,15 +318,39 @@ fn luks1_json(h: &luks1::Luks1Header) -> Value {
     })
 }
 
-fn text_luks1(h: &luks1::Luks1Header, out: &mut String) {
-    *out += &format!(
-        "LUKS header information\nVersion:       1\nCipher name:   {}\nCipher mode:   {}\nHash spec:     {}\nPayload offset:{}\nMK bits:       {}\nMK iterations: {}\nUUID:          {}\n",
-        h.cipher_name, h.cipher_mode, h.hash_spec, h.payload_offset, h.key_bytes * 8, h.mk_digest_iterations, h.uuid
-    );
+/// Bytes as cryptsetup's dump prints them: `xx ` each, `per_line` to a line, later lines after
+/// `indent`.
+fn hex_lines(b: &[u8], per_line: usize, indent: &str) -> String {
+    let mut out = String::new();
+    for (i, chunk) in b.chunks(per_line.max(1)).enumerate() {
+        if i > 0 {
+            out += indent;
+        }
+        for x in chunk {
+            out += &format!("{x:02x} ");
+        }
+        out += "\n";
+    }
+    if b.is_empty() {
+        out += "\n";
+    }
+    out
+}
+
+/// `cryptsetup luksDump` of a LUKS1 header, field for field (cryptsetup 2.6).
+fn text_luks1(h: &luks1::Luks1Header, device: &str, out: &mut String) {
+    *out += &format!("LUKS header information for {device}\n\n");
+    *out += &format!("Version:       \t1\nCipher name:   \t{}\nCipher mode:   \t{}\nHash spec:     \t{}\n", h.cipher_name, h.cipher_mode, h.hash_spec);
+    *out += &format!("Payload offset:\t{}\nMK bits:       \t{}\n", h.payload_offset, h.key_bytes * 8);
+    *out += &format!("MK digest:     \t{}", hex_lines(&h.mk_digest, 20, ""));
+    *out += &format!("MK salt:       \t{}", hex_lines(&h.mk_digest_salt, 16, "               \t"));
+    *out += &format!("MK iterations: \t{}\nUUID:          \t{}\n\n", h.mk_digest_iterations, h.uuid);
     for (i, s) in h.keyslots.iter().enumerate() {
         match s.state {
             luks1::SlotState::Active => {
-                *out += &format!("Key Slot {i}: ENABLED (iterations {}, key material offset {}, {} stripes)\n", s.iterations, s.key_material_offset, s.stripes)
+                *out += &format!("Key Slot {i}: ENABLED\n\tIterations:         \t{}\n", s.iterations);
+                *out += &format!("\tSalt:               \t{}", hex_lines(&s.salt, 16, "\t                      \t"));
+                *out += &format!("\tKey material offset:\t{}\n\tAF stripes:            \t{}\n", s.key_material_offset, s.stripes);
             }
             luks1::SlotState::Inactive => *out += &format!("Key Slot {i}: DISABLED\n"),
             luks1::SlotState::Damaged(v) => *out += &format!("Key Slot {i}: DAMAGED (state {v:#010x})\n"),
@@ -325,66 +358,108 @@ fn text_luks1(h: &luks1::Luks1Header, out: &mut String) {
     }
 }
 
+/// cryptsetup's words for a LUKS2 keyslot priority.
+fn priority_word(p: u8) -> &'static str {
+    match p {
+        0 => "ignored",
+        1 => "normal",
+        2 => "preferred",
+        _ => "invalid",
+    }
+}
+
+/// `cryptsetup luksDump` of a LUKS2 header, section for section and field for field (cryptsetup
+/// 2.6): header, config, data segments, keyslots, tokens, digests.
 fn text_luks2(h: &luks2::Luks2Header, out: &mut String) {
-    let copy = match h.copy {
-        luks2::Copy::Primary => "primary",
-        luks2::Copy::Secondary => "secondary",
-    };
+    let j = &h.json;
     *out += &format!(
-        "LUKS header information\nVersion:       2\nEpoch:         {}\nMetadata area: {} [bytes]\nKeyslots area: {} [bytes]\nUUID:          {}\nLabel:         {}\nRead from:     {copy} header copy\n",
+        "LUKS header information\nVersion:       \t2\nEpoch:         \t{}\nMetadata area: \t{} [bytes]\nKeyslots area: \t{} [bytes]\nUUID:          \t{}\nLabel:         \t{}\nSubsystem:     \t{}\n",
         h.binary.seqid,
         h.config.json_size + luks2::BIN_LEN as u64,
         h.config.keyslots_size,
-        h.binary.uuid,
+        if h.binary.uuid.is_empty() { "(no UUID)" } else { &h.binary.uuid },
         if h.binary.label.is_empty() { "(no label)" } else { &h.binary.label },
+        if h.binary.subsystem.is_empty() { "(no subsystem)" } else { &h.binary.subsystem },
     );
-    if !h.config.flags.is_empty() {
-        *out += &format!("Flags:         {}\n", h.config.flags.join(" "));
+    if h.config.flags.is_empty() {
+        *out += "Flags:       \t(no flags)\n";
+    } else {
+        *out += &format!("Flags:       \t{}\n", h.config.flags.iter().map(|f| format!("{f} ")).collect::<String>());
     }
     if !h.config.requirements.is_empty() {
-        *out += &format!("Requirements:  {}\n", h.config.requirements.join(" "));
+        *out += &format!("Requirements:\t{}\n", h.config.requirements.iter().map(|f| format!("{f} ")).collect::<String>());
     }
     *out += "\nData segments:\n";
     for (id, s) in &h.segments {
         *out += &format!(
-            "  {id}: {}\n\toffset: {} [bytes]\n\tlength: {}\n\tcipher: {}\n\tsector: {} [bytes]\n",
+            "  {id}: {}\n\toffset: {} [bytes]\n\tlength: {}\n",
             s.kind,
             s.offset,
             s.size.map_or("(whole device)".to_string(), |n| format!("{n} [bytes]")),
-            s.encryption,
-            s.sector_size
         );
-        if s.integrity {
-            *out += "\tintegrity: yes\n";
+        if !s.encryption.is_empty() {
+            *out += &format!("\tcipher: {}\n\tsector: {} [bytes]\n", s.encryption, s.sector_size);
+        }
+        if let Some(t) = j["segments"][id.to_string()]["integrity"]["type"].as_str() {
+            *out += &format!("\tintegrity: {t}\n");
         }
         if !s.flags.is_empty() {
-            *out += &format!("\tflags: {}\n", s.flags.join(" "));
+            *out += &format!("\tflags : {}\n", s.flags.iter().map(|f| format!("{f} ")).collect::<String>());
         }
+        *out += "\n";
     }
-    *out += "\nKeyslots:\n";
+    *out += "Keyslots:\n";
     for (id, k) in &h.keyslots {
-        let prio = ["ignored", "normal", "high"][usize::from(k.priority.min(2))];
-        *out += &format!("  {id}: {}\n\tKey:        {} bits\n\tPriority:   {prio}\n", k.kind, k.key_size * 8);
+        let digest = h.digests.iter().find(|(_, d)| d.keyslots.contains(id)).map(|(d, _)| *d);
+        *out += &format!("  {id}: {}{}\n", k.kind, if digest.is_none() { " (unbound)" } else { "" });
+        *out += &format!("\tKey:        {} bits\n\tPriority:   {}\n", k.key_size * 8, priority_word(k.priority));
         if let Some(l) = &k.luks2 {
             *out += &format!("\tCipher:     {}\n\tCipher key: {} bits\n", l.area_encryption, l.area_key_size * 8);
+            let kdf = &j["keyslots"][id.to_string()]["kdf"];
             match &l.kdf {
-                Kdf::Pbkdf2 { hash, iterations } => *out += &format!("\tPBKDF:      pbkdf2\n\tHash:       {}\n\tIterations: {iterations}\n", hash.name()),
-                Kdf::Argon2 { variant, time, memory_kib, parallel } => {
+                Ok(Kdf::Pbkdf2 { hash, iterations }) => *out += &format!("\tPBKDF:      pbkdf2\n\tHash:       {}\n\tIterations: {iterations}\n", hash.name()),
+                Ok(Kdf::Argon2 { variant, time, memory_kib, parallel }) => {
                     *out += &format!("\tPBKDF:      {}\n\tTime cost:  {time}\n\tMemory:     {memory_kib}\n\tThreads:    {parallel}\n", variant.name())
                 }
+                Err(_) => {
+                    *out += &format!("\tPBKDF:      {}\n", kdf["type"].as_str().unwrap_or("?"));
+                    if let Some(hash) = kdf["hash"].as_str() {
+                        *out += &format!("\tHash:       {hash}\n\tIterations: {}\n", kdf["iterations"]);
+                    }
+                }
             }
+            *out += &format!("\tSalt:       {}", hex_lines(&l.salt, 16, "\t            "));
             *out += &format!(
                 "\tAF stripes: {}\n\tAF hash:    {}\n\tArea offset:{} [bytes]\n\tArea length:{} [bytes]\n",
                 l.stripes, l.af_hash, l.area_offset, l.area_size
             );
         }
+        if let Some(d) = digest {
+            *out += &format!("\tDigest ID:  {d}\n");
+        }
+    }
+    *out += "Tokens:\n";
+    if let Some(tokens) = j["tokens"].as_object() {
+        let mut ids: Vec<(u64, &Value)> = tokens.iter().filter_map(|(k, v)| Some((k.parse().ok()?, v))).collect();
+        ids.sort_by_key(|(k, _)| *k);
+        for (id, t) in ids {
+            *out += &format!("  {id}: {}\n", t["type"].as_str().unwrap_or("?"));
+            if let Some(desc) = t["key_description"].as_str() {
+                *out += &format!("\tKey description: {desc}\n");
+            }
+            for slot in t["keyslots"].as_array().into_iter().flatten() {
+                *out += &format!("\tKeyslot:    {}\n", slot.as_str().unwrap_or("?"));
+            }
+        }
     }
     *out += "Digests:\n";
     for (id, d) in &h.digests {
-        *out += &format!(
-            "  {id}: {}\n\tHash:       {}\n\tIterations: {}\n\tKeyslots:   {:?}\n\tSegments:   {:?}\n",
-            d.kind, d.hash, d.iterations, d.keyslots, d.segments
-        );
+        *out += &format!("  {id}: {}\n", d.kind);
+        if d.kind == "pbkdf2" {
+            *out += &format!("\tHash:       {}\n\tIterations: {}\n", d.hash, d.iterations);
+            *out += &format!("\tSalt:       {}", hex_lines(&d.salt, 16, "\t            "));
+            *out += &format!("\tDigest:     {}", hex_lines(&d.digest, 16, "\t            "));
+        }
     }
 }
 

@@ -140,7 +140,9 @@ pub struct Luks2Keyslot {
     pub area_size: u64,
     pub area_encryption: String,
     pub area_key_size: usize,
-    pub kdf: Kdf,
+    /// The KDF, or why it cannot be used here (a PBKDF2 hash this crate lacks, such as
+    /// ripemd160 or whirlpool): such a keyslot is skipped with a warning, the others still open.
+    pub kdf: std::result::Result<Kdf, String>,
     pub salt: Vec<u8>,
 }
 
@@ -315,14 +317,20 @@ fn parse_keyslot(o: &Map<String, Value>, what: &str) -> Result<Keyslot> {
         let kdf_o = obj(field(o, "kdf", what)?, &format!("{what}.kdf"))?;
         let kdf_what = format!("{what}.kdf");
         let kdf = match string(kdf_o, "type", &kdf_what)? {
-            "pbkdf2" => Kdf::Pbkdf2 { hash: Hash::from_name(string(kdf_o, "hash", &kdf_what)?)?, iterations: u32_number(kdf_o, "iterations", &kdf_what)? },
-            t @ ("argon2i" | "argon2id") => Kdf::Argon2 {
+            "pbkdf2" => {
+                let iterations = u32_number(kdf_o, "iterations", &kdf_what)?;
+                match Hash::from_name(string(kdf_o, "hash", &kdf_what)?) {
+                    Ok(hash) => Ok(Kdf::Pbkdf2 { hash, iterations }),
+                    Err(e) => Err(format!("{what}: PBKDF2 {e}")),
+                }
+            }
+            t @ ("argon2i" | "argon2id") => Ok(Kdf::Argon2 {
                 variant: if t == "argon2i" { Argon2Variant::Argon2i } else { Argon2Variant::Argon2id },
                 time: u32_number(kdf_o, "time", &kdf_what)?,
                 memory_kib: u32_number(kdf_o, "memory", &kdf_what)?,
                 parallel: u32_number(kdf_o, "cpus", &kdf_what)?,
-            },
-            other => return Err(VolumeError::Unsupported(format!("{what}: KDF `{other}` is not supported (pbkdf2, argon2i, argon2id)"))),
+            }),
+            other => Err(format!("{what}: KDF `{other}` is not supported (pbkdf2, argon2i, argon2id)")),
         };
         Some(Luks2Keyslot {
             af_hash: string(af, "hash", &af_what)?.to_string(),
@@ -586,7 +594,8 @@ impl Luks2Header {
         }
         let af_hash = Hash::from_name(&k.af_hash)?;
         crypto_api_name(&k.area_encryption)?;
-        let derived = k.kdf.derive(passphrase, &k.salt, k.area_key_size)?;
+        let kdf = k.kdf.as_ref().map_err(|why| VolumeError::Unsupported(why.clone()))?;
+        let derived = kdf.derive(passphrase, &k.salt, k.area_key_size)?;
         let mut material = crate::Secret::new(len);
         dev.read_exact_at(&mut material, k.area_offset).map_err(|error| VolumeError::Io { what: format!("cannot read {what}'s area"), error })?;
         decrypt_area(&k.area_encryption, &derived, &mut material)?;

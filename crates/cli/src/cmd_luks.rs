@@ -11,7 +11,7 @@ use cryptbridge_volume::hash::Hash;
 use cryptbridge_volume::kdf::{Argon2Variant, Kdf};
 use cryptbridge_volume::format::DeviceLock;
 use cryptbridge_volume::keyslots::{self, HeaderDevice, NewKeyslot};
-use cryptbridge_volume::{luks1, luks2, DataSegment, Header, ReadAt, Secret, Unlocked, VolumeError};
+use cryptbridge_volume::{luks1, luks2, DataSegment, Header, ReadAt, Secret, VolumeError, VolumeKey};
 use serde_json::{json, Value};
 
 use crate::passphrase;
@@ -603,16 +603,13 @@ impl LockedHeader {
         // the guard must not unlock it earlier.
         std::mem::forget(lock);
         let header = Header::read(&file).with_context(|| name.clone())?;
-        if c.header.is_none() {
-            if let Ok(seg) = header.data_segment() {
-                if seg.offset == 0 {
-                    bail!("{name}: the data segment starts at offset 0 (a detached-header volume?); give --header FILE");
-                }
-            }
+        if c.header.is_none() && header.data_offset() == Some(0) {
+            bail!("{name}: the data segment starts at offset 0 (a detached-header volume?); give --header FILE");
         }
-        // What cannot be served is not changed either (reencryption, integrity, unknown
-        // requirements): refused before any passphrase is asked for.
-        header.data_segment().with_context(|| format!("{name}: its keyslots are not changed"))?;
+        // A volume in a state this crate does not handle is not changed (reencryption,
+        // integrity, unknown requirements): refused before any passphrase is asked for. A data
+        // cipher it cannot serve does not matter here: only the keyslot cipher is used.
+        header.keyslot_check().with_context(|| format!("{name}: its keyslots are not changed"))?;
         Ok(LockedHeader { file, name, detached: c.header.is_some(), header })
     }
 
@@ -621,8 +618,8 @@ impl LockedHeader {
     }
 
     /// Unlocks with `pass` (read from `key_file`, or typed): every keyslot, or `slot`.
-    fn unlock(&self, pass: &[u8], key_file: Option<&std::path::Path>, slot: Option<u32>) -> Result<Unlocked> {
-        self.header.unlock(&self.file, pass, slot).map_err(|e| passphrase::unlock_error(e, &self.name, key_file, pass))
+    fn unlock(&self, pass: &[u8], key_file: Option<&std::path::Path>, slot: Option<u32>) -> Result<VolumeKey> {
+        self.header.unlock_key(&self.file, pass, slot).map_err(|e| passphrase::unlock_error(e, &self.name, key_file, pass))
     }
 
     fn reread(&mut self) -> Result<()> {
@@ -750,7 +747,7 @@ fn kill_slot(a: KillSlotArgs) -> Result<ExitCode> {
             let others: Vec<u32> = active.iter().copied().filter(|&s| s != slot).collect();
             let mut opened = false;
             for &s in &others {
-                match locked.header.unlock(&locked.file, &pass, Some(s)) {
+                match locked.header.unlock_key(&locked.file, &pass, Some(s)) {
                     Ok(_) => {
                         opened = true;
                         break;
@@ -800,10 +797,12 @@ fn test_passphrase(a: TestPassphraseArgs) -> Result<ExitCode> {
     let name = path.display().to_string();
     let file = std::fs::File::open(path).with_context(|| format!("cannot open {name}"))?;
     let header = Header::read(&file).with_context(|| name.clone())?;
-    header.data_segment().with_context(|| format!("{name} cannot be opened here"))?;
+    // As cryptsetup's --test-passphrase: only the keyslots matter, not whether the data cipher
+    // can be served here.
+    header.keyslot_check().with_context(|| format!("{name} cannot be opened here"))?;
     let pass = passphrase::read(a.key_file.as_deref(), &format!("Enter passphrase for {name}: "))?;
     let started = std::time::Instant::now();
-    let unlocked = header.unlock(&file, &pass, a.key_slot).map_err(|e| passphrase::unlock_error(e, &name, a.key_file.as_deref(), &pass))?;
+    let unlocked = header.unlock_key(&file, &pass, a.key_slot).map_err(|e| passphrase::unlock_error(e, &name, a.key_file.as_deref(), &pass))?;
     tracing::info!("keyslot {} of {name} opened in {} ms", unlocked.keyslot, started.elapsed().as_millis());
     Ok(ExitCode::SUCCESS)
 }

@@ -632,6 +632,33 @@ def test_luks_format_refuses_before_any_kdf(ws):
         assert target.read_bytes() == bytes(target.stat().st_size), opts
 
 
+def keyslot_iterations(img: Path) -> int:
+    """Keyslot 0's PBKDF2 iterations as cryptsetup luksDump prints them."""
+    out = cryptsetup("luksDump", img).stdout.decode()
+    m = re.search(r"Key Slot 0: ENABLED\s*\n\s*Iterations:\s*(\d+)", out) or re.search(r"PBKDF:\s+pbkdf2\s*\n\s*Hash:.*\n\s*Iterations:\s*(\d+)", out)
+    assert m, out
+    return int(m.group(1))
+
+
+@pytest.mark.parametrize("luks_type,bits", [("luks2", 512), ("luks1", 256)])
+def test_iter_time_means_what_it_means_to_cryptsetup(ws, luks_type, bits):
+    """For the same --iter-time, luks format picks about the PBKDF2 iterations cryptsetup
+    luksFormat picks on this machine (so cryptsetup's unlock takes about that long), within 2x
+    either way: the median of three runs each, for a noisy shared machine."""
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    theirs, mine = [], []
+    for _ in range(3):
+        luks_format(img, pw, "--type", luks_type, "--pbkdf", "pbkdf2", "--key-size", str(bits), "--iter-time", "500")
+        theirs.append(keyslot_iterations(img))
+        p = run([require_binary(), "luks", "format", "--batch-mode", "--type", luks_type, "--pbkdf", "pbkdf2", "--key-size", str(bits),
+                 "--iter-time", "500", "--key-file", pw, img], timeout=120)  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        mine.append(keyslot_iterations(img))
+    ratio = sorted(mine)[1] / sorted(theirs)[1]
+    assert 0.5 <= ratio <= 2, f"ours {mine}, cryptsetup's {theirs}"
+
+
 def test_luks_dump_text_and_refusal(ws, luks2_img):
     img, _ = luks2_img
     out = run([require_binary(), "luks", "dump", img], timeout=30, check=True).stdout.decode()

@@ -485,8 +485,40 @@ fn pick_kdf(version: u8, a: &KdfArgs, hash: Hash, key_bytes: usize) -> Result<Kd
             let variant = if kind == "argon2i" { Argon2Variant::Argon2i } else { Argon2Variant::Argon2id };
             Kdf::Argon2 { variant, time: n, memory_kib: memory, parallel }
         }
+        None if kind == "pbkdf2" => match cryptsetup_pbkdf2_rate(hash) {
+            // --iter-time is the time the unlock takes where the volume is opened for real: by
+            // cryptsetup, whose PBKDF2 (OpenSSL's) is slower than this crate's.
+            Some(rate) => Kdf::Pbkdf2 { hash, iterations: format::pbkdf2_iterations_at(rate, hash, key_bytes, a.iter_time) },
+            None => format::benchmark(&kind, hash, a.iter_time, memory, parallel, key_bytes)?,
+        },
         None => format::benchmark(&kind, hash, a.iter_time, memory, parallel, key_bytes)?,
     })
+}
+
+/// PBKDF2 iterations per second for a 256-bit output as cryptsetup computes them on this machine
+/// (`cryptsetup benchmark --pbkdf pbkdf2 --hash H`), or `None` where cryptsetup is not installed
+/// or says nothing usable. cryptsetup benchmarks the same way before it picks iterations itself.
+fn cryptsetup_pbkdf2_rate(hash: Hash) -> Option<u64> {
+    let out = ["cryptsetup", "/usr/sbin/cryptsetup", "/sbin/cryptsetup"].iter().find_map(|c| {
+        std::process::Command::new(c)
+            .args(["benchmark", "--pbkdf", "pbkdf2", "--hash", hash.name()])
+            .stdin(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .output()
+            .ok()
+    })?;
+    if !out.status.success() {
+        return None;
+    }
+    // "PBKDF2-sha256    2008766 iterations per second for 256-bit key"
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rate = text.lines().find_map(|l| {
+        let mut words = l.split_whitespace();
+        (words.next()? == format!("PBKDF2-{}", hash.name()) && l.contains("iterations per second for 256-bit key")).then_some(())?;
+        words.next()?.parse::<u64>().ok()
+    })?;
+    tracing::info!("PBKDF2-{} calibrated with cryptsetup benchmark: {rate} iterations per second for a 256-bit key", hash.name());
+    Some(rate)
 }
 
 /// Half the machine's memory in KiB, from /proc/meminfo (None where unreadable).

@@ -167,6 +167,15 @@ pub fn benchmark(kind: &str, hash: Hash, iter_time_ms: u64, memory_kib: u32, par
     }
 }
 
+/// PBKDF2 iterations that take `ms` milliseconds to derive `out_bytes`, from a measured rate of
+/// `per_sec_256` iterations per second for a 256-bit output (what `cryptsetup benchmark` prints):
+/// PBKDF2 runs its iterations once per hash-sized output block.
+pub fn pbkdf2_iterations_at(per_sec_256: u64, hash: Hash, out_bytes: usize, ms: u64) -> u32 {
+    let blocks = |n: usize| n.div_ceil(hash.output_len()).max(1) as u64;
+    let per_sec = per_sec_256.saturating_mul(blocks(32)) / blocks(out_bytes);
+    (per_sec.saturating_mul(ms) / 1000).clamp(u64::from(MIN_PBKDF2_ITERATIONS), u64::from(u32::MAX)) as u32
+}
+
 /// Iterations for the volume key digest: ~125 ms, at least 1000 (cryptsetup's rule).
 pub fn digest_iterations(hash: Hash, key_bytes: usize) -> u32 {
     let probe = 20_000u32;
@@ -566,5 +575,16 @@ mod tests {
         }
         assert!(benchmark("scrypt", Hash::Sha256, 1, 1024, 1, 64).is_err());
         assert!(digest_iterations(Hash::Sha256, 64) >= MIN_PBKDF2_ITERATIONS);
+    }
+
+    #[test]
+    fn iterations_from_a_rate_count_output_blocks() {
+        // 2,000,000/s for one SHA-256 block: a 512-bit key is two blocks, half the iterations.
+        assert_eq!(pbkdf2_iterations_at(2_000_000, Hash::Sha256, 32, 1000), 2_000_000);
+        assert_eq!(pbkdf2_iterations_at(2_000_000, Hash::Sha256, 64, 2000), 2_000_000);
+        assert_eq!(pbkdf2_iterations_at(2_000_000, Hash::Sha512, 64, 1000), 2_000_000);
+        // SHA-1: a 256-bit output is two 160-bit blocks already.
+        assert_eq!(pbkdf2_iterations_at(1_000_000, Hash::Sha1, 20, 1000), 2_000_000);
+        assert_eq!(pbkdf2_iterations_at(10, Hash::Sha256, 64, 1), MIN_PBKDF2_ITERATIONS);
     }
 }

@@ -197,7 +197,8 @@ pub struct KdfArgs {
     /// Argon2 threads (default: the CPUs, at most 4).
     #[arg(long)]
     pbkdf_parallel: Option<u32>,
-    /// Milliseconds one unlock should take: the KDF is benchmarked to it.
+    /// Milliseconds one unlock should take: the KDF is benchmarked to it (PBKDF2: at the rate of
+    /// `cryptsetup benchmark` where cryptsetup is installed, so cryptsetup takes that long).
     #[arg(short = 'i', long, default_value_t = 2000)]
     iter_time: u64,
     /// Skip the benchmark: PBKDF2 iterations (at least 1000), or Argon2 passes (at least 4).

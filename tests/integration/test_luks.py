@@ -662,7 +662,7 @@ def test_iter_time_means_what_it_means_to_cryptsetup(ws, luks_type, bits):
 def test_luks_dump_text_and_refusal(ws, luks2_img):
     img, _ = luks2_img
     out = run([require_binary(), "luks", "dump", img], timeout=30, check=True).stdout.decode()
-    assert "Version:       2" in out and "Served as:     aes-xts-plain64 512-bit" in out, out
+    assert "Version:       \t2" in out and "Served as:     aes-xts-plain64 512-bit" in out, out
     rewrite_luks2(img, lambda m: m["config"].update(requirements={"mandatory": ["cryptbridge-test-requirement"]}))
     out = run([require_binary(), "luks", "dump", img], timeout=30, check=True).stdout.decode()
     assert "Served as:     refused: LUKS2 requirement `cryptbridge-test-requirement`" in out, out

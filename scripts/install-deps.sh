@@ -42,6 +42,8 @@ declare -A CMD_PKG=(
 # optional: only used to compare with real dm-crypt where device-mapper works
 declare -A OPT_CMD_PKG=(
     [cryptsetup]=cryptsetup-bin
+    [mkfs.xfs]=xfsprogs       # test_luks.py: luks format names an XFS signature it would overwrite
+    [mkfs.btrfs]=btrfs-progs  # ... and a btrfs one
 )
 
 # `make run` and the commands its banner prints (nbdinfo, nbdcopy, nbdfuse, losetup, mkfs.ext4,

@@ -288,6 +288,41 @@ def test_wrong_passphrase_exits_1_with_a_clear_message(ws, luks2_img):
     assert "no key available with this passphrase (tried keyslot 0)" in p.stderr.decode(), p.stderr
 
 
+def test_a_key_file_ending_in_a_newline_is_pointed_out(ws):
+    """A passphrase set at a prompt has no newline; a key file made with echo has one. Both tools
+    read key files whole, so it does not open; the error says why and how to fix it, for serve and
+    for every luks keyslot command, and following the advice opens it."""
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    typed = write_file(ws.tmp / "typed", b"typed at a prompt")
+    luks_format(img, typed, "--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2)
+    echoed = write_file(ws.tmp / "echoed", b"typed at a prompt\n")
+    assert cryptsetup("open", "--test-passphrase", "--key-file", echoed, img, check=False).returncode != 0
+    new = write_file(ws.tmp / "new", b"new")
+    runs = [
+        serve_fails(ws, "--backing", img, "--key-file", echoed),
+        run([require_binary(), "luks", "test-passphrase", "--key-file", echoed, img], timeout=60, stdin=subprocess.DEVNULL),
+        run([require_binary(), "luks", "add-key", "--key-file", echoed, *FAST_PBKDF2, "--pbkdf", "pbkdf2", img, new], timeout=60, stdin=subprocess.DEVNULL),
+        run([require_binary(), "luks", "change-key", "--key-file", echoed, *FAST_PBKDF2, "--pbkdf", "pbkdf2", img, new], timeout=60, stdin=subprocess.DEVNULL),
+        run([require_binary(), "luks", "remove-key", "--key-file", echoed, img], timeout=60, stdin=subprocess.DEVNULL),
+        run([require_binary(), "luks", "kill-slot", "--batch-mode", "--key-file", echoed, img, "0"], timeout=60, stdin=subprocess.DEVNULL),
+        run([require_binary(), "serve", "--type", "luks", "--backing", img, "--key-file", "-", "--unix", ws.sockdir / "x.sock"], input=b"typed at a prompt\n", timeout=60),
+    ]
+    for p in runs:
+        err = p.stderr.decode()
+        assert p.returncode == 1 and "no key available with this passphrase" in err, err
+        assert "newline, which is part of the passphrase" in err, err
+    assert f"truncate -s -1 {echoed}" in runs[0].stderr.decode()
+    assert "standard input ended with a newline" in runs[-1].stderr.decode()
+    # A wrong passphrase without a newline gets no such note.
+    other = write_file(ws.tmp / "other", b"something else")
+    p = run([require_binary(), "luks", "test-passphrase", "--key-file", other, img], timeout=60, stdin=subprocess.DEVNULL)
+    assert p.returncode == 1 and b"no key available" in p.stderr and b"newline" not in p.stderr, p.stderr
+    assert cryptsetup("luksDump", img).returncode == 0 and volume_key(img, typed)  # nothing changed
+    run(["truncate", "-s", "-1", echoed], check=True)
+    assert run([require_binary(), "luks", "test-passphrase", "--key-file", echoed, img], timeout=60).returncode == 0
+    cryptsetup("open", "--test-passphrase", "--key-file", echoed, img)
+
+
 def test_passphrase_from_stdin_and_no_passphrase_without_a_terminal(ws, luks2_img):
     img, pw = luks2_img
     p = run([require_binary(), "serve", "--type", "luks", "--backing", img, "--key-file", "-", "--unix", ws.sockdir / "x.sock"],
@@ -483,7 +518,7 @@ def test_luks_format_is_read_by_cryptsetup(ws, luks_type, pbkdf, sector, bits):
     assert (j["data_segment"]["offset"], j["data_segment"]["sector_size"], j["data_segment"]["key_size"]) == (offset, sector, bits)
     # An existing header is not overwritten without --batch-mode.
     p = cb_format(img, pw, luks_type, pbkdf, sector, bits)
-    assert p.returncode == 1 and b"already holds a LUKS header" in p.stderr, p.stderr
+    assert p.returncode == 1 and b"already contains a 'crypto_LUKS' superblock signature" in p.stderr, p.stderr
     cryptsetup("open", "--test-passphrase", "--key-file", pw, img)
 
 
@@ -505,10 +540,129 @@ def test_luks_format_detached_header(ws):
     assert p.returncode == 1 and b"no LUKS header" in p.stderr, p.stderr
 
 
+def mbr(path: Path) -> None:
+    """A DOS partition table written here byte by byte: one Linux partition from sector 2048."""
+    entry = struct.pack("<B3sB3sII", 0x00, b"\x00\x00\x00", 0x83, b"\x00\x00\x00", 2048, 8192)
+    with open(path, "r+b") as f:
+        f.seek(446)
+        f.write(entry + bytes(48) + b"\x55\xaa")
+
+
+def mkfs(tool_name: str, *args) -> callable:
+    def make(path: Path) -> None:
+        run([need(tool_name), *args, path], timeout=120, check=True)
+
+    return make
+
+
+# (id, how the signature is made, what blkid and luks format call it, the words of the warning)
+SIGNATURES = [
+    ("ext4", mkfs("mkfs.ext4", "-q", "-F"), "ext4", "an ext4 filesystem"),
+    ("swap", mkfs("mkswap"), "swap", "swap space"),
+    ("mbr", mbr, "dos", "a DOS/MBR partition table"),
+    ("xfs", mkfs("mkfs.xfs", "-q", "-f"), "xfs", "an XFS filesystem"),
+    ("btrfs", mkfs("mkfs.btrfs", "-q", "-f"), "btrfs", "a btrfs filesystem"),
+    ("luks", lambda p: luks_format(p, write_file(p.parent / "old", b"old"), "--pbkdf", "pbkdf2", *FAST_PBKDF2), "crypto_LUKS", "a LUKS2 header"),
+]
+
+
+def blkid_types(img: Path) -> dict:
+    p = run([need("blkid"), "-p", "-o", "export", img], timeout=30)
+    return dict(line.split("=", 1) for line in p.stdout.decode().splitlines() if "=" in line)
+
+
+@pytest.mark.parametrize("make,kind,words", [s[1:] for s in SIGNATURES], ids=[s[0] for s in SIGNATURES])
+def test_luks_format_names_what_it_would_overwrite(ws, make, kind, words):
+    """cryptsetup's rule: a signature on the target (found by blkid) is named, and without a
+    terminal nothing is overwritten unless --batch-mode."""
+    need("cryptsetup")
+    img = sparse(ws.tmp / "v.img", 320 * MiB if kind in ("xfs", "btrfs") else 24 * MiB)
+    make(img)
+    found = blkid_types(img)
+    assert kind in (found.get("TYPE"), found.get("PTTYPE")), found  # what blkid itself says is there
+    before = hashlib.sha256(img.read_bytes()).hexdigest()
+    pw = write_file(ws.tmp / "pass", PASS)
+    p = cb_format(img, pw, "luks2", "pbkdf2", 512, 512)
+    err = p.stderr.decode()
+    assert p.returncode == 1, err
+    assert f"WARNING: Device {img} already contains a '{kind}' " in err and words in err, err
+    assert "--batch-mode" in err, err
+    assert hashlib.sha256(img.read_bytes()).hexdigest() == before, "the refused format changed the image"
+    p = cb_format(img, pw, "luks2", "pbkdf2", 512, 512, "--batch-mode")
+    assert p.returncode == 0, p.stderr
+    assert b"WARNING" not in p.stderr, p.stderr
+    assert blkid_types(img).get("TYPE") == "crypto_LUKS"
+    cryptsetup("open", "--test-passphrase", "--key-file", pw, img)
+
+
+def test_luks_format_offset_must_be_a_multiple_of_4096_bytes(ws):
+    """--offset is in 512-byte sectors, as cryptsetup's; both refuse 40001 (not 4096-byte aligned)
+    and take 40008."""
+    img = sparse(ws.tmp / "v.img", 24 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    theirs = cryptsetup("luksFormat", "--batch-mode", "--key-file", pw, "--pbkdf", "pbkdf2", *FAST_PBKDF2, "--offset", "40001", img, check=False)
+    assert theirs.returncode != 0 and b"not multiple of 4096 bytes" in theirs.stderr, theirs.stderr
+    for luks_type in ("luks2", "luks1"):
+        p = cb_format(img, pw, luks_type, "pbkdf2", 512, 512, "--offset", "40001")
+        assert p.returncode == 1 and b"not a multiple of 4096 bytes" in p.stderr, p.stderr
+        assert img.read_bytes() == bytes(24 * MiB), "a refused format wrote something"
+    p = cb_format(img, pw, "luks2", "pbkdf2", 512, 512, "--offset", "40008")
+    assert p.returncode == 0, p.stderr
+    assert data_layout(img) == (40008 * 512, 512)
+    cryptsetup("open", "--test-passphrase", "--key-file", pw, img)
+
+
+def test_luks_format_refuses_before_any_kdf(ws):
+    """A key size the cipher does not take, and a data device with no room after the data offset,
+    are refused at once (a 20 s --iter-time benchmark never starts) and nothing is written."""
+    pw = write_file(ws.tmp / "pass", PASS)
+    img = sparse(ws.tmp / "v.img", 24 * MiB)
+    small = sparse(ws.tmp / "small.img", 16 * MiB)  # LUKS2's data starts at 16 MiB
+    cases = [
+        (img, ["--key-size", "384"], b"--key-size 384 is not a key size of aes-xts-plain64: use 256 or 512"),
+        (img, ["--key-size", "512", "--cipher", "xchacha12,aes-adiantum-plain64"], b"use 256"),
+        (small, [], b"no room for data after the data offset 16777216"),
+        (small, ["--type", "luks1", "--offset", str(16 * MiB // 512)], b"no room for data"),
+    ]
+    for target, opts, needle in cases:
+        t = time.monotonic()
+        p = run([require_binary(), "luks", "format", "--iter-time", "20000", "--key-file", pw, *opts, target], timeout=60)
+        assert p.returncode == 1 and needle in p.stderr, (opts, p.stderr)
+        assert time.monotonic() - t < 5, f"{opts}: refused only after {time.monotonic() - t:.1f} s"
+        assert target.read_bytes() == bytes(target.stat().st_size), opts
+
+
+def keyslot_iterations(img: Path) -> int:
+    """Keyslot 0's PBKDF2 iterations as cryptsetup luksDump prints them."""
+    out = cryptsetup("luksDump", img).stdout.decode()
+    m = re.search(r"Key Slot 0: ENABLED\s*\n\s*Iterations:\s*(\d+)", out) or re.search(r"PBKDF:\s+pbkdf2\s*\n\s*Hash:.*\n\s*Iterations:\s*(\d+)", out)
+    assert m, out
+    return int(m.group(1))
+
+
+@pytest.mark.parametrize("luks_type,bits", [("luks2", 512), ("luks1", 256)])
+def test_iter_time_means_what_it_means_to_cryptsetup(ws, luks_type, bits):
+    """For the same --iter-time, luks format picks about the PBKDF2 iterations cryptsetup
+    luksFormat picks on this machine (so cryptsetup's unlock takes about that long), within 2x
+    either way: the median of three runs each, for a noisy shared machine."""
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    theirs, mine = [], []
+    for _ in range(3):
+        luks_format(img, pw, "--type", luks_type, "--pbkdf", "pbkdf2", "--key-size", str(bits), "--iter-time", "500")
+        theirs.append(keyslot_iterations(img))
+        p = run([require_binary(), "luks", "format", "--batch-mode", "--type", luks_type, "--pbkdf", "pbkdf2", "--key-size", str(bits),
+                 "--iter-time", "500", "--key-file", pw, img], timeout=120)  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        mine.append(keyslot_iterations(img))
+    ratio = sorted(mine)[1] / sorted(theirs)[1]
+    assert 0.5 <= ratio <= 2, f"ours {mine}, cryptsetup's {theirs}"
+
+
 def test_luks_dump_text_and_refusal(ws, luks2_img):
     img, _ = luks2_img
     out = run([require_binary(), "luks", "dump", img], timeout=30, check=True).stdout.decode()
-    assert "Version:       2" in out and "Served as:     aes-xts-plain64 512-bit" in out, out
+    assert "Version:       \t2" in out and "Served as:     aes-xts-plain64 512-bit" in out, out
     rewrite_luks2(img, lambda m: m["config"].update(requirements={"mandatory": ["cryptbridge-test-requirement"]}))
     out = run([require_binary(), "luks", "dump", img], timeout=30, check=True).stdout.decode()
     assert "Served as:     refused: LUKS2 requirement `cryptbridge-test-requirement`" in out, out

@@ -359,3 +359,133 @@ def test_cryptsetup_waits_for_our_lock(ws):
                 p.kill()
     assert cs_slots(img) == [0, 1, 2]
     assert opens(img, ours_new) and opens(img, theirs_new) and opens(img, pw)
+
+
+def test_format_over_a_filesystem_asks_on_a_terminal(ws):
+    """On a terminal, luks format over an ext4 filesystem warns and asks cryptsetup's question:
+    anything but YES leaves the image as it was; YES formats it."""
+    import hashlib as _h
+
+    from test_luks import need, run
+
+    img = sparse(ws.tmp / "v.img", 24 * MiB)
+    run([need("mkfs.ext4"), "-q", "-F", img], timeout=120, check=True)
+    before = _h.sha256(img.read_bytes()).hexdigest()
+    pw = write_file(ws.tmp / "pass", PASS)
+    argv = [str(require_binary()), "luks", "format", "--pbkdf", "pbkdf2", *FAST_PBKDF2, "--key-file", str(pw), str(img)]
+    for answer in (b"no\n", b"yes\n"):
+        rc, out = on_a_terminal(argv, answer, b"Type 'yes' in capital letters")
+        assert rc == 1 and b"already contains a 'ext4' superblock signature" in out and b"NOT changed" in out, out
+        assert _h.sha256(img.read_bytes()).hexdigest() == before, f"answered {answer!r}: the image changed"
+    rc, out = on_a_terminal(argv, b"YES\n", b"Type 'yes' in capital letters")
+    assert rc == 0, out
+    assert opens(img, pw)
+
+
+def test_a_keyslot_with_an_unsupported_pbkdf2_hash_is_skipped(ws):
+    """cryptsetup adds keyslots whose PBKDF2 hash this build lacks (ripemd160, whirlpool): they are
+    skipped with a warning, the volume still opens with its other keyslots, and a keyslot added
+    here leaves them as cryptsetup opens them."""
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    luks_format(img, pw, "--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2)
+    odd = {}
+    for slot, hash_ in ((1, "ripemd160"), (2, "whirlpool")):
+        odd[slot] = write_file(ws.tmp / hash_, hash_.encode())
+        p = cryptsetup("luksAddKey", "--batch-mode", "--key-file", pw, "--key-slot", str(slot), "--pbkdf", "pbkdf2", "--hash", hash_, *FAST_PBKDF2,
+                       img, odd[slot], check=False)  # fmt: skip
+        if p.returncode != 0:
+            pytest.skip(f"cryptsetup cannot use {hash_} here: {p.stderr.decode(errors='replace').strip()}")
+    dump = ours("dump", img)
+    assert dump.returncode == 0, dump.stderr
+    assert b"Hash:       ripemd160" in dump.stdout and b"Hash:       whirlpool" in dump.stdout, dump.stdout
+    assert ours("test-passphrase", "--key-file", pw, img).returncode == 0
+    p = ours("test-passphrase", "--key-file", odd[1], img)
+    assert p.returncode == 1 and b"keyslot 1 cannot be used" in p.stderr and b"ripemd160" in p.stderr, p.stderr
+    b = serve_luks(ws, img, pw, "--read-only")
+    assert "keyslot 0" in b.stderr(), b.stderr()
+    assert b.stop() == 0
+    new = write_file(ws.tmp / "new", b"new")
+    p = ours("add-key", "--key-file", pw, "--pbkdf", "pbkdf2", *FAST_PBKDF2, img, new)
+    assert p.returncode == 0, p.stderr
+    assert cs_slots(img) == [0, 1, 2, 3]
+    assert opens(img, new) and opens(img, odd[1]) and opens(img, odd[2])
+
+
+@pytest.mark.parametrize("luks_type", ["luks2", "luks1"])
+def test_keyslot_commands_on_a_data_cipher_that_is_not_served(ws, luks_type):
+    """aes-cbc-essiv:sha256 data cannot be served here, but its keyslots (cryptsetup encrypts them
+    with aes-cbc-essiv:sha256 too) are managed: every keyslot command, checked by cryptsetup."""
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    p = cryptsetup("luksFormat", "--batch-mode", "--type", luks_type, "--cipher", "aes-cbc-essiv:sha256", "--key-size", "256", "--pbkdf", "pbkdf2",
+                   *FAST_PBKDF2, "--key-file", pw, img, check=False)  # fmt: skip
+    if p.returncode != 0:
+        pytest.skip(f"cryptsetup cannot make an aes-cbc-essiv volume here: {p.stderr.decode(errors='replace').strip()}")
+    if luks_type == "luks2":
+        assert b"Cipher:     aes-cbc-essiv:sha256" in cryptsetup("luksDump", img).stdout  # the keyslot's cipher, not only the data's
+    offset, _ = data_layout(img)
+    fill_data(img, offset)
+    vk, digest = volume_key(img, pw), data_hash(img, offset)
+    assert b"aes-cbc-essiv:sha256" in ours("dump", img).stdout
+    assert ours("test-passphrase", "--key-file", pw, img).returncode == 0
+    bad = write_file(ws.tmp / "bad", b"bad")
+    assert ours("test-passphrase", "--key-file", bad, img).returncode == 1
+    second, third = write_file(ws.tmp / "second", b"second"), write_file(ws.tmp / "third", b"third")
+    p = ours("add-key", "--key-file", pw, "--pbkdf", "pbkdf2", *FAST_PBKDF2, img, second)
+    assert p.returncode == 0, p.stderr
+    assert opens(img, second) and cs_slots(img) == [0, 1]
+    p = ours("change-key", "--key-file", second, "--pbkdf", "pbkdf2", *FAST_PBKDF2, img, third)
+    assert p.returncode == 0, p.stderr
+    assert opens(img, third) and not opens(img, second)
+    p = ours("remove-key", "--key-file", pw, img)
+    assert p.returncode == 0, p.stderr
+    assert not opens(img, pw) and opens(img, third)
+    p = ours("add-key", "--key-file", third, "--pbkdf", "pbkdf2", *FAST_PBKDF2, img, pw)
+    assert p.returncode == 0, p.stderr
+    thirds = [s for s in cs_slots(img) if opens(img, third, "--key-slot", str(s))]
+    assert len(thirds) == 1 and len(cs_slots(img)) == 2
+    p = ours("kill-slot", "--key-file", pw, img, str(thirds[0]))
+    assert p.returncode == 0, p.stderr
+    assert len(cs_slots(img)) == 1 and opens(img, pw) and not opens(img, third)
+    unchanged(img, pw, vk, offset, digest)
+    # Serving it is still refused, naming the cipher.
+    p = subprocess.run([str(require_binary()), "serve", "--type", "luks", "--backing", str(img), "--key-file", str(pw), "--unix", str(ws.sockdir / "x.sock")],
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=60)  # fmt: skip
+    assert p.returncode == 1 and b"cipher `aes-cbc-essiv:sha256` is not supported" in p.stderr, p.stderr
+
+
+def dump_sections(text: str) -> str:
+    """A dump without cryptbridge's own trailer (after the first blank line that follows Digests)."""
+    return text.split("\n\nRead from:")[0].split("\n\nServed as:")[0].rstrip("\n")
+
+
+DUMPS = [
+    ("luks2-pbkdf2", ["--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2, "--label", "data", "--subsystem", "backup"]),
+    ("luks2-argon2id", ["--type", "luks2", "--pbkdf", "argon2id", *FAST_ARGON, "--sector-size", "512"]),
+    ("luks1", ["--type", "luks1", "--hash", "sha512", *FAST_PBKDF2]),
+]
+
+
+@pytest.mark.parametrize("opts", [d[1] for d in DUMPS], ids=[d[0] for d in DUMPS])
+def test_luks_dump_prints_what_cryptsetup_prints(ws, opts):
+    """`luks dump` is `cryptsetup luksDump`, line for line (every section, field name and value),
+    then what cryptbridge adds; on LUKS2 also with a token, a preferred and an ignored keyslot."""
+    img = sparse(ws.tmp / "v.img", 20 * MiB)
+    pw = write_file(ws.tmp / "pass", PASS)
+    luks_format(img, pw, *opts)
+    second = write_file(ws.tmp / "second", b"second")
+    cryptsetup("luksAddKey", "--batch-mode", "--key-file", pw, "--pbkdf-force-iterations", "1000", "--pbkdf", "pbkdf2", img, second)
+    if "luks2" in opts:
+        cryptsetup("config", "--priority", "prefer", "--key-slot", "0", img)
+        cryptsetup("config", "--priority", "ignore", "--key-slot", "1", img)
+        cryptsetup("token", "add", "--key-description", "cryptbridge:test", "--key-slot", "1", img)
+    theirs = cryptsetup("luksDump", img).stdout.decode()
+    p = ours("dump", img)
+    assert p.returncode == 0, p.stderr
+    mine = p.stdout.decode()
+    if "luks2" in opts:
+        for words in ("Subsystem:", "Flags:", "Tokens:\n  0: luks2-keyring", "Priority:   preferred", "Priority:   ignored", "Digest ID:  0"):
+            assert words in theirs, words  # the case covers what it means to
+    assert dump_sections(mine) == theirs.rstrip("\n"), f"ours:\n{mine}\ncryptsetup:\n{theirs}"
+    assert "Served as:     aes-xts-plain64" in mine

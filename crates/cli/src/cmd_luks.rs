@@ -11,7 +11,7 @@ use cryptbridge_volume::hash::Hash;
 use cryptbridge_volume::kdf::{Argon2Variant, Kdf};
 use cryptbridge_volume::format::DeviceLock;
 use cryptbridge_volume::keyslots::{self, HeaderDevice, NewKeyslot};
-use cryptbridge_volume::{luks1, luks2, DataSegment, Header, ReadAt, Secret, Unlocked, VolumeError};
+use cryptbridge_volume::{luks1, luks2, DataSegment, Header, ReadAt, Secret, VolumeError, VolumeKey};
 use serde_json::{json, Value};
 
 use crate::passphrase;
@@ -179,7 +179,8 @@ pub struct FormatArgs {
     /// LUKS2 label.
     #[arg(long, default_value = "")]
     label: String,
-    /// Overwrite a device that already holds a LUKS header, without asking.
+    /// Overwrite a device that already holds something (a LUKS header, a filesystem, swap, a
+    /// partition table), without asking.
     #[arg(short = 'q', long)]
     batch_mode: bool,
 }
@@ -196,7 +197,8 @@ pub struct KdfArgs {
     /// Argon2 threads (default: the CPUs, at most 4).
     #[arg(long)]
     pbkdf_parallel: Option<u32>,
-    /// Milliseconds one unlock should take: the KDF is benchmarked to it.
+    /// Milliseconds one unlock should take: the KDF is benchmarked to it (PBKDF2: at the rate of
+    /// `cryptsetup benchmark` where cryptsetup is installed, so cryptsetup takes that long).
     #[arg(short = 'i', long, default_value_t = 2000)]
     iter_time: u64,
     /// Skip the benchmark: PBKDF2 iterations (at least 1000), or Argon2 passes (at least 4).
@@ -259,8 +261,17 @@ fn dump(a: DumpArgs) -> Result<ExitCode> {
     }
     let mut out = String::new();
     match &header {
-        Header::Luks1(h) => text_luks1(h, &mut out),
+        Header::Luks1(h) => text_luks1(h, &a.device.display().to_string(), &mut out),
         Header::Luks2(h) => text_luks2(h, &mut out),
+    }
+    // What cryptsetup does not print: which copy was read, problems, and what serve makes of it.
+    out += "\n";
+    if let Header::Luks2(h) = &header {
+        let copy = match h.copy {
+            luks2::Copy::Primary => "primary",
+            luks2::Copy::Secondary => "secondary",
+        };
+        out += &format!("Read from:     {copy} header copy\n");
     }
     for w in header.warnings() {
         out += &format!("Warning:       {w}\n");
@@ -308,15 +319,39 @@ fn luks1_json(h: &luks1::Luks1Header) -> Value {
     })
 }
 
-fn text_luks1(h: &luks1::Luks1Header, out: &mut String) {
-    *out += &format!(
-        "LUKS header information\nVersion:       1\nCipher name:   {}\nCipher mode:   {}\nHash spec:     {}\nPayload offset:{}\nMK bits:       {}\nMK iterations: {}\nUUID:          {}\n",
-        h.cipher_name, h.cipher_mode, h.hash_spec, h.payload_offset, h.key_bytes * 8, h.mk_digest_iterations, h.uuid
-    );
+/// Bytes as cryptsetup's dump prints them: `xx ` each, `per_line` to a line, later lines after
+/// `indent`.
+fn hex_lines(b: &[u8], per_line: usize, indent: &str) -> String {
+    let mut out = String::new();
+    for (i, chunk) in b.chunks(per_line.max(1)).enumerate() {
+        if i > 0 {
+            out += indent;
+        }
+        for x in chunk {
+            out += &format!("{x:02x} ");
+        }
+        out += "\n";
+    }
+    if b.is_empty() {
+        out += "\n";
+    }
+    out
+}
+
+/// `cryptsetup luksDump` of a LUKS1 header, field for field (cryptsetup 2.6).
+fn text_luks1(h: &luks1::Luks1Header, device: &str, out: &mut String) {
+    *out += &format!("LUKS header information for {device}\n\n");
+    *out += &format!("Version:       \t1\nCipher name:   \t{}\nCipher mode:   \t{}\nHash spec:     \t{}\n", h.cipher_name, h.cipher_mode, h.hash_spec);
+    *out += &format!("Payload offset:\t{}\nMK bits:       \t{}\n", h.payload_offset, h.key_bytes * 8);
+    *out += &format!("MK digest:     \t{}", hex_lines(&h.mk_digest, 20, ""));
+    *out += &format!("MK salt:       \t{}", hex_lines(&h.mk_digest_salt, 16, "               \t"));
+    *out += &format!("MK iterations: \t{}\nUUID:          \t{}\n\n", h.mk_digest_iterations, h.uuid);
     for (i, s) in h.keyslots.iter().enumerate() {
         match s.state {
             luks1::SlotState::Active => {
-                *out += &format!("Key Slot {i}: ENABLED (iterations {}, key material offset {}, {} stripes)\n", s.iterations, s.key_material_offset, s.stripes)
+                *out += &format!("Key Slot {i}: ENABLED\n\tIterations:         \t{}\n", s.iterations);
+                *out += &format!("\tSalt:               \t{}", hex_lines(&s.salt, 16, "\t                      \t"));
+                *out += &format!("\tKey material offset:\t{}\n\tAF stripes:            \t{}\n", s.key_material_offset, s.stripes);
             }
             luks1::SlotState::Inactive => *out += &format!("Key Slot {i}: DISABLED\n"),
             luks1::SlotState::Damaged(v) => *out += &format!("Key Slot {i}: DAMAGED (state {v:#010x})\n"),
@@ -324,66 +359,108 @@ fn text_luks1(h: &luks1::Luks1Header, out: &mut String) {
     }
 }
 
+/// cryptsetup's words for a LUKS2 keyslot priority.
+fn priority_word(p: u8) -> &'static str {
+    match p {
+        0 => "ignored",
+        1 => "normal",
+        2 => "preferred",
+        _ => "invalid",
+    }
+}
+
+/// `cryptsetup luksDump` of a LUKS2 header, section for section and field for field (cryptsetup
+/// 2.6): header, config, data segments, keyslots, tokens, digests.
 fn text_luks2(h: &luks2::Luks2Header, out: &mut String) {
-    let copy = match h.copy {
-        luks2::Copy::Primary => "primary",
-        luks2::Copy::Secondary => "secondary",
-    };
+    let j = &h.json;
     *out += &format!(
-        "LUKS header information\nVersion:       2\nEpoch:         {}\nMetadata area: {} [bytes]\nKeyslots area: {} [bytes]\nUUID:          {}\nLabel:         {}\nRead from:     {copy} header copy\n",
+        "LUKS header information\nVersion:       \t2\nEpoch:         \t{}\nMetadata area: \t{} [bytes]\nKeyslots area: \t{} [bytes]\nUUID:          \t{}\nLabel:         \t{}\nSubsystem:     \t{}\n",
         h.binary.seqid,
         h.config.json_size + luks2::BIN_LEN as u64,
         h.config.keyslots_size,
-        h.binary.uuid,
+        if h.binary.uuid.is_empty() { "(no UUID)" } else { &h.binary.uuid },
         if h.binary.label.is_empty() { "(no label)" } else { &h.binary.label },
+        if h.binary.subsystem.is_empty() { "(no subsystem)" } else { &h.binary.subsystem },
     );
-    if !h.config.flags.is_empty() {
-        *out += &format!("Flags:         {}\n", h.config.flags.join(" "));
+    if h.config.flags.is_empty() {
+        *out += "Flags:       \t(no flags)\n";
+    } else {
+        *out += &format!("Flags:       \t{}\n", h.config.flags.iter().map(|f| format!("{f} ")).collect::<String>());
     }
     if !h.config.requirements.is_empty() {
-        *out += &format!("Requirements:  {}\n", h.config.requirements.join(" "));
+        *out += &format!("Requirements:\t{}\n", h.config.requirements.iter().map(|f| format!("{f} ")).collect::<String>());
     }
     *out += "\nData segments:\n";
     for (id, s) in &h.segments {
         *out += &format!(
-            "  {id}: {}\n\toffset: {} [bytes]\n\tlength: {}\n\tcipher: {}\n\tsector: {} [bytes]\n",
+            "  {id}: {}\n\toffset: {} [bytes]\n\tlength: {}\n",
             s.kind,
             s.offset,
             s.size.map_or("(whole device)".to_string(), |n| format!("{n} [bytes]")),
-            s.encryption,
-            s.sector_size
         );
-        if s.integrity {
-            *out += "\tintegrity: yes\n";
+        if !s.encryption.is_empty() {
+            *out += &format!("\tcipher: {}\n\tsector: {} [bytes]\n", s.encryption, s.sector_size);
+        }
+        if let Some(t) = j["segments"][id.to_string()]["integrity"]["type"].as_str() {
+            *out += &format!("\tintegrity: {t}\n");
         }
         if !s.flags.is_empty() {
-            *out += &format!("\tflags: {}\n", s.flags.join(" "));
+            *out += &format!("\tflags : {}\n", s.flags.iter().map(|f| format!("{f} ")).collect::<String>());
         }
+        *out += "\n";
     }
-    *out += "\nKeyslots:\n";
+    *out += "Keyslots:\n";
     for (id, k) in &h.keyslots {
-        let prio = ["ignored", "normal", "high"][usize::from(k.priority.min(2))];
-        *out += &format!("  {id}: {}\n\tKey:        {} bits\n\tPriority:   {prio}\n", k.kind, k.key_size * 8);
+        let digest = h.digests.iter().find(|(_, d)| d.keyslots.contains(id)).map(|(d, _)| *d);
+        *out += &format!("  {id}: {}{}\n", k.kind, if digest.is_none() { " (unbound)" } else { "" });
+        *out += &format!("\tKey:        {} bits\n\tPriority:   {}\n", k.key_size * 8, priority_word(k.priority));
         if let Some(l) = &k.luks2 {
             *out += &format!("\tCipher:     {}\n\tCipher key: {} bits\n", l.area_encryption, l.area_key_size * 8);
+            let kdf = &j["keyslots"][id.to_string()]["kdf"];
             match &l.kdf {
-                Kdf::Pbkdf2 { hash, iterations } => *out += &format!("\tPBKDF:      pbkdf2\n\tHash:       {}\n\tIterations: {iterations}\n", hash.name()),
-                Kdf::Argon2 { variant, time, memory_kib, parallel } => {
+                Ok(Kdf::Pbkdf2 { hash, iterations }) => *out += &format!("\tPBKDF:      pbkdf2\n\tHash:       {}\n\tIterations: {iterations}\n", hash.name()),
+                Ok(Kdf::Argon2 { variant, time, memory_kib, parallel }) => {
                     *out += &format!("\tPBKDF:      {}\n\tTime cost:  {time}\n\tMemory:     {memory_kib}\n\tThreads:    {parallel}\n", variant.name())
                 }
+                Err(_) => {
+                    *out += &format!("\tPBKDF:      {}\n", kdf["type"].as_str().unwrap_or("?"));
+                    if let Some(hash) = kdf["hash"].as_str() {
+                        *out += &format!("\tHash:       {hash}\n\tIterations: {}\n", kdf["iterations"]);
+                    }
+                }
             }
+            *out += &format!("\tSalt:       {}", hex_lines(&l.salt, 16, "\t            "));
             *out += &format!(
                 "\tAF stripes: {}\n\tAF hash:    {}\n\tArea offset:{} [bytes]\n\tArea length:{} [bytes]\n",
                 l.stripes, l.af_hash, l.area_offset, l.area_size
             );
         }
+        if let Some(d) = digest {
+            *out += &format!("\tDigest ID:  {d}\n");
+        }
+    }
+    *out += "Tokens:\n";
+    if let Some(tokens) = j["tokens"].as_object() {
+        let mut ids: Vec<(u64, &Value)> = tokens.iter().filter_map(|(k, v)| Some((k.parse().ok()?, v))).collect();
+        ids.sort_by_key(|(k, _)| *k);
+        for (id, t) in ids {
+            *out += &format!("  {id}: {}\n", t["type"].as_str().unwrap_or("?"));
+            if let Some(desc) = t["key_description"].as_str() {
+                *out += &format!("\tKey description: {desc}\n");
+            }
+            for slot in t["keyslots"].as_array().into_iter().flatten() {
+                *out += &format!("\tKeyslot:    {}\n", slot.as_str().unwrap_or("?"));
+            }
+        }
     }
     *out += "Digests:\n";
     for (id, d) in &h.digests {
-        *out += &format!(
-            "  {id}: {}\n\tHash:       {}\n\tIterations: {}\n\tKeyslots:   {:?}\n\tSegments:   {:?}\n",
-            d.kind, d.hash, d.iterations, d.keyslots, d.segments
-        );
+        *out += &format!("  {id}: {}\n", d.kind);
+        if d.kind == "pbkdf2" {
+            *out += &format!("\tHash:       {}\n\tIterations: {}\n", d.hash, d.iterations);
+            *out += &format!("\tSalt:       {}", hex_lines(&d.salt, 16, "\t            "));
+            *out += &format!("\tDigest:     {}", hex_lines(&d.digest, 16, "\t            "));
+        }
     }
 }
 
@@ -409,8 +486,40 @@ fn pick_kdf(version: u8, a: &KdfArgs, hash: Hash, key_bytes: usize) -> Result<Kd
             let variant = if kind == "argon2i" { Argon2Variant::Argon2i } else { Argon2Variant::Argon2id };
             Kdf::Argon2 { variant, time: n, memory_kib: memory, parallel }
         }
+        None if kind == "pbkdf2" => match cryptsetup_pbkdf2_rate(hash) {
+            // --iter-time is the time the unlock takes where the volume is opened for real: by
+            // cryptsetup, whose PBKDF2 (OpenSSL's) is slower than this crate's.
+            Some(rate) => Kdf::Pbkdf2 { hash, iterations: format::pbkdf2_iterations_at(rate, hash, key_bytes, a.iter_time) },
+            None => format::benchmark(&kind, hash, a.iter_time, memory, parallel, key_bytes)?,
+        },
         None => format::benchmark(&kind, hash, a.iter_time, memory, parallel, key_bytes)?,
     })
+}
+
+/// PBKDF2 iterations per second for a 256-bit output as cryptsetup computes them on this machine
+/// (`cryptsetup benchmark --pbkdf pbkdf2 --hash H`), or `None` where cryptsetup is not installed
+/// or says nothing usable. cryptsetup benchmarks the same way before it picks iterations itself.
+fn cryptsetup_pbkdf2_rate(hash: Hash) -> Option<u64> {
+    let out = ["cryptsetup", "/usr/sbin/cryptsetup", "/sbin/cryptsetup"].iter().find_map(|c| {
+        std::process::Command::new(c)
+            .args(["benchmark", "--pbkdf", "pbkdf2", "--hash", hash.name()])
+            .stdin(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .output()
+            .ok()
+    })?;
+    if !out.status.success() {
+        return None;
+    }
+    // "PBKDF2-sha256    2008766 iterations per second for 256-bit key"
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rate = text.lines().find_map(|l| {
+        let mut words = l.split_whitespace();
+        (words.next()? == format!("PBKDF2-{}", hash.name()) && l.contains("iterations per second for 256-bit key")).then_some(())?;
+        words.next()?.parse::<u64>().ok()
+    })?;
+    tracing::info!("PBKDF2-{} calibrated with cryptsetup benchmark: {rate} iterations per second for a 256-bit key", hash.name());
+    Some(rate)
 }
 
 /// Half the machine's memory in KiB, from /proc/meminfo (None where unreadable).
@@ -431,19 +540,9 @@ fn format_volume(a: FormatArgs) -> Result<ExitCode> {
         bail!("LUKS1 has 512-byte sectors; --sector-size {} needs --type luks2", a.sector_size);
     }
     let key_bytes = a.key_size / 8;
-    let kdf = pick_kdf(version, &a.kdf, hash, key_bytes)?;
-    let digest_iterations = if a.kdf.pbkdf_force_iterations.is_some() { MIN_PBKDF2_ITERATIONS } else { format::digest_iterations(hash, key_bytes) };
-    let params = FormatParams {
-        version,
-        cipher: a.cipher.clone(),
-        key_bytes,
-        sector_size: a.sector_size,
-        kdf,
-        hash,
-        digest_iterations,
-        label: a.label.clone(),
-        data_offset: a.offset.map(|s| s * 512),
-        detached: a.header.is_some(),
+    let data_offset = match a.offset {
+        Some(s) => Some(s.checked_mul(512).with_context(|| format!("--offset {s}: too large"))?),
+        None => None,
     };
     let data = std::fs::OpenOptions::new()
         .read(true)
@@ -451,6 +550,10 @@ fn format_volume(a: FormatArgs) -> Result<ExitCode> {
         .open(&a.device)
         .with_context(|| format!("cannot open {} (it must exist)", a.device.display()))?;
     let data_size = ReadAt::size(&data).with_context(|| format!("cannot size {}", a.device.display()))?;
+    // Everything that needs no KDF is checked before one runs or a byte is written: cipher and
+    // key size, sector size, the offset's alignment, room for data on the data device.
+    let layout = format::Layout { version, cipher: &a.cipher, key_bytes, sector_size: a.sector_size, data_offset, detached: a.header.is_some() };
+    layout.check(data_size, &a.device.display().to_string())?;
     let header_path = a.header.as_ref().unwrap_or(&a.device);
     let header_file = match &a.header {
         None => data,
@@ -463,10 +566,22 @@ fn format_volume(a: FormatArgs) -> Result<ExitCode> {
             .open(p)
             .with_context(|| format!("cannot open or create the header file {}", p.display()))?,
     };
-    if !a.batch_mode && Header::read(&header_file).is_ok() {
-        bail!("{} already holds a LUKS header; formatting destroys it and every key to its data (give --batch-mode to do it anyway)", header_path.display());
-    }
+    confirm_overwrite(a.batch_mode, &header_file, header_path)?;
     let pass = read_new_passphrase(a.key_file.as_deref(), &header_path.display().to_string())?;
+    let kdf = pick_kdf(version, &a.kdf, hash, key_bytes)?;
+    let digest_iterations = if a.kdf.pbkdf_force_iterations.is_some() { MIN_PBKDF2_ITERATIONS } else { format::digest_iterations(hash, key_bytes) };
+    let params = FormatParams {
+        version,
+        cipher: a.cipher.clone(),
+        key_bytes,
+        sector_size: a.sector_size,
+        kdf,
+        hash,
+        digest_iterations,
+        label: a.label.clone(),
+        data_offset,
+        detached: a.header.is_some(),
+    };
     let out = format::format(&header_file, &header_path.display().to_string(), data_size, &params, &pass)?;
     tracing::info!(
         "formatted {} as LUKS{version} {} ({} {}-bit, {}-byte sectors, {}), data at byte {}",
@@ -521,16 +636,13 @@ impl LockedHeader {
         // the guard must not unlock it earlier.
         std::mem::forget(lock);
         let header = Header::read(&file).with_context(|| name.clone())?;
-        if c.header.is_none() {
-            if let Ok(seg) = header.data_segment() {
-                if seg.offset == 0 {
-                    bail!("{name}: the data segment starts at offset 0 (a detached-header volume?); give --header FILE");
-                }
-            }
+        if c.header.is_none() && header.data_offset() == Some(0) {
+            bail!("{name}: the data segment starts at offset 0 (a detached-header volume?); give --header FILE");
         }
-        // What cannot be served is not changed either (reencryption, integrity, unknown
-        // requirements): refused before any passphrase is asked for.
-        header.data_segment().with_context(|| format!("{name}: its keyslots are not changed"))?;
+        // A volume in a state this crate does not handle is not changed (reencryption,
+        // integrity, unknown requirements): refused before any passphrase is asked for. A data
+        // cipher it cannot serve does not matter here: only the keyslot cipher is used.
+        header.keyslot_check().with_context(|| format!("{name}: its keyslots are not changed"))?;
         Ok(LockedHeader { file, name, detached: c.header.is_some(), header })
     }
 
@@ -538,12 +650,9 @@ impl LockedHeader {
         HeaderDevice { file: &self.file, name: &self.name, detached: self.detached }
     }
 
-    /// Unlocks with `pass` (every keyslot, or `slot`).
-    fn unlock(&self, pass: &[u8], slot: Option<u32>) -> Result<Unlocked> {
-        self.header.unlock(&self.file, pass, slot).map_err(|e| match e {
-            VolumeError::WrongPassphrase(_) | VolumeError::NoKeyslot(_) => anyhow::anyhow!("{}: {e}", self.name),
-            e => anyhow::Error::new(e).context(format!("cannot open {}", self.name)),
-        })
+    /// Unlocks with `pass` (read from `key_file`, or typed): every keyslot, or `slot`.
+    fn unlock(&self, pass: &[u8], key_file: Option<&std::path::Path>, slot: Option<u32>) -> Result<VolumeKey> {
+        self.header.unlock_key(&self.file, pass, slot).map_err(|e| passphrase::unlock_error(e, &self.name, key_file, pass))
     }
 
     fn reread(&mut self) -> Result<()> {
@@ -570,25 +679,49 @@ fn check_stdin_once(a: Option<&std::path::Path>, b: Option<&std::path::Path>) ->
     Ok(())
 }
 
-/// cryptsetup's question before the last keyslot goes: typed `YES` on a terminal, or
-/// --batch-mode; without a terminal, a refusal (a script must say --batch-mode).
-fn confirm_last_keyslot(batch: bool, name: &str, slot: u32) -> Result<()> {
+/// cryptsetup's question before something is destroyed: typed `YES` on a terminal, or
+/// --batch-mode; without a terminal, a refusal (a script must say --batch-mode). `what` says what
+/// is lost, `aborted` what the refusal says was left alone.
+fn confirm(batch: bool, what: &str, aborted: &str) -> Result<()> {
     if batch {
         return Ok(());
     }
-    let msg = format!("keyslot {slot} is the last keyslot of {name}: the volume becomes unusable for good once it is removed");
     if !std::io::stdin().is_terminal() {
-        bail!("{msg}; give --batch-mode (-q) to remove it anyway");
+        bail!("{what}; give --batch-mode (-q) to go ahead anyway (no terminal to ask on)");
     }
     let mut err = std::io::stderr().lock();
-    write!(err, "\nWARNING!\n========\n{msg}.\n\nAre you sure? (Type 'yes' in capital letters): ")?;
+    write!(err, "\nWARNING!\n========\n{what}.\n\nAre you sure? (Type 'yes' in capital letters): ")?;
     err.flush()?;
     let mut answer = String::new();
     std::io::stdin().read_line(&mut answer)?;
     if answer.trim_end_matches(['\n', '\r']) != "YES" {
-        bail!("operation aborted, keyslot {slot} was NOT wiped");
+        bail!("operation aborted, {aborted}");
     }
     Ok(())
+}
+
+fn confirm_last_keyslot(batch: bool, name: &str, slot: u32) -> Result<()> {
+    let what = format!("keyslot {slot} is the last keyslot of {name}: the volume becomes unusable for good once it is removed");
+    confirm(batch, &what, &format!("keyslot {slot} was NOT wiped"))
+}
+
+/// Before a new header is written: what the device holds already (a LUKS header, a filesystem,
+/// swap, a partition table) is named, as cryptsetup warns, and only overwritten after a `YES` on
+/// a terminal or with --batch-mode.
+fn confirm_overwrite(batch: bool, file: &std::fs::File, path: &std::path::Path) -> Result<()> {
+    let found = cryptbridge_volume::probe::signatures(file, path);
+    if found.is_empty() {
+        return Ok(());
+    }
+    let name = path.display().to_string();
+    if !batch {
+        for s in &found {
+            eprintln!("WARNING: {}", s.warning(&name));
+        }
+    }
+    let list = found.iter().map(|s| s.description.as_str()).collect::<Vec<_>>().join(", ");
+    let what = format!("{name} already contains {list}: formatting overwrites it irrevocably (with a LUKS header, every key to its data is lost)");
+    confirm(batch, &what, &format!("{name} was NOT changed"))
 }
 
 fn add_key(a: AddKeyArgs) -> Result<ExitCode> {
@@ -600,7 +733,7 @@ fn add_key(a: AddKeyArgs) -> Result<ExitCode> {
     };
     let locked = LockedHeader::open(&a.common)?;
     let pass = passphrase::read(a.common.key_file.as_deref(), &format!("Enter any existing passphrase for {}: ", locked.name))?;
-    let unlocked = locked.unlock(&pass, unlock_slot)?;
+    let unlocked = locked.unlock(&pass, a.common.key_file.as_deref(), unlock_slot)?;
     drop(pass);
     let new_pass = read_new_passphrase_prompt(new_file, "Enter new passphrase for key slot: ")?;
     let params = locked.new_keyslot(&a.kdf, unlocked.volume_key.len())?;
@@ -616,7 +749,7 @@ fn remove_key(a: RemoveKeyArgs) -> Result<ExitCode> {
     let locked = LockedHeader::open(&a.common)?;
     let file = a.remove_key_file.as_deref().or(a.common.key_file.as_deref());
     let pass = passphrase::read(file, &format!("Enter passphrase to be deleted from {}: ", locked.name))?;
-    let unlocked = locked.unlock(&pass, a.key_slot)?;
+    let unlocked = locked.unlock(&pass, file, a.key_slot)?;
     drop(pass);
     if locked.header.active_keyslots() == [unlocked.keyslot] {
         confirm_last_keyslot(a.common.batch_mode, &locked.name, unlocked.keyslot)?;
@@ -642,12 +775,12 @@ fn kill_slot(a: KillSlotArgs) -> Result<ExitCode> {
     if !a.common.batch_mode || a.common.key_file.is_some() {
         let pass = passphrase::read(a.common.key_file.as_deref(), &format!("Enter any remaining passphrase for {}: ", locked.name))?;
         if last {
-            locked.unlock(&pass, Some(slot))?;
+            locked.unlock(&pass, a.common.key_file.as_deref(), Some(slot))?;
         } else {
             let others: Vec<u32> = active.iter().copied().filter(|&s| s != slot).collect();
             let mut opened = false;
             for &s in &others {
-                match locked.header.unlock(&locked.file, &pass, Some(s)) {
+                match locked.header.unlock_key(&locked.file, &pass, Some(s)) {
                     Ok(_) => {
                         opened = true;
                         break;
@@ -657,7 +790,8 @@ fn kill_slot(a: KillSlotArgs) -> Result<ExitCode> {
                 }
             }
             if !opened {
-                bail!("{}: {}; keyslot {slot} was NOT wiped", locked.name, VolumeError::WrongPassphrase(others));
+                let e = passphrase::unlock_error(VolumeError::WrongPassphrase(others), &locked.name, a.common.key_file.as_deref(), &pass);
+                return Err(e.context(format!("keyslot {slot} was NOT wiped")));
             }
         }
     }
@@ -670,7 +804,7 @@ fn change_key(a: ChangeKeyArgs) -> Result<ExitCode> {
     check_stdin_once(a.common.key_file.as_deref(), a.new_key_file.as_deref())?;
     let mut locked = LockedHeader::open(&a.common)?;
     let pass = passphrase::read(a.common.key_file.as_deref(), &format!("Enter passphrase to be changed for {}: ", locked.name))?;
-    let unlocked = locked.unlock(&pass, a.key_slot)?;
+    let unlocked = locked.unlock(&pass, a.common.key_file.as_deref(), a.key_slot)?;
     drop(pass);
     let new_pass = read_new_passphrase_prompt(a.new_key_file.as_deref(), "Enter new passphrase: ")?;
     let params = locked.new_keyslot(&a.kdf, unlocked.volume_key.len())?;
@@ -696,13 +830,12 @@ fn test_passphrase(a: TestPassphraseArgs) -> Result<ExitCode> {
     let name = path.display().to_string();
     let file = std::fs::File::open(path).with_context(|| format!("cannot open {name}"))?;
     let header = Header::read(&file).with_context(|| name.clone())?;
-    header.data_segment().with_context(|| format!("{name} cannot be opened here"))?;
+    // As cryptsetup's --test-passphrase: only the keyslots matter, not whether the data cipher
+    // can be served here.
+    header.keyslot_check().with_context(|| format!("{name} cannot be opened here"))?;
     let pass = passphrase::read(a.key_file.as_deref(), &format!("Enter passphrase for {name}: "))?;
     let started = std::time::Instant::now();
-    let unlocked = header.unlock(&file, &pass, a.key_slot).map_err(|e| match e {
-        VolumeError::WrongPassphrase(_) | VolumeError::NoKeyslot(_) => anyhow::anyhow!("{name}: {e}"),
-        e => anyhow::Error::new(e).context(format!("cannot open {name}")),
-    })?;
+    let unlocked = header.unlock_key(&file, &pass, a.key_slot).map_err(|e| passphrase::unlock_error(e, &name, a.key_file.as_deref(), &pass))?;
     tracing::info!("keyslot {} of {name} opened in {} ms", unlocked.keyslot, started.elapsed().as_millis());
     Ok(ExitCode::SUCCESS)
 }

@@ -7,7 +7,7 @@ use std::io::{IsTerminal, Read};
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use cryptbridge_volume::Secret;
+use cryptbridge_volume::{Secret, VolumeError};
 use zeroize::Zeroize;
 
 /// cryptsetup's default limit for a key file read whole (`--keyfile-size` default, 8 MiB): larger
@@ -62,6 +62,40 @@ pub fn read(key_file: Option<&Path>, prompt: &str) -> Result<Secret> {
     }
 }
 
+/// What a wrong passphrase read from `key_file` may be missing: a key file (or standard input)
+/// whose last byte is a newline has it in the passphrase, where a prompt has none.
+pub fn newline_note(key_file: Option<&Path>, pass: &[u8]) -> Option<String> {
+    let file = key_file?;
+    if pass.last() != Some(&b'\n') {
+        return None;
+    }
+    if file == Path::new("-") {
+        return Some(
+            "note: standard input ended with a newline, which is part of the passphrase (cryptsetup reads key files whole); \
+             a passphrase typed at the prompt has none: send it without one (printf '%s' PASSPHRASE, not echo)"
+                .to_string(),
+        );
+    }
+    let f = file.display();
+    Some(format!(
+        "note: the key file {f} ends with a newline, which is part of the passphrase (cryptsetup reads key files whole); \
+         a passphrase typed at the prompt has none: remove it with `truncate -s -1 {f}` or write the file with printf"
+    ))
+}
+
+/// The error of an unlock of `name` with `pass` (from `key_file`, or typed): a wrong passphrase
+/// says so plainly, with [`newline_note`] where it applies; anything else says it could not open.
+pub fn unlock_error(e: VolumeError, name: &str, key_file: Option<&Path>, pass: &[u8]) -> anyhow::Error {
+    match e {
+        VolumeError::WrongPassphrase(_) => match newline_note(key_file, pass) {
+            Some(note) => anyhow::anyhow!("{name}: {e}\n{note}"),
+            None => anyhow::anyhow!("{name}: {e}"),
+        },
+        VolumeError::NoKeyslot(_) => anyhow::anyhow!("{name}: {e}"),
+        e => anyhow::Error::new(e).context(format!("cannot open {name}")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,5 +110,17 @@ mod tests {
         assert!(e.contains("key file k") && e.contains("9999"), "{e}");
         assert!(read_bounded(&mut std::io::repeat(1).take(1 << 20), 1000, "x").is_err());
         assert_eq!(read_bounded(&mut &b""[..], 10, "x").unwrap().len(), 0);
+    }
+
+    #[test]
+    fn a_trailing_newline_is_pointed_out() {
+        let f = Path::new("pw.txt");
+        let note = newline_note(Some(f), b"secret\n").unwrap();
+        assert!(note.contains("pw.txt ends with a newline") && note.contains("truncate -s -1 pw.txt"), "{note}");
+        assert!(newline_note(Some(f), b"secret").is_none());
+        assert!(newline_note(None, b"typed\n").is_none());
+        assert!(newline_note(Some(Path::new("-")), b"x\n").unwrap().contains("standard input"));
+        let e = unlock_error(VolumeError::WrongPassphrase(vec![0]), "v.img", Some(f), b"s\n").to_string();
+        assert!(e.starts_with("v.img: no key available with this passphrase") && e.contains("newline"), "{e}");
     }
 }

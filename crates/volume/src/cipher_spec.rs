@@ -13,6 +13,30 @@ pub fn crypto_api_name(spec: &str) -> Result<&'static str> {
     lookup_volume(spec).map(|c| c.name).map_err(|e| VolumeError::Unsupported(e.to_string()))
 }
 
+/// Volume key sizes in bits a LUKS volume may use with each data cipher: the catalogue's sizes,
+/// narrowed where cryptsetup cannot follow. XTS: cryptsetup's userspace crypto backends (OpenSSL,
+/// gcrypt) have no AES-192-XTS, so it could not open a keyslot of a 384-bit XTS volume.
+const LUKS_KEY_BITS: &[(&str, &[usize])] = &[("xts(aes)", &[256, 512])];
+
+/// The volume key sizes (bits) a data cipher takes in a LUKS volume.
+pub fn key_bits(spec: &str) -> Result<Vec<usize>> {
+    let c = lookup_volume(spec).map_err(|e| VolumeError::Unsupported(e.to_string()))?;
+    Ok(match LUKS_KEY_BITS.iter().find(|(n, _)| *n == c.name) {
+        Some((_, bits)) => bits.to_vec(),
+        None => c.key_sizes.iter().map(|b| b * 8).collect(),
+    })
+}
+
+/// Refuses a volume key size the data cipher does not take, naming the sizes it does.
+pub fn check_key_bits(spec: &str, bits: usize) -> Result<()> {
+    let allowed = key_bits(spec)?;
+    if allowed.contains(&bits) {
+        return Ok(());
+    }
+    let list = allowed.iter().map(|b| b.to_string()).collect::<Vec<_>>();
+    Err(VolumeError::Invalid(format!("--key-size {bits} is not a key size of {spec}: use {}", list.join(" or "))))
+}
+
 /// [`crypto_api_name`] for a spelling that `luks format` may write into a header: a bare crypto
 /// API name (`xts(aes)`) is no dm-crypt spec, so cryptsetup could not read it back.
 pub fn header_api_name(spec: &str) -> Result<&'static str> {
@@ -39,8 +63,79 @@ pub fn sector_cipher(spec: &str, key: &[u8], policy: KeyPolicy) -> Result<Box<dy
     new_cipher(name, key, policy).map_err(|e| VolumeError::Unsupported(format!("cipher `{spec}` with a {}-bit key: {e}", key.len() * 8)))
 }
 
+/// cryptsetup's keyslot cipher for a LUKS2 volume whose data cipher is `aes-cbc-essiv:sha256`,
+/// and a LUKS1 volume's whole cipher: implemented here for keyslot areas only (no volume data is
+/// served with it).
+const CBC_ESSIV: &str = "aes-cbc-essiv:sha256";
+
+/// AES-CBC with ESSIV IVs (IV of sector n = AES-256 under SHA-256(key) of n as a little-endian
+/// block), per 512-byte sector counted from 0, as dm-crypt and cryptsetup's keyslot code do.
+fn cbc_essiv(key: &[u8], data: &mut [u8], encrypt: bool) -> Result<()> {
+    use aes::cipher::{BlockCipherDecrypt, BlockCipherEncrypt, KeyInit};
+    use sha2::Digest;
+
+    enum Aes {
+        A128(aes::Aes128),
+        A192(aes::Aes192),
+        A256(aes::Aes256),
+    }
+    let bad = |_| VolumeError::Unsupported(format!("{CBC_ESSIV} with a {}-bit key", key.len() * 8));
+    let aes = match key.len() {
+        16 => Aes::A128(aes::Aes128::new_from_slice(key).map_err(bad)?),
+        24 => Aes::A192(aes::Aes192::new_from_slice(key).map_err(bad)?),
+        32 => Aes::A256(aes::Aes256::new_from_slice(key).map_err(bad)?),
+        _ => return Err(VolumeError::Unsupported(format!("{CBC_ESSIV} with a {}-bit key (AES takes 128, 192 or 256)", key.len() * 8))),
+    };
+    if !data.len().is_multiple_of(512) {
+        return Err(VolumeError::Corrupt(format!("keyslot area of {} bytes is not whole 512-byte sectors", data.len())));
+    }
+    let mut salt = zeroize::Zeroizing::new([0u8; 32]);
+    salt.copy_from_slice(&sha2::Sha256::digest(key));
+    let essiv = aes::Aes256::new_from_slice(&salt[..]).map_err(bad)?;
+    for (n, sector) in data.chunks_mut(512).enumerate() {
+        let mut iv = aes::Block::default();
+        iv[..8].copy_from_slice(&(n as u64).to_le_bytes());
+        essiv.encrypt_block(&mut iv);
+        for chunk in sector.chunks_mut(16) {
+            let mut b = aes::Block::try_from(&*chunk).expect("16 bytes");
+            if encrypt {
+                b.iter_mut().zip(iv.iter()).for_each(|(x, v)| *x ^= v);
+                match &aes {
+                    Aes::A128(c) => c.encrypt_block(&mut b),
+                    Aes::A192(c) => c.encrypt_block(&mut b),
+                    Aes::A256(c) => c.encrypt_block(&mut b),
+                }
+                iv = b;
+                chunk.copy_from_slice(&b);
+            } else {
+                let next_iv = b;
+                match &aes {
+                    Aes::A128(c) => c.decrypt_block(&mut b),
+                    Aes::A192(c) => c.decrypt_block(&mut b),
+                    Aes::A256(c) => c.decrypt_block(&mut b),
+                }
+                b.iter_mut().zip(iv.iter()).for_each(|(x, v)| *x ^= v);
+                iv = next_iv;
+                chunk.copy_from_slice(&b);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a keyslot area cipher that [`decrypt_area`] lacks.
+pub fn check_area_cipher(spec: &str) -> Result<()> {
+    if spec.eq_ignore_ascii_case(CBC_ESSIV) {
+        return Ok(());
+    }
+    crypto_api_name(spec).map(drop)
+}
+
 /// Decrypts a keyslot area in place: 512-byte sectors, IVs counted from 0 at the area's start.
 pub fn decrypt_area(spec: &str, key: &[u8], data: &mut [u8]) -> Result<()> {
+    if spec.eq_ignore_ascii_case(CBC_ESSIV) {
+        return cbc_essiv(key, data, false);
+    }
     let cipher = sector_cipher(spec, key, KeyPolicy::Permissive)?;
     cipher
         .decrypt_units(0, 1, 512, data)
@@ -49,6 +144,9 @@ pub fn decrypt_area(spec: &str, key: &[u8], data: &mut [u8]) -> Result<()> {
 
 /// Encrypts a keyslot area in place (the inverse of [`decrypt_area`]).
 pub fn encrypt_area(spec: &str, key: &[u8], data: &mut [u8]) -> Result<()> {
+    if spec.eq_ignore_ascii_case(CBC_ESSIV) {
+        return cbc_essiv(key, data, true);
+    }
     let cipher = sector_cipher(spec, key, KeyPolicy::Permissive)?;
     cipher
         .encrypt_units(0, 1, 512, data)
@@ -90,5 +188,14 @@ mod tests {
             let e = sector_cipher(spec, &key[..32], KeyPolicy::Volume).err().unwrap().to_string();
             assert!(e.contains("256-bit key"), "{e}");
         }
+    }
+
+    #[test]
+    fn key_sizes() {
+        assert!(check_key_bits("aes-xts-plain64", 512).is_ok() && check_key_bits("aes-xts-plain64", 256).is_ok());
+        let e = check_key_bits("aes-xts-plain64", 384).unwrap_err().to_string();
+        assert!(e.contains("384") && e.contains("256 or 512"), "{e}");
+        assert!(check_key_bits("xchacha12,aes-adiantum-plain64", 512).is_err());
+        assert!(check_key_bits("aes-hctr2-plain64", 256).is_ok());
     }
 }

@@ -27,7 +27,7 @@ use zeroize::Zeroizing;
 
 use crate::af;
 use crate::base64;
-use crate::cipher_spec::{encrypt_area, header_api_name, sector_cipher};
+use crate::cipher_spec::{check_key_bits, encrypt_area, header_api_name, sector_cipher};
 use crate::device::ReadAt;
 use crate::error::{io_err, Result, VolumeError};
 use crate::hash::Hash;
@@ -167,6 +167,15 @@ pub fn benchmark(kind: &str, hash: Hash, iter_time_ms: u64, memory_kib: u32, par
     }
 }
 
+/// PBKDF2 iterations that take `ms` milliseconds to derive `out_bytes`, from a measured rate of
+/// `per_sec_256` iterations per second for a 256-bit output (what `cryptsetup benchmark` prints):
+/// PBKDF2 runs its iterations once per hash-sized output block.
+pub fn pbkdf2_iterations_at(per_sec_256: u64, hash: Hash, out_bytes: usize, ms: u64) -> u32 {
+    let blocks = |n: usize| n.div_ceil(hash.output_len()).max(1) as u64;
+    let per_sec = per_sec_256.saturating_mul(blocks(32)) / blocks(out_bytes);
+    (per_sec.saturating_mul(ms) / 1000).clamp(u64::from(MIN_PBKDF2_ITERATIONS), u64::from(u32::MAX)) as u32
+}
+
 /// Iterations for the volume key digest: ~125 ms, at least 1000 (cryptsetup's rule).
 pub fn digest_iterations(hash: Hash, key_bytes: usize) -> u32 {
     let probe = 20_000u32;
@@ -177,37 +186,96 @@ pub fn digest_iterations(hash: Hash, key_bytes: usize) -> u32 {
     (u64::from(probe) * DIGEST_MS * 1000 / us).clamp(u64::from(MIN_PBKDF2_ITERATIONS), u64::from(u32::MAX)) as u32
 }
 
-fn check_params(p: &FormatParams) -> Result<()> {
-    header_api_name(&p.cipher)?;
-    let probe = vec![1u8; p.key_bytes];
-    let mut probe2 = probe.clone();
-    probe2[p.key_bytes / 2..].fill(2);
-    sector_cipher(&p.cipher, &probe2, KeyPolicy::Volume)
-        .map_err(|e| VolumeError::Invalid(format!("--cipher {} with --key-size {}: {e}", p.cipher, p.key_bytes * 8)))?;
-    match p.version {
-        1 => {
-            if !matches!(p.kdf, Kdf::Pbkdf2 { .. }) {
-                return Err(VolumeError::Invalid("LUKS1 keyslots use pbkdf2 only".into()));
+/// The new volume's shape, checkable before any KDF runs or any byte is written.
+#[derive(Debug, Clone)]
+pub struct Layout<'a> {
+    pub version: u8,
+    pub cipher: &'a str,
+    pub key_bytes: usize,
+    pub sector_size: usize,
+    /// As [`FormatParams::data_offset`].
+    pub data_offset: Option<u64>,
+    pub detached: bool,
+}
+
+/// cryptsetup's alignment rule for an explicit data offset (`--offset`): whole 4096-byte units
+/// (its message: "Data offset is not multiple of 4096 bytes.").
+pub const DATA_OFFSET_ALIGN: u64 = 4096;
+
+impl Layout<'_> {
+    /// Checks everything about the new volume that needs no KDF: version, cipher and key size,
+    /// sector size, data offset alignment and room, and that the data device (`data_size` bytes)
+    /// extends past the data offset. Returns the data offset (bytes).
+    pub fn check(&self, data_size: u64, dev_name: &str) -> Result<u64> {
+        header_api_name(self.cipher)?;
+        check_key_bits(self.cipher, self.key_bytes * 8)?;
+        let probe = vec![1u8; self.key_bytes];
+        let mut probe2 = probe.clone();
+        probe2[self.key_bytes / 2..].fill(2);
+        sector_cipher(self.cipher, &probe2, KeyPolicy::Volume)
+            .map_err(|e| VolumeError::Invalid(format!("--cipher {} with --key-size {}: {e}", self.cipher, self.key_bytes * 8)))?;
+        match self.version {
+            1 => {
+                if self.sector_size != 512 {
+                    return Err(VolumeError::Invalid("LUKS1 has 512-byte sectors only".into()));
+                }
+                if !self.cipher.contains('-') || self.cipher.starts_with("capi:") {
+                    return Err(VolumeError::Invalid(format!("LUKS1 stores a cipher as name-mode; `{}` cannot be", self.cipher)));
+                }
             }
-            if p.sector_size != 512 {
-                return Err(VolumeError::Invalid("LUKS1 has 512-byte sectors only".into()));
+            2 => {
+                if !matches!(self.sector_size, 512 | 1024 | 2048 | 4096) {
+                    return Err(VolumeError::Invalid(format!("--sector-size {}: use 512, 1024, 2048 or 4096", self.sector_size)));
+                }
             }
-            if !p.cipher.contains('-') || p.cipher.starts_with("capi:") {
-                return Err(VolumeError::Invalid(format!("LUKS1 stores a cipher as name-mode; `{}` cannot be", p.cipher)));
+            v => return Err(VolumeError::Invalid(format!("LUKS version {v}: use luks1 or luks2"))),
+        }
+        if let Some(off) = self.data_offset {
+            if !off.is_multiple_of(DATA_OFFSET_ALIGN) {
+                return Err(VolumeError::Invalid(format!(
+                    "data offset {off} bytes ({} sectors) is not a multiple of 4096 bytes (8 sectors), as cryptsetup requires",
+                    off / 512
+                )));
+            }
+            if !off.is_multiple_of(self.sector_size as u64) {
+                return Err(VolumeError::Invalid(format!("data offset {off} is not a multiple of the sector size {}", self.sector_size)));
             }
         }
-        2 => {
-            if !matches!(p.sector_size, 512 | 1024 | 2048 | 4096) {
-                return Err(VolumeError::Invalid(format!("--sector-size {}: use 512, 1024, 2048 or 4096", p.sector_size)));
+        let material = af::split_len(self.key_bytes, luks1::STRIPES) as u64;
+        let data_offset = if self.version == 2 {
+            let off = self.data_offset.unwrap_or(if self.detached { 0 } else { LUKS2_DATA_OFFSET });
+            let area_size = material.div_ceil(4096) * 4096;
+            if !self.detached && off < LUKS2_KEYSLOTS_OFFSET + area_size {
+                return Err(VolumeError::Invalid(format!("data offset {off} leaves no room for the header and keyslot")));
             }
-        }
-        v => return Err(VolumeError::Invalid(format!("LUKS version {v}: use luks1 or luks2"))),
+            off
+        } else {
+            let slot_sectors = (material / 512).div_ceil(8) * 8;
+            let slots_end = 8 + luks1::KEYSLOTS as u64 * slot_sectors;
+            let sectors = match self.data_offset {
+                Some(off) => off / 512,
+                None if self.detached => 0,
+                None => u64::from(LUKS1_DATA_OFFSET_SECTORS).max(slots_end.div_ceil(8) * 8),
+            };
+            if u32::try_from(sectors).is_err() {
+                return Err(VolumeError::Invalid(format!("data offset {} is too large for LUKS1", sectors * 512)));
+            }
+            if !self.detached && sectors < slots_end {
+                return Err(VolumeError::Invalid(format!("data offset {} leaves no room for the LUKS1 keyslots", sectors * 512)));
+            }
+            sectors * 512
+        };
+        check_data_room(data_size, data_offset, self.sector_size, dev_name)?;
+        Ok(data_offset)
     }
-    if let Some(off) = p.data_offset {
-        if !off.is_multiple_of(p.sector_size.max(512) as u64) {
-            return Err(VolumeError::Invalid(format!("data offset {off} is not a multiple of the sector size")));
-        }
+}
+
+fn check_params(p: &FormatParams, data_size: u64, dev_name: &str) -> Result<()> {
+    if p.version == 1 && !matches!(p.kdf, Kdf::Pbkdf2 { .. }) {
+        return Err(VolumeError::Invalid("LUKS1 keyslots use pbkdf2 only".into()));
     }
+    Layout { version: p.version, cipher: &p.cipher, key_bytes: p.key_bytes, sector_size: p.sector_size, data_offset: p.data_offset, detached: p.detached }
+        .check(data_size, dev_name)?;
     Ok(())
 }
 
@@ -215,7 +283,7 @@ fn check_params(p: &FormatParams) -> Result<()> {
 /// where the data starts. `data_size` is the data device's size in bytes (for the same device,
 /// `dev`'s), checked to leave room for data. The volume key is made here from the OS generator.
 pub fn format(dev: &File, dev_name: &str, data_size: u64, p: &FormatParams, passphrase: &[u8]) -> Result<Formatted> {
-    check_params(p)?;
+    check_params(p, data_size, dev_name)?;
     let _lock = DeviceLock::exclusive(dev, dev_name)?;
     let mut key = crate::Secret::new(p.key_bytes);
     loop {
@@ -385,9 +453,10 @@ fn ensure_len(dev: &File, len: u64, dev_name: &str) -> Result<()> {
 }
 
 fn check_data_room(data_size: u64, data_offset: u64, sector_size: usize, dev_name: &str) -> Result<()> {
-    if data_size < data_offset + sector_size as u64 {
+    if data_size < data_offset.saturating_add(sector_size as u64) {
         return Err(VolumeError::Invalid(format!(
-            "{dev_name}: the data device ({data_size} bytes) has no room for data after offset {data_offset}"
+            "{dev_name}: the data device ({data_size} bytes) has no room for data after the data offset {data_offset}: it must be larger than {} bytes",
+            data_offset + sector_size as u64 - 1
         )));
     }
     Ok(())
@@ -477,6 +546,24 @@ mod tests {
     }
 
     #[test]
+    fn layouts_are_checked_without_a_kdf() {
+        let l = |version, key_bytes, data_offset: Option<u64>, detached| Layout { version, cipher: "aes-xts-plain64", key_bytes, sector_size: 512, data_offset, detached };
+        // cryptsetup: "Data offset is not multiple of 4096 bytes." (--offset 40001 sectors).
+        let e = l(2, 64, Some(40001 * 512), false).check(40 << 20, "v").unwrap_err().to_string();
+        assert!(e.contains("4096 bytes") && e.contains("40001 sectors"), "{e}");
+        assert!(l(1, 64, Some(40004 * 512), false).check(40 << 20, "v").is_err());
+        assert_eq!(l(1, 64, Some(40008 * 512), false).check(40 << 20, "v").unwrap(), 40008 * 512);
+        let e = l(2, 48, None, false).check(40 << 20, "v").unwrap_err().to_string();
+        assert!(e.contains("use 256 or 512"), "{e}");
+        // The data device must extend past the data offset (16 MiB by default for LUKS2).
+        assert!(l(2, 64, None, false).check(16 << 20, "v").unwrap_err().to_string().contains("no room"));
+        assert_eq!(l(2, 64, None, false).check((16 << 20) + 512, "v").unwrap(), 16 << 20);
+        assert_eq!(l(2, 64, None, true).check(4096, "v").unwrap(), 0);
+        assert!(l(2, 64, None, true).check(0, "v").is_err());
+        assert_eq!(l(1, 32, None, false).check(4 << 20, "v").unwrap(), 2 << 20);
+    }
+
+    #[test]
     fn benchmarks_respect_the_minimums() {
         match benchmark("pbkdf2", Hash::Sha256, 1, 0, 1, 64).unwrap() {
             Kdf::Pbkdf2 { iterations, .. } => assert!(iterations >= MIN_PBKDF2_ITERATIONS),
@@ -488,5 +575,16 @@ mod tests {
         }
         assert!(benchmark("scrypt", Hash::Sha256, 1, 1024, 1, 64).is_err());
         assert!(digest_iterations(Hash::Sha256, 64) >= MIN_PBKDF2_ITERATIONS);
+    }
+
+    #[test]
+    fn iterations_from_a_rate_count_output_blocks() {
+        // 2,000,000/s for one SHA-256 block: a 512-bit key is two blocks, half the iterations.
+        assert_eq!(pbkdf2_iterations_at(2_000_000, Hash::Sha256, 32, 1000), 2_000_000);
+        assert_eq!(pbkdf2_iterations_at(2_000_000, Hash::Sha256, 64, 2000), 2_000_000);
+        assert_eq!(pbkdf2_iterations_at(2_000_000, Hash::Sha512, 64, 1000), 2_000_000);
+        // SHA-1: a 256-bit output is two 160-bit blocks already.
+        assert_eq!(pbkdf2_iterations_at(1_000_000, Hash::Sha1, 20, 1000), 2_000_000);
+        assert_eq!(pbkdf2_iterations_at(10, Hash::Sha256, 64, 1), MIN_PBKDF2_ITERATIONS);
     }
 }

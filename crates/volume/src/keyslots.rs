@@ -207,7 +207,6 @@ fn luks1_store(dev: &HeaderDevice, h: &Luks1Header, i: u32, key: &[u8], passphra
     let Kdf::Pbkdf2 { iterations, .. } = params.kdf else {
         return Err(VolumeError::Invalid("LUKS1 keyslots use pbkdf2 only (--pbkdf pbkdf2)".into()));
     };
-    h.data_segment()?;
     if key.len() != h.key_bytes as usize || !h.verify_key(key)? {
         return Err(VolumeError::Invalid("the key does not match this volume's digest".into()));
     }
@@ -296,7 +295,7 @@ fn write_luks2(dev: &HeaderDevice, h: &Luks2Header, json: serde_json::Value) -> 
     let check = Luks2Header::from_json(binary.clone(), json.clone())?;
     // (With no keyslot left, no keyslot says the key size: a volume nothing opens any more.)
     if !check.keyslots.is_empty() {
-        check.data_segment()?;
+        check.keyslot_check()?;
     }
     let (primary, secondary) = luks2::encode_copies(&binary, &json)?;
     write_synced(dev.file, &primary, 0, &format!("the primary LUKS2 header of {}", dev.name))?;
@@ -306,15 +305,15 @@ fn write_luks2(dev: &HeaderDevice, h: &Luks2Header, json: serde_json::Value) -> 
 /// Writes keyslot `id` (new, or replacing one of that id) holding `key` in a free area, then the
 /// header that references it.
 fn luks2_store(dev: &HeaderDevice, h: &Luks2Header, id: u32, key: &[u8], passphrase: &[u8], params: &NewKeyslot) -> Result<()> {
-    let segment = h.data_segment()?;
-    let seg_id = *h.segments.keys().next().expect("data_segment found one");
-    let (digest_id, digest) = h.segment_digest(seg_id)?;
-    if key.len() != segment.key_bytes || !h.verify_key(digest, key)? {
+    let key_bytes = h.keyslot_check()?;
+    let (seg_id, segment) = h.segments.iter().next().expect("keyslot_check found one");
+    let (digest_id, digest) = h.segment_digest(*seg_id)?;
+    if key.len() != key_bytes || !h.verify_key(digest, key)? {
         return Err(VolumeError::Invalid("the key does not match this volume's digest".into()));
     }
     // cryptsetup encrypts a keyslot with the data cipher where it can, else aes-xts-plain64/512
     // (as `luks format` here does).
-    let (area_cipher, area_key) = if segment.cipher == "aes-xts-plain64" { (segment.cipher.clone(), key.len()) } else { ("aes-xts-plain64".to_string(), 64) };
+    let (area_cipher, area_key) = if segment.encryption == "aes-xts-plain64" { (segment.encryption.clone(), key.len()) } else { ("aes-xts-plain64".to_string(), 64) };
     let material_len = af::split_len(key.len(), luks1::STRIPES);
     let area_size = (material_len as u64).next_multiple_of(4096);
     let area_offset = luks2_find_gap(dev, h, area_size)?;
@@ -350,7 +349,7 @@ fn luks2_store(dev: &HeaderDevice, h: &Luks2Header, id: u32, key: &[u8], passphr
 }
 
 fn luks2_destroy(dev: &HeaderDevice, h: &Luks2Header, id: u32) -> Result<()> {
-    h.data_segment()?;
+    h.keyslot_check()?;
     let Some(slot) = h.keyslots.get(&id) else {
         return Err(VolumeError::NoKeyslot(format!("keyslot {id} is not in use")));
     };

@@ -19,6 +19,7 @@ pub mod kdf;
 pub mod keyslots;
 pub mod luks1;
 pub mod luks2;
+pub mod probe;
 pub mod secret;
 
 use std::fmt;
@@ -26,6 +27,7 @@ use std::fmt;
 pub use device::ReadAt;
 pub use error::{Result, VolumeError};
 pub use secret::Secret;
+use hash::Hash;
 
 /// LUKS magic of a LUKS1 header and of a LUKS2 primary header.
 pub const LUKS_MAGIC: [u8; 6] = *b"LUKS\xba\xbe";
@@ -97,6 +99,21 @@ impl fmt::Debug for Unlocked {
     }
 }
 
+/// A volume key opened by a keyslot, without the data segment (keyslot commands need no more).
+pub struct VolumeKey {
+    pub volume_key: Secret,
+    pub keyslot: u32,
+}
+
+impl fmt::Debug for VolumeKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VolumeKey")
+            .field("volume_key", &format_args!("<{} bytes, redacted>", self.volume_key.len()))
+            .field("keyslot", &self.keyslot)
+            .finish()
+    }
+}
+
 /// A LUKS header of either version.
 #[derive(Debug, Clone)]
 pub enum Header {
@@ -151,6 +168,33 @@ impl Header {
         match self {
             Header::Luks1(h) => h.data_segment(),
             Header::Luks2(h) => h.data_segment(),
+        }
+    }
+
+    /// Refuses what keyslot commands must not change (reencryption, integrity, unknown
+    /// requirements, an unknown hash), but not a data cipher this crate cannot serve: only the
+    /// keyslot cipher matters to them.
+    pub fn keyslot_check(&self) -> Result<()> {
+        match self {
+            Header::Luks1(h) => Hash::from_name(&h.hash_spec).map(drop),
+            Header::Luks2(h) => h.keyslot_check().map(drop),
+        }
+    }
+
+    /// Where the data starts, in bytes (the first segment's offset for LUKS2).
+    pub fn data_offset(&self) -> Option<u64> {
+        match self {
+            Header::Luks1(h) => Some(u64::from(h.payload_offset) * 512),
+            Header::Luks2(h) => h.segments.values().next().map(|s| s.offset),
+        }
+    }
+
+    /// The volume key from `passphrase` (as [`Self::unlock`]) without requiring a data cipher
+    /// this crate can serve.
+    pub fn unlock_key(&self, dev: &dyn ReadAt, passphrase: &[u8], slot: Option<u32>) -> Result<VolumeKey> {
+        match self {
+            Header::Luks1(h) => h.unlock_key(dev, passphrase, slot),
+            Header::Luks2(h) => h.unlock_key(dev, passphrase, slot),
         }
     }
 

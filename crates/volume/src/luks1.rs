@@ -10,7 +10,7 @@ use crate::device::ReadAt;
 use crate::error::{io_err, Result, VolumeError};
 use crate::hash::Hash;
 use crate::kdf::Kdf;
-use crate::{c_string, ct_eq, DataSegment, Unlocked, LUKS_MAGIC};
+use crate::{c_string, ct_eq, DataSegment, Unlocked, VolumeKey, LUKS_MAGIC};
 
 pub const HEADER_LEN: usize = 592;
 pub const KEYSLOTS: usize = 8;
@@ -193,6 +193,14 @@ impl Luks1Header {
 
     pub fn unlock(&self, dev: &dyn ReadAt, passphrase: &[u8], slot: Option<u32>) -> Result<Unlocked> {
         let segment = self.data_segment()?;
+        let VolumeKey { volume_key, keyslot } = self.unlock_key(dev, passphrase, slot)?;
+        Ok(Unlocked { volume_key, keyslot, segment })
+    }
+
+    /// The volume key from `passphrase`, whatever the data cipher can serve (LUKS1 keyslots are
+    /// encrypted with the data cipher, so it must still be one this crate has).
+    pub fn unlock_key(&self, dev: &dyn ReadAt, passphrase: &[u8], slot: Option<u32>) -> Result<VolumeKey> {
+        Hash::from_name(&self.hash_spec)?;
         let slots = match slot {
             Some(s) => {
                 if s as usize >= KEYSLOTS {
@@ -207,7 +215,7 @@ impl Luks1Header {
         };
         for &s in &slots {
             if let Some(volume_key) = self.try_slot(dev, s as usize, passphrase)? {
-                return Ok(Unlocked { volume_key, keyslot: s, segment });
+                return Ok(VolumeKey { volume_key, keyslot: s });
             }
         }
         Err(VolumeError::WrongPassphrase(slots))

@@ -10,12 +10,12 @@ use zeroize::Zeroizing;
 
 use crate::af;
 use crate::base64;
-use crate::cipher_spec::{crypto_api_name, decrypt_area};
+use crate::cipher_spec::{check_area_cipher, crypto_api_name, decrypt_area};
 use crate::device::ReadAt;
 use crate::error::{Result, VolumeError};
 use crate::hash::Hash;
 use crate::kdf::{Argon2Variant, Kdf};
-use crate::{c_string, ct_eq, DataSegment, Unlocked, LUKS_MAGIC};
+use crate::{c_string, ct_eq, DataSegment, Unlocked, VolumeKey, LUKS_MAGIC};
 
 pub const BIN_LEN: usize = 4096;
 pub const MAGIC_2ND: [u8; 6] = *b"SKUL\xba\xbe";
@@ -140,7 +140,9 @@ pub struct Luks2Keyslot {
     pub area_size: u64,
     pub area_encryption: String,
     pub area_key_size: usize,
-    pub kdf: Kdf,
+    /// The KDF, or why it cannot be used here (a PBKDF2 hash this crate lacks, such as
+    /// ripemd160 or whirlpool): such a keyslot is skipped with a warning, the others still open.
+    pub kdf: std::result::Result<Kdf, String>,
     pub salt: Vec<u8>,
 }
 
@@ -315,14 +317,20 @@ fn parse_keyslot(o: &Map<String, Value>, what: &str) -> Result<Keyslot> {
         let kdf_o = obj(field(o, "kdf", what)?, &format!("{what}.kdf"))?;
         let kdf_what = format!("{what}.kdf");
         let kdf = match string(kdf_o, "type", &kdf_what)? {
-            "pbkdf2" => Kdf::Pbkdf2 { hash: Hash::from_name(string(kdf_o, "hash", &kdf_what)?)?, iterations: u32_number(kdf_o, "iterations", &kdf_what)? },
-            t @ ("argon2i" | "argon2id") => Kdf::Argon2 {
+            "pbkdf2" => {
+                let iterations = u32_number(kdf_o, "iterations", &kdf_what)?;
+                match Hash::from_name(string(kdf_o, "hash", &kdf_what)?) {
+                    Ok(hash) => Ok(Kdf::Pbkdf2 { hash, iterations }),
+                    Err(e) => Err(format!("{what}: PBKDF2 {e}")),
+                }
+            }
+            t @ ("argon2i" | "argon2id") => Ok(Kdf::Argon2 {
                 variant: if t == "argon2i" { Argon2Variant::Argon2i } else { Argon2Variant::Argon2id },
                 time: u32_number(kdf_o, "time", &kdf_what)?,
                 memory_kib: u32_number(kdf_o, "memory", &kdf_what)?,
                 parallel: u32_number(kdf_o, "cpus", &kdf_what)?,
-            },
-            other => return Err(VolumeError::Unsupported(format!("{what}: KDF `{other}` is not supported (pbkdf2, argon2i, argon2id)"))),
+            }),
+            other => Err(format!("{what}: KDF `{other}` is not supported (pbkdf2, argon2i, argon2id)")),
         };
         Some(Luks2Keyslot {
             af_hash: string(af, "hash", &af_what)?.to_string(),
@@ -483,6 +491,28 @@ impl Luks2Header {
 
     /// The one crypt segment, or a refusal naming what this volume uses that is not supported.
     pub fn data_segment(&self) -> Result<DataSegment> {
+        let (_, seg, key_bytes) = self.segment_parts()?;
+        let crypto_api = crypto_api_name(&seg.encryption)?;
+        Ok(DataSegment {
+            cipher: seg.encryption.clone(),
+            crypto_api,
+            key_bytes,
+            sector_size: seg.sector_size,
+            iv_large_sectors: false,
+            offset: seg.offset,
+            size: seg.size,
+        })
+    }
+
+    /// What keyslot work needs of the volume (no reencryption, integrity or unknown requirement;
+    /// one crypt segment with a digest), whatever its data cipher: the volume key's length.
+    pub fn keyslot_check(&self) -> Result<usize> {
+        self.segment_parts().map(|(_, _, key_bytes)| key_bytes)
+    }
+
+    /// The crypt segment's id, the segment and the volume key's length, checked as
+    /// [`Self::data_segment`] checks them except for the data cipher.
+    fn segment_parts(&self) -> Result<(u32, &Segment, usize)> {
         if !self.config.requirements.is_empty() {
             let what = self.config.requirements.join(", ");
             let hint = if self.config.requirements.iter().any(|r| r.contains("reencrypt")) {
@@ -525,7 +555,6 @@ impl Luks2Header {
         if !seg.offset.is_multiple_of(seg.sector_size as u64) || seg.size.is_some_and(|s| !s.is_multiple_of(seg.sector_size as u64)) {
             return Err(VolumeError::Corrupt(format!("LUKS2 segment {seg_id}: offset or size is not a multiple of its sector size")));
         }
-        let crypto_api = crypto_api_name(&seg.encryption)?;
         let (_, digest) = self.segment_digest(*seg_id)?;
         let key_bytes = digest
             .keyslots
@@ -534,15 +563,7 @@ impl Luks2Header {
             .map(|k| k.key_size)
             .next()
             .ok_or_else(|| VolumeError::Unsupported(format!("LUKS2: no keyslot holds the key of segment {seg_id}")))?;
-        Ok(DataSegment {
-            cipher: seg.encryption.clone(),
-            crypto_api,
-            key_bytes,
-            sector_size: seg.sector_size,
-            iv_large_sectors: false,
-            offset: seg.offset,
-            size: seg.size,
-        })
+        Ok((*seg_id, seg, key_bytes))
     }
 
     pub fn segment_digest(&self, seg_id: u32) -> Result<(u32, &Digest)> {
@@ -585,8 +606,9 @@ impl Luks2Header {
             return Err(VolumeError::Corrupt(format!("{what}: {len} bytes of key material do not fit its {}-byte area", k.area_size)));
         }
         let af_hash = Hash::from_name(&k.af_hash)?;
-        crypto_api_name(&k.area_encryption)?;
-        let derived = k.kdf.derive(passphrase, &k.salt, k.area_key_size)?;
+        check_area_cipher(&k.area_encryption)?;
+        let kdf = k.kdf.as_ref().map_err(|why| VolumeError::Unsupported(why.clone()))?;
+        let derived = kdf.derive(passphrase, &k.salt, k.area_key_size)?;
         let mut material = crate::Secret::new(len);
         dev.read_exact_at(&mut material, k.area_offset).map_err(|error| VolumeError::Io { what: format!("cannot read {what}'s area"), error })?;
         decrypt_area(&k.area_encryption, &derived, &mut material)?;
@@ -595,7 +617,14 @@ impl Luks2Header {
 
     pub fn unlock(&self, dev: &dyn ReadAt, passphrase: &[u8], slot: Option<u32>) -> Result<Unlocked> {
         let segment = self.data_segment()?;
-        let seg_id = *self.segments.keys().next().expect("data_segment found one");
+        let VolumeKey { volume_key, keyslot } = self.unlock_key(dev, passphrase, slot)?;
+        Ok(Unlocked { volume_key, keyslot, segment })
+    }
+
+    /// The volume key from `passphrase` (every usable keyslot in cryptsetup's order, or only
+    /// `slot`), whatever the data cipher: what keyslot commands need.
+    pub fn unlock_key(&self, dev: &dyn ReadAt, passphrase: &[u8], slot: Option<u32>) -> Result<VolumeKey> {
+        let (seg_id, _, key_bytes) = self.segment_parts()?;
         let (_, digest) = self.segment_digest(seg_id)?;
         let candidates: Vec<u32> = match slot {
             Some(s) => {
@@ -620,8 +649,8 @@ impl Luks2Header {
             match self.keyslot_key(dev, s, passphrase) {
                 Ok(key) => {
                     tried.push(s);
-                    if key.len() == segment.key_bytes && self.verify_key(digest, &key)? {
-                        return Ok(Unlocked { volume_key: key, keyslot: s, segment });
+                    if key.len() == key_bytes && self.verify_key(digest, &key)? {
+                        return Ok(VolumeKey { volume_key: key, keyslot: s });
                     }
                 }
                 Err(e @ VolumeError::Io { .. }) => return Err(e),

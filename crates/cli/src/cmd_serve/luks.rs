@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use cryptbridge_bridge::Backing;
 use cryptbridge_engine::SectorLayout;
-use cryptbridge_volume::{DataSegment, Header, Secret, VolumeError};
+use cryptbridge_volume::{DataSegment, Header, Secret};
 
 use super::{usage, Args, VolumeType};
 use crate::passphrase;
@@ -95,10 +95,9 @@ pub fn open(args: &Args) -> Result<Option<Volume>> {
     }
     let pass = passphrase::read(args.key_file.as_deref(), &format!("Enter passphrase for {}: ", header_path.display()))?;
     let started = Instant::now();
-    let unlocked = header.unlock(&file, &pass, args.key_slot).map_err(|e| match e {
-        VolumeError::WrongPassphrase(_) => anyhow::anyhow!("{}: {e}", header_path.display()),
-        e => anyhow::Error::new(e).context(format!("cannot open {}", header_path.display())),
-    })?;
+    let unlocked = header
+        .unlock(&file, &pass, args.key_slot)
+        .map_err(|e| passphrase::unlock_error(e, &header_path.display().to_string(), args.key_file.as_deref(), &pass))?;
     drop(pass);
     tracing::info!(
         "LUKS{} {} opened with keyslot {} in {} ms: {} {}-bit, {}-byte sectors, data at byte {}{}",

@@ -604,7 +604,8 @@ def test_luks_format_offset_must_be_a_multiple_of_4096_bytes(ws):
     assert theirs.returncode != 0 and b"not multiple of 4096 bytes" in theirs.stderr, theirs.stderr
     for luks_type in ("luks2", "luks1"):
         p = cb_format(img, pw, luks_type, "pbkdf2", 512, 512, "--offset", "40001")
-        assert p.returncode == 1 and b"not a multiple of 4096 bytes" in p.stderr, p.stderr
+        # An option that cannot make a volume is a usage error (exit 2), found before any I/O.
+        assert p.returncode == 2 and b"not a multiple of 4096 bytes" in p.stderr, p.stderr
         assert img.read_bytes() == bytes(24 * MiB), "a refused format wrote something"
     p = cb_format(img, pw, "luks2", "pbkdf2", 512, 512, "--offset", "40008")
     assert p.returncode == 0, p.stderr
@@ -618,16 +619,18 @@ def test_luks_format_refuses_before_any_kdf(ws):
     pw = write_file(ws.tmp / "pass", PASS)
     img = sparse(ws.tmp / "v.img", 24 * MiB)
     small = sparse(ws.tmp / "small.img", 16 * MiB)  # LUKS2's data starts at 16 MiB
+    # (target, options, message, exit status): options that cannot make a volume are usage errors
+    # (2); a device too small for them is a runtime error (1).
     cases = [
-        (img, ["--key-size", "384"], b"--key-size 384 is not a key size of aes-xts-plain64: use 256 or 512"),
-        (img, ["--key-size", "512", "--cipher", "xchacha12,aes-adiantum-plain64"], b"use 256"),
-        (small, [], b"no room for data after the data offset 16777216"),
-        (small, ["--type", "luks1", "--offset", str(16 * MiB // 512)], b"no room for data"),
+        (img, ["--key-size", "384"], b"--key-size 384 is not a key size of aes-xts-plain64: use 256 or 512", 2),
+        (img, ["--key-size", "512", "--cipher", "xchacha12,aes-adiantum-plain64"], b"use 256", 2),
+        (small, [], b"no room for data after the data offset 16777216", 1),
+        (small, ["--type", "luks1", "--offset", str(16 * MiB // 512)], b"no room for data", 1),
     ]
-    for target, opts, needle in cases:
+    for target, opts, needle, status in cases:
         t = time.monotonic()
         p = run([require_binary(), "luks", "format", "--iter-time", "20000", "--key-file", pw, *opts, target], timeout=60)
-        assert p.returncode == 1 and needle in p.stderr, (opts, p.stderr)
+        assert p.returncode == status and needle in p.stderr, (opts, p.stderr)
         assert time.monotonic() - t < 5, f"{opts}: refused only after {time.monotonic() - t:.1f} s"
         assert target.read_bytes() == bytes(target.stat().st_size), opts
 
@@ -774,4 +777,4 @@ def test_luks_format_refuses_a_bare_crypto_api_name(ws):
     pw = write_file(ws.tmp / "pass", PASS)
     p = run([require_binary(), "luks", "format", "--cipher", "xts(aes)", "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000",
              "--key-file", pw, img], timeout=60)  # fmt: skip
-    assert p.returncode != 0 and b"not a dm-crypt spec" in p.stderr, p.stderr
+    assert p.returncode == 2 and b"not a dm-crypt spec" in p.stderr, p.stderr

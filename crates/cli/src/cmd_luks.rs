@@ -544,15 +544,19 @@ fn format_volume(a: FormatArgs) -> Result<ExitCode> {
         Some(s) => Some(s.checked_mul(512).with_context(|| format!("--offset {s}: too large"))?),
         None => None,
     };
+    // Everything that needs no KDF is checked before one runs or a byte is written: cipher and
+    // key size, sector size, the offset's alignment (options that cannot make a volume are usage
+    // errors, before the device is opened), then room for data on the data device.
+    let layout = format::Layout { version, cipher: &a.cipher, key_bytes, sector_size: a.sector_size, data_offset, detached: a.header.is_some() };
+    if let Err(e) = layout.check_options() {
+        crate::usage(e.to_string());
+    }
     let data = std::fs::OpenOptions::new()
         .read(true)
         .write(a.header.is_none())
         .open(&a.device)
         .with_context(|| format!("cannot open {} (it must exist)", a.device.display()))?;
     let data_size = ReadAt::size(&data).with_context(|| format!("cannot size {}", a.device.display()))?;
-    // Everything that needs no KDF is checked before one runs or a byte is written: cipher and
-    // key size, sector size, the offset's alignment, room for data on the data device.
-    let layout = format::Layout { version, cipher: &a.cipher, key_bytes, sector_size: a.sector_size, data_offset, detached: a.header.is_some() };
     layout.check(data_size, &a.device.display().to_string())?;
     let header_path = a.header.as_ref().unwrap_or(&a.device);
     let header_file = match &a.header {

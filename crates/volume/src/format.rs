@@ -207,6 +207,14 @@ impl Layout<'_> {
     /// sector size, data offset alignment and room, and that the data device (`data_size` bytes)
     /// extends past the data offset. Returns the data offset (bytes).
     pub fn check(&self, data_size: u64, dev_name: &str) -> Result<u64> {
+        let data_offset = self.check_options()?;
+        check_data_room(data_size, data_offset, self.sector_size, dev_name)?;
+        Ok(data_offset)
+    }
+
+    /// The checks of [`Layout::check`] that need no device: whether the options themselves can
+    /// make a volume. Returns the data offset (bytes).
+    pub fn check_options(&self) -> Result<u64> {
         header_api_name(self.cipher)?;
         check_key_bits(self.cipher, self.key_bytes * 8)?;
         let probe = vec![1u8; self.key_bytes];
@@ -265,7 +273,6 @@ impl Layout<'_> {
             }
             sectors * 512
         };
-        check_data_room(data_size, data_offset, self.sector_size, dev_name)?;
         Ok(data_offset)
     }
 }

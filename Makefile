@@ -71,8 +71,8 @@ build-native:
 	@echo "built target/native/release/cryptbridge (for this CPU only)"
 
 deps:
-	scripts/install-deps.sh
-	rtl/install-deps.sh
+	@t0=$$(date +%s); set -e; set -x; scripts/install-deps.sh; rtl/install-deps.sh; \
+	{ set +x; } 2>/dev/null; echo "deps: ok ($$(( $$(date +%s) - t0 ))s)"
 
 # Serve the embedded default: a sparse image and a generated key under $(DATA_DIR).
 run: build
@@ -86,7 +86,8 @@ run: build
 test: deps build test-rust test-portable test-aarch64 test-integration test-rtl
 
 test-rust:
-	$(CARGO) test --release --locked --workspace
+	@t0=$$(date +%s); set -e; set -x; $(CARGO) test --release --locked --workspace; \
+	{ set +x; } 2>/dev/null; echo "test-rust: ok ($$(( $$(date +%s) - t0 ))s)"
 
 # The workspace, its tests and examples for the x86-64 baseline CPU (no SSE4/AVX/AES-NI assumed at
 # compile time: every SIMD path must carry its own #[target_feature] and be chosen at run time). Own
@@ -122,7 +123,8 @@ test-aarch64:
 	{ set +x; } 2>/dev/null; echo "test-aarch64: ok ($$(( $$(date +%s) - t0 ))s)"
 
 test-integration: build
-	$(PYTHON) -m pytest -q tests/integration
+	@t0=$$(date +%s); set -e; set -x; $(PYTHON) -m pytest -q tests/integration; \
+	{ set +x; } 2>/dev/null; echo "test-integration: ok ($$(( $$(date +%s) - t0 ))s)"
 
 # Crash campaign (tests/integration/crash_campaign.py; not part of make test): 20 rounds of kill -9 of
 # the server under an ext4 workload over nbdfuse + loop, each round checked after restart (journal
@@ -134,7 +136,8 @@ crash-campaign: build
 	$(PYTHON) tests/integration/crash_campaign.py --rounds 20 $(CRASH_ARGS)
 
 test-rtl: build
-	$(MAKE) -C rtl test
+	@t0=$$(date +%s); set -e; set -x; $(MAKE) -C rtl test; \
+	{ set +x; } 2>/dev/null; echo "test-rtl: ok ($$(( $$(date +%s) - t0 ))s)"
 
 bench: build
 	bench/run.sh

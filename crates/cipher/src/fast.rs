@@ -142,7 +142,7 @@ impl Fast {
                 acc.0
             }
             FastHash::Brw => {
-                if let Some(v) = self.hash.brw_le(&self.brw.0, body, tweak) {
+                if let Some(v) = brw::brw_le(&self.hash, &self.brw.0, body, tweak) {
                     return self.hash.mul(v, self.tau);
                 }
                 let k = body.len() / 16 + 1;
@@ -269,7 +269,7 @@ impl Fast {
             unit[..16].copy_from_slice(&y1.to_le_bytes());
             unit[16..32].copy_from_slice(&y2.to_le_bytes());
         };
-        let brw = |body: &[u8], t: u128| self.hash.brw_le(&self.brw.0, body, t).expect("k = 255 has a BRW kernel");
+        let brw = |body: &[u8], t: u128| brw::brw_le(&self.hash, &self.brw.0, body, t).expect("k = 255 has a BRW kernel");
         // The kernel's products after its hashes (`x86::Link`): [m0, m1, m2, m3] with m0 for
         // the output hash in the tail, m1 and m2 = tau m1 for the input hash in the head.
         let mult = if decrypt { [tau, tau2, mul(tau, tau2), tau] } else { [tau2, tau, tau2, tau] };
@@ -480,6 +480,7 @@ impl SectorCipher for Fast {
     }
 }
 
+mod brw;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

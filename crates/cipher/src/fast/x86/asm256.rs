@@ -25,7 +25,8 @@ use zeroize::{Zeroize, ZeroizeOnDrop};
 use super::asm_ymm::{YmmConsts, YmmKeys, YmmPending};
 use super::{Head, Link, Linked, Q};
 use crate::arch::x86::aes::RoundKeys;
-use crate::gf128::x86::{from_u128, quarters_finish2_mul, to_u128};
+use crate::fast::brw::x86::quarters_finish2_mul;
+use crate::gf128::x86::{from_u128, to_u128};
 
 /// bin(i) for the counter blocks i = 1..256, four per 64 bytes (lane l of entry j is
 /// 4j + l + 1, little-endian): step q XORs entries 4q..4q+3 into the seed.

@@ -65,6 +65,9 @@ fn be128(v: u64) -> B {
 // The AES round, with AES-NI where present.
 // ---------------------------------------------------------------------------------------------
 
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Round {
     #[cfg(target_arch = "x86_64")]
@@ -91,7 +94,7 @@ fn rounds(r: Round, blocks: &mut [B], keys: &[B]) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Round::AesNi` is only chosen at level `aesni` or above, which the constructor
         // checked this CPU has.
-        Round::AesNi => unsafe { aesni::rounds(blocks, keys) },
+        Round::AesNi => unsafe { x86::rounds(blocks, keys) },
         Round::Soft => {
             for b in blocks.iter_mut() {
                 let mut blk = aes::Block::from(*b);
@@ -99,258 +102,6 @@ fn rounds(r: Round, blocks: &mut [B], keys: &[B]) {
                     aes::hazmat::cipher_round(&mut blk, &aes::Block::from(*k));
                 }
                 *b = blk.into();
-            }
-        }
-    }
-}
-
-/// AES-NI rounds. The function needs level `aesni`, which the constructor checks before
-/// `Round::AesNi` is ever chosen; it is `unsafe` only for that reason.
-#[cfg(target_arch = "x86_64")]
-mod aesni {
-    use core::arch::x86_64::*;
-
-    use super::B;
-
-    crate::arch::x86::kernel_aesni! {
-    /// `keys.len()` AESENC rounds over every block, eight blocks interleaved.
-    pub(super) unsafe fn rounds(blocks: &mut [B], keys: &[B]) {
-        // SAFETY: compiled for `aesni`; every load and store covers one 16-byte block of `blocks`
-        // or `keys`.
-        unsafe {
-            let mut ks = [_mm_setzero_si128(); 10];
-            for (k, src) in ks.iter_mut().zip(keys) {
-                *k = _mm_loadu_si128(src.as_ptr().cast());
-            }
-            let ks = &ks[..keys.len()];
-            let mut chunks = blocks.chunks_exact_mut(8);
-            for c in &mut chunks {
-                let mut v = [_mm_setzero_si128(); 8];
-                for (vi, b) in v.iter_mut().zip(c.iter()) {
-                    *vi = _mm_loadu_si128(b.as_ptr().cast());
-                }
-                for k in ks {
-                    for vi in v.iter_mut() {
-                        *vi = _mm_aesenc_si128(*vi, *k);
-                    }
-                }
-                for (vi, b) in v.iter().zip(c.iter_mut()) {
-                    _mm_storeu_si128(b.as_mut_ptr().cast(), *vi);
-                }
-            }
-            for b in chunks.into_remainder() {
-                let mut v = _mm_loadu_si128(b.as_ptr().cast());
-                for k in ks {
-                    v = _mm_aesenc_si128(v, *k);
-                }
-                _mm_storeu_si128(b.as_mut_ptr().cast(), v);
-            }
-        }
-    }
-    }
-}
-
-/// AEZ-core's two passes over whole registers of pairs, written once over the vector trait
-/// (`arch::x86::simd`) and compiled at `aesni` (one pair per register), `vaes256` (two) and
-/// `vaes512` (four); `Aez::with_level` keeps the level in `simd` only when the CPU has it. The
-/// pairs are stored interleaved (M_1 M'_1 M_2 M'_2 ...): two registers hold LANES pairs, which
-/// `deinterleave` separates into halves and `interleave` puts back. R registers go through the
-/// rounds together (eight at the narrower levels, where a register holds fewer pairs). A
-/// register's pairs share 2^ceil(i/8) I, and the L multiples (i mod 8) L repeat every
-/// 8 / LANES registers.
-#[cfg(target_arch = "x86_64")]
-mod simd_core {
-    use core::arch::x86_64::*;
-
-    use super::{Aez, B};
-    use crate::arch::x86::simd::{AesVec, Xmm, Ymm, Zmm};
-    use crate::arch::x86::{kernel_aesni, kernel_vaes256, kernel_vaes512};
-
-    kernel_aesni! {
-        pub(super) unsafe fn pass1_aesni(a: &Aez, pairs: &mut [u8], first: usize) -> B {
-            // SAFETY: compiled for Xmm's level.
-            unsafe { pass::<Xmm, 8, false>(a, pairs, first, [0; 16]) }
-        }
-
-        pub(super) unsafe fn pass2_aesni(a: &Aez, pairs: &mut [u8], first: usize, s: B) -> B {
-            // SAFETY: compiled for Xmm's level.
-            unsafe { pass::<Xmm, 8, true>(a, pairs, first, s) }
-        }
-    }
-
-    kernel_vaes256! {
-        pub(super) unsafe fn pass1_vaes256(a: &Aez, pairs: &mut [u8], first: usize) -> B {
-            // SAFETY: compiled for Ymm's level.
-            unsafe { pass::<Ymm, 8, false>(a, pairs, first, [0; 16]) }
-        }
-
-        pub(super) unsafe fn pass2_vaes256(a: &Aez, pairs: &mut [u8], first: usize, s: B) -> B {
-            // SAFETY: compiled for Ymm's level.
-            unsafe { pass::<Ymm, 8, true>(a, pairs, first, s) }
-        }
-    }
-
-    kernel_vaes512! {
-        pub(super) unsafe fn pass1_vaes512(a: &Aez, pairs: &mut [u8], first: usize) -> B {
-            // SAFETY: compiled for Zmm's level.
-            unsafe { pass::<Zmm, 4, false>(a, pairs, first, [0; 16]) }
-        }
-
-        pub(super) unsafe fn pass2_vaes512(a: &Aez, pairs: &mut [u8], first: usize, s: B) -> B {
-            // SAFETY: compiled for Zmm's level.
-            unsafe { pass::<Zmm, 4, true>(a, pairs, first, s) }
-        }
-    }
-
-    /// Keys and offsets in registers.
-    struct Ctx<V> {
-        /// AES4's round keys J, I, L, 0.
-        rk: [V; 4],
-        /// lv[k]: the L multiples of the lanes of a register whose first pair is 8m + LANES k + 1.
-        lv: [V; 8],
-        j1: V,
-        j2: V,
-        off00: V,
-        /// S in every lane (pass 2).
-        s: V,
-    }
-
-    #[inline(always)]
-    unsafe fn bcast<V: AesVec>(b: &B) -> V {
-        // SAFETY: inlined into a function of V's level; `b` is 16 bytes.
-        unsafe { V::splat(_mm_loadu_si128(b.as_ptr().cast())) }
-    }
-
-    /// AES4 on N registers, round by round. On ymm registers each register is pinned after each
-    /// round ([`AesVec::pin`]): the compiler otherwise runs each register's four rounds back to
-    /// back, one dependent chain after another, which there runs measurably slower (on xmm and
-    /// zmm registers its order ran as fast or faster).
-    #[inline(always)]
-    unsafe fn aes4<V: AesVec, const N: usize>(c: &Ctx<V>, x: &mut [V; N]) {
-        // SAFETY: inlined into a function of V's level.
-        unsafe {
-            for k in &c.rk {
-                for v in x.iter_mut() {
-                    let y = v.aesenc(*k);
-                    *v = if V::LANES == 2 { y.pin() } else { y };
-                }
-            }
-        }
-    }
-
-    /// The offset parts shared by E^{1,i} and E^{2,i} of N registers whose first pair has
-    /// 0-based index b: 2^ceil(i/8) I ^ (i mod 8) L for each register's pairs i (one 8-pair
-    /// block per register, as LANES divides 8 and b). The I multiples are looked up once per
-    /// 8-pair block, not per register.
-    #[inline(always)]
-    unsafe fn offsets<V: AesVec, const N: usize>(a: &Aez, c: &Ctx<V>, b: usize) -> [V; N] {
-        // SAFETY: inlined into a function of V's level.
-        unsafe {
-            let mut ims = [V::zero(); 3]; // N LANES <= 16 pairs span at most 3 blocks
-            for (k, im) in ims.iter_mut().enumerate().take((b % 8 + N * V::LANES).div_ceil(8)) {
-                *im = bcast::<V>(&a.i_mult(8 * (b / 8 + 1 + k) as u64));
-            }
-            let mut off = [V::zero(); N];
-            for (r, o) in off.iter_mut().enumerate() {
-                let br = b + V::LANES * r;
-                *o = ims[br / 8 - b / 8].xor(c.lv[(br % 8) / V::LANES]);
-            }
-            off
-        }
-    }
-
-    /// Pass 1 (`SECOND` false): W_i = M_i ^ E^{1,i}(M'_i); X_i = M'_i ^ E^{0,0}(W_i); returns the
-    /// XOR of the X_i. Pass 2: S' = E^{2,i}(S); Y = W ^ S'; Z = X ^ S'; C' = Y ^ E^{0,0}(Z);
-    /// C = Z ^ E^{1,i}(C'); returns the XOR of the Y_i. `pairs` holds a multiple of LANES
-    /// pairs, the first of which is pair `first + 1`; `first` is a multiple of LANES.
-    #[inline(always)]
-    unsafe fn pass<V: AesVec, const R: usize, const SECOND: bool>(a: &Aez, pairs: &mut [u8], first: usize, s: B) -> B {
-        let span = 32 * V::LANES; // bytes per register of pairs
-        let regs = pairs.len() / span;
-        let p = pairs.as_mut_ptr();
-        let k = &a.k;
-        // SAFETY: every register of pairs processed lies inside `pairs` (registers < `regs`);
-        // each `lv` load reads LANES <= 4 blocks of a 4-block array; inlined into a function of
-        // V's level.
-        unsafe {
-            let mut lv = [V::zero(); 8];
-            for (r, v) in lv.iter_mut().enumerate().take(8 / V::LANES) {
-                let lanes: [B; 4] = core::array::from_fn(|l| k.lmul[(V::LANES * r + l + 1) % 8]);
-                *v = V::load(lanes.as_ptr().cast());
-            }
-            let c = Ctx { rk: [bcast(&k.j), bcast(&k.i), bcast(&k.l), V::zero()], lv, j1: bcast(&k.j), j2: bcast(&k.j2), off00: bcast(&k.ipow[0]), s: bcast(&s) };
-            let mut sum = V::zero();
-            let mut r = 0;
-            while regs - r >= R {
-                regs_at::<V, R, SECOND>(a, &c, p.add(span * r), first + V::LANES * r, &mut sum);
-                r += R;
-            }
-            // The rest in runs of 4, 2 and 1 registers.
-            while r < regs {
-                let left = regs - r;
-                let n = if left >= 4 { 4 } else if left >= 2 { 2 } else { 1 };
-                match n {
-                    4 => regs_at::<V, 4, SECOND>(a, &c, p.add(span * r), first + V::LANES * r, &mut sum),
-                    2 => regs_at::<V, 2, SECOND>(a, &c, p.add(span * r), first + V::LANES * r, &mut sum),
-                    _ => regs_at::<V, 1, SECOND>(a, &c, p.add(span * r), first + V::LANES * r, &mut sum),
-                }
-                r += n;
-            }
-            let mut out = [0u8; 16];
-            _mm_storeu_si128(out.as_mut_ptr().cast(), sum.xor_lanes());
-            out
-        }
-    }
-
-    /// One pass over N registers of pairs at `q`, whose first pair has 0-based index `b`.
-    #[inline(always)]
-    unsafe fn regs_at<V: AesVec, const N: usize, const SECOND: bool>(a: &Aez, c: &Ctx<V>, q: *mut u8, b: usize, sum: &mut V) {
-        let span = 32 * V::LANES;
-        // SAFETY: the caller passes N registers of pairs at `q`; inlined into a function of V's
-        // level.
-        unsafe {
-            let mut h0 = [V::zero(); N]; // M (pass 1), W (pass 2)
-            let mut h1 = [V::zero(); N]; // M' (pass 1), X (pass 2)
-            let off = offsets::<V, N>(a, c, b);
-            let mut t = [V::zero(); N];
-            for r in 0..N {
-                (h0[r], h1[r]) = V::load_halves(q.add(span * r));
-                t[r] = if SECOND { V::xor3(c.s, c.j2, off[r]) } else { V::xor3(h1[r], c.j1, off[r]) };
-            }
-            aes4(c, &mut t);
-            if !SECOND {
-                let mut w = [V::zero(); N];
-                for r in 0..N {
-                    w[r] = h0[r].xor(t[r]);
-                    t[r] = w[r].xor(c.off00);
-                }
-                aes4(c, &mut t);
-                for r in 0..N {
-                    let xr = h1[r].xor(t[r]);
-                    *sum = sum.xor(xr);
-                    V::store_halves(w[r], xr, q.add(span * r));
-                }
-            } else {
-                // t = S'.
-                let mut z = [V::zero(); N];
-                let mut y = [V::zero(); N];
-                for r in 0..N {
-                    y[r] = h0[r].xor(t[r]);
-                    z[r] = h1[r].xor(t[r]);
-                    *sum = sum.xor(y[r]);
-                    t[r] = z[r].xor(c.off00);
-                }
-                aes4(c, &mut t);
-                let mut cp = [V::zero(); N];
-                for r in 0..N {
-                    cp[r] = y[r].xor(t[r]);
-                    t[r] = V::xor3(cp[r], c.j1, off[r]);
-                }
-                aes4(c, &mut t);
-                for r in 0..N {
-                    let ci = z[r].xor(t[r]);
-                    V::store_halves(ci, cp[r], q.add(span * r));
-                }
             }
         }
     }
@@ -385,7 +136,7 @@ struct Keys {
 pub struct Aez {
     k: Keys,
     round: Round,
-    /// The level of AEZ-core's pass kernels (`simd_core`), or `Portable` for none.
+    /// The level of AEZ-core's pass kernels (`x86`), or `Portable` for none.
     simd: CpuLevel,
     key_len: usize,
 }
@@ -448,15 +199,15 @@ impl Aez {
         unsafe {
             let sum = match (self.simd, s) {
                 (_, _) if wide == 0 => [0; 16],
-                (CpuLevel::Vaes512, None) => simd_core::pass1_vaes512(self, head, 0),
-                (CpuLevel::Vaes512, Some(s)) => simd_core::pass2_vaes512(self, head, 0, s),
-                (_, None) => simd_core::pass1_vaes256(self, head, 0),
-                (_, Some(s)) => simd_core::pass2_vaes256(self, head, 0, s),
+                (CpuLevel::Vaes512, None) => x86::pass1_vaes512(self, head, 0),
+                (CpuLevel::Vaes512, Some(s)) => x86::pass2_vaes512(self, head, 0, s),
+                (_, None) => x86::pass1_vaes256(self, head, 0),
+                (_, Some(s)) => x86::pass2_vaes256(self, head, 0, s),
             };
             let tail = match s {
                 _ if rest.is_empty() => [0; 16],
-                None => simd_core::pass1_aesni(self, rest, wide),
-                Some(s) => simd_core::pass2_aesni(self, rest, wide, s),
+                None => x86::pass1_aesni(self, rest, wide),
+                Some(s) => x86::pass2_aesni(self, rest, wide, s),
             };
             x(sum, tail)
         }
@@ -568,7 +319,7 @@ impl Aez {
         let dd = u64::from(d);
 
         // Pass 1, eight pairs per batch: W_i = M_i ^ E^{1,i}(M'_i); X_i = M'_i ^ E^{0,0}(W_i).
-        // From level `aesni` the leading whole registers of pairs go through `simd_core`
+        // From level `aesni` the leading whole registers of pairs go through the kernels in `x86`
         // instead.
         let off00 = self.offset(0, 0);
         let mut sum_x = [0u8; 16];
@@ -833,105 +584,22 @@ impl SectorCipher for Aez {
 // Extract: BLAKE2b (RFC 7693) with a 48-byte digest, unkeyed.
 // ---------------------------------------------------------------------------------------------
 
+/// BLAKE2b whose parameter block names a 48-byte digest: AEZ v5 asks for that, not for
+/// BLAKE2b-512 cut to 48 bytes (the digest length enters the initial state, so the two differ).
+type Blake2b384 = blake2::Blake2b<blake2::digest::consts::U48>;
+
 /// AEZ's Extract: a 48-byte key as it is, any other length through BLAKE2b-384.
 pub fn extract(key: &[u8]) -> [u8; 48] {
+    use blake2::Digest;
     if let Ok(k) = <[u8; 48]>::try_from(key) {
         return k;
     }
-    let mut out = blake2b(key, 48);
-    let k = out[..48].try_into().unwrap();
-    out.zeroize();
+    // The crate's `zeroize` feature wipes the hasher's state when it drops; the digest is
+    // wiped here once copied.
+    let mut out = Blake2b384::digest(key);
+    let k = <[u8; 48]>::try_from(out.as_slice()).unwrap();
+    out.as_mut_slice().zeroize();
     k
-}
-
-const IV: [u64; 8] = [
-    0x6a09e667f3bcc908, 0xbb67ae8584caa73b, 0x3c6ef372fe94f82b, 0xa54ff53a5f1d36f1,
-    0x510e527fade682d1, 0x9b05688c2b3e6c1f, 0x1f83d9abfb41bd6b, 0x5be0cd19137e2179,
-];
-
-const SIGMA: [[usize; 16]; 12] = [
-    [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
-    [14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3],
-    [11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4],
-    [7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8],
-    [9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13],
-    [2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9],
-    [12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11],
-    [13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10],
-    [6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5],
-    [10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0],
-    [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15],
-    [14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3],
-];
-
-fn compress(h: &mut [u64; 8], block: &[u8; 128], t: u128, last: bool) {
-    let mut m = [0u64; 16];
-    for (w, c) in m.iter_mut().zip(block.chunks_exact(8)) {
-        *w = u64::from_le_bytes(c.try_into().unwrap());
-    }
-    let mut v = [0u64; 16];
-    v[..8].copy_from_slice(h);
-    v[8..].copy_from_slice(&IV);
-    v[12] ^= t as u64;
-    v[13] ^= (t >> 64) as u64;
-    if last {
-        v[14] = !v[14];
-    }
-    #[inline(always)]
-    fn g(v: &mut [u64; 16], a: usize, b: usize, c: usize, d: usize, x: u64, y: u64) {
-        v[a] = v[a].wrapping_add(v[b]).wrapping_add(x);
-        v[d] = (v[d] ^ v[a]).rotate_right(32);
-        v[c] = v[c].wrapping_add(v[d]);
-        v[b] = (v[b] ^ v[c]).rotate_right(24);
-        v[a] = v[a].wrapping_add(v[b]).wrapping_add(y);
-        v[d] = (v[d] ^ v[a]).rotate_right(16);
-        v[c] = v[c].wrapping_add(v[d]);
-        v[b] = (v[b] ^ v[c]).rotate_right(63);
-    }
-    for s in &SIGMA {
-        g(&mut v, 0, 4, 8, 12, m[s[0]], m[s[1]]);
-        g(&mut v, 1, 5, 9, 13, m[s[2]], m[s[3]]);
-        g(&mut v, 2, 6, 10, 14, m[s[4]], m[s[5]]);
-        g(&mut v, 3, 7, 11, 15, m[s[6]], m[s[7]]);
-        g(&mut v, 0, 5, 10, 15, m[s[8]], m[s[9]]);
-        g(&mut v, 1, 6, 11, 12, m[s[10]], m[s[11]]);
-        g(&mut v, 2, 7, 8, 13, m[s[12]], m[s[13]]);
-        g(&mut v, 3, 4, 9, 14, m[s[14]], m[s[15]]);
-    }
-    for i in 0..8 {
-        h[i] ^= v[i] ^ v[i + 8];
-    }
-    m.zeroize();
-    v.zeroize();
-}
-
-/// Unkeyed BLAKE2b with an `outlen`-byte digest (1..=64).
-fn blake2b(data: &[u8], outlen: usize) -> [u8; 64] {
-    let mut h = IV;
-    h[0] ^= 0x0101_0000 ^ outlen as u64;
-    let mut t = 0u128;
-    let mut block = [0u8; 128];
-    if data.is_empty() {
-        compress(&mut h, &block, 0, true);
-    } else {
-        let n = data.len().div_ceil(128);
-        for (k, c) in data.chunks(128).enumerate() {
-            block = [0u8; 128];
-            block[..c.len()].copy_from_slice(c);
-            t += c.len() as u128;
-            compress(&mut h, &block, t, k + 1 == n);
-        }
-    }
-    block.zeroize();
-    let mut out = [0u8; 64];
-    for (o, w) in out.chunks_exact_mut(8).zip(h.iter()) {
-        o.copy_from_slice(&w.to_le_bytes());
-    }
-    h.zeroize();
-    for b in out[outlen..].iter_mut() {
-        *b = 0;
-    }
-    out
 }
 
 #[cfg(test)]
@@ -949,7 +617,8 @@ mod tests {
 
     #[test]
     fn blake2b_rfc7693_abc() {
-        let d = blake2b(b"abc", 64);
+        use blake2::Digest;
+        let d = blake2::Blake2b512::digest(b"abc");
         assert_eq!(
             hex::encode(d),
             "ba80a53f981c4d0d6a2797b69f12f6e94c212f14685ac4b74b12bb6fdbffa2d17d87c5392aab792dc252d5de4533cc9518d38aa8dbf1925ab92386edd4009923"

@@ -8,7 +8,8 @@ use libtest_mimic::{Failed, Trial};
 pub fn trials() -> Vec<Trial> {
     #[cfg(target_arch = "x86_64")]
     {
-        let checks: [(&str, &str, fn() -> Result<(), Failed>); 2] = [
+        type Check = fn() -> Result<(), Failed>;
+        let checks: [(&str, &str, Check); 2] = [
             ("registers::zmm0_31_cleared", "avx512f", x86::zmm0_31_cleared),
             ("registers::ymm0_15_cleared", "avx", x86::ymm0_15_cleared),
         ];

@@ -3,12 +3,12 @@
 //! without the width's feature lists the check as ignored with the reason (the SSE path, which
 //! every x86-64 CPU has, is a unit test in `src/arch/x86/registers.rs`).
 
-use libtest_mimic::{Failed, Trial};
+use libtest_mimic::Trial;
 
 pub fn trials() -> Vec<Trial> {
     #[cfg(target_arch = "x86_64")]
     {
-        type Check = fn() -> Result<(), Failed>;
+        type Check = fn() -> Result<(), libtest_mimic::Failed>;
         let checks: [(&str, &str, Check); 2] = [
             ("registers::zmm0_31_cleared", "avx512f", x86::zmm0_31_cleared),
             ("registers::ymm0_15_cleared", "avx", x86::ymm0_15_cleared),

@@ -14,11 +14,11 @@ pub mod pipeline;
 mod pool;
 mod range_lock;
 pub mod server;
-mod stream;
-mod tls_stream;
+mod transport;
 
 pub use aligned::PooledBuf;
 pub use backing::{Backing, BackingOptions};
 pub use pipeline::Pipeline;
 pub use nbd::tls::{TlsError, TlsMode, TlsPolicy};
-pub use server::{raise_open_file_limit, Listener, Server, ServerConfig, MAX_REQUEST};
+pub use server::{raise_open_file_limit, Server, ServerConfig, MAX_REQUEST};
+pub use transport::Listener;

@@ -4,6 +4,11 @@
 //! Data flows one way: socket -> [`nbd`] decode -> [`pipeline`] (locks, read-modify-write) ->
 //! engine -> [`backing`]; reads run in reverse. The NBD module knows nothing about crypto and the
 //! pipeline nothing about the wire.
+//!
+//! Below the protocol, `transport` owns the sockets of both ends (the server's clients and the
+//! client's connections to an upstream export): the socket type (TCP or Unix), connect and
+//! accept, TCP tuning, timeouts and the handshake deadline, and TLS over a plain socket. It
+//! imports nothing from `nbd` or the pipeline.
 
 mod aligned;
 pub mod backing;

@@ -1,6 +1,7 @@
 //! Scheduling connections: the accept loop, the connection limit, one thread per new connection
 //! (its handshake, then its first turn as reader: `connection.rs`), and what every connection
-//! shares (the I/O thread pool and the in-flight byte budget). The protocol lives in `nbd/`.
+//! shares (the I/O thread pool and the in-flight byte budget). The protocol lives in `nbd/`,
+//! sockets, their tuning and TLS streams in `transport/`.
 //!
 //! Nothing one connection does ends the accept loop: a connection over the limit, or one whose
 //! thread cannot be started, is closed with a log line and the server goes on.

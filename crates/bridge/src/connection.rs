@@ -12,6 +12,7 @@
 //! holds a bounded number of threads. The socket closes when the last thread lets go of the
 //! connection.
 
+mod inbound;
 mod own_upstream;
 
 use std::cell::RefCell;
@@ -34,7 +35,8 @@ use crate::pipeline::{AsyncWrite, Pipeline, ReadData, SealedRead};
 use crate::pool::{Job, Reading};
 use crate::range_lock::RangeGuard;
 use crate::server::{Server, Slot};
-use crate::stream::{Inbound, Stream};
+use crate::transport::Stream;
+use inbound::Inbound;
 
 /// READs from this size on an O_DIRECT backing are decrypted while their reply is sent
 /// (`Pipeline::open_into`). On a cached backing the machine is CPU-bound and splitting the

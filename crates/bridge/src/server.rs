@@ -1,28 +1,27 @@
 //! Scheduling connections: the accept loop, the connection limit, one thread per new connection
 //! (its handshake, then its first turn as reader: `connection.rs`), and what every connection
-//! shares (the I/O thread pool and the in-flight byte budget). The protocol lives in `nbd/`.
+//! shares (the I/O thread pool and the in-flight byte budget). The protocol lives in `nbd/`,
+//! sockets, their tuning and TLS streams in `transport/`.
 //!
 //! Nothing one connection does ends the accept loop: a connection over the limit, or one whose
 //! thread cannot be started, is closed with a log line and the server goes on.
 
 use std::io;
-use std::net::{IpAddr, TcpListener, TcpStream};
-use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::budget::Budget;
 use crate::connection::Connection;
-use crate::nbd::handshake::{negotiate_tls_within, Outcome, SocketTimeouts};
+use crate::nbd::handshake::{negotiate_tls_within, Outcome};
 use crate::nbd::tls::TlsPolicy;
 use crate::nbd::request::Rules;
 pub use crate::nbd::request::MAX_REQUEST;
 use crate::nbd::*;
 use crate::pipeline::Pipeline;
 use crate::pool::{Pool, Reading};
-use crate::stream::Stream;
-use crate::tls_stream::TlsStream;
+pub use crate::transport::Listener;
+use crate::transport::{Socket, SocketTimeouts, Stream};
 
 /// An I/O pool thread without work for this long exits.
 const POOL_IDLE_EXIT: Duration = Duration::from_secs(5);
@@ -89,11 +88,6 @@ impl ServerConfig {
             send_timeout: Some(DEFAULT_SEND_TIMEOUT),
         }
     }
-}
-
-pub enum Listener {
-    Tcp(TcpListener),
-    Unix(UnixListener),
 }
 
 pub struct Server {
@@ -171,12 +165,8 @@ impl Server {
     /// would end it; per-connection failures are logged and the loop goes on.
     pub fn run(self: &Arc<Self>, listener: Listener) -> io::Result<()> {
         loop {
-            let stream = match &listener {
-                Listener::Tcp(l) => l.accept().map(|(s, _)| tcp(s)),
-                Listener::Unix(l) => l.accept().map(|(s, _)| unix(s)),
-            };
-            match stream {
-                Ok(stream) => self.start(stream),
+            match listener.accept() {
+                Ok(socket) => self.start(socket),
                 Err(e) => {
                     // EMFILE, ENFILE, ENOBUFS, ECONNABORTED...: the next accept may work.
                     tracing::warn!("accept failed: {e}");
@@ -187,7 +177,7 @@ impl Server {
     }
 
     /// Starts a thread for a new connection, or closes it (over the limit, or no thread).
-    fn start(self: &Arc<Self>, stream: Stream) {
+    fn start(self: &Arc<Self>, socket: Socket) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let max = self.config.max_connections;
         let open = self.open.fetch_add(1, Ordering::SeqCst);
@@ -195,36 +185,36 @@ impl Server {
         if open >= max {
             drop(slot);
             tracing::warn!(conn = id, "refusing connection: {open} open, the limit is {max} (--max-connections)");
-            stream.shutdown();
+            socket.shutdown();
             return;
         }
         let server = Arc::clone(self);
         let spawned = std::thread::Builder::new().name(format!("conn-{id}")).spawn(move || {
-            if let Err(e) = server.connection(id, stream, slot) {
+            if let Err(e) = server.connection(id, socket, slot) {
                 tracing::info!(conn = id, "connection ended: {e}");
             }
         });
-        // On failure the closure, with the stream and the slot, has been dropped: the socket is
+        // On failure the closure, with the socket and the slot, has been dropped: the socket is
         // closed and the slot given back.
         if let Err(e) = spawned {
             tracing::warn!(conn = id, "cannot start a thread for the connection ({e}); closing it");
         }
     }
 
-    fn connection(self: &Arc<Self>, id: u64, mut stream: Stream, slot: Slot) -> io::Result<()> {
+    fn connection(self: &Arc<Self>, id: u64, mut socket: Socket, slot: Slot) -> io::Result<()> {
         // The handshake's log lines (a refused plaintext client, a failed TLS handshake) say who.
-        let span = tracing::info_span!("conn", id, peer = %stream.peer()).entered();
+        let span = tracing::info_span!("conn", id, peer = %socket.peer()).entered();
         let tls = self.config.tls.as_ref();
-        let (outcome, session) = negotiate_tls_within(&mut stream, &self.export, self.config.handshake_limit, tls)?;
+        let (outcome, session) = negotiate_tls_within(&mut socket, &self.export, self.config.handshake_limit, tls)?;
         let Outcome::Transmission(negotiated) = outcome else { return Ok(()) };
         let stream = match session {
-            Some(session) => Stream::Tls(Box::new(TlsStream::new(stream, session))),
+            Some(session) => Stream::tls_server(socket, session),
             None if tls.is_some_and(|t| t.required) => {
                 // The handshake serves no export before TLS under --tls=require; should it ever.
                 tracing::error!("a plaintext client reached transmission under --tls=require; closing");
                 return Ok(());
             }
-            None => stream,
+            None => Stream::Plain(socket),
         };
         stream.set_send_timeout(self.config.send_timeout)?;
         drop(span);
@@ -240,76 +230,6 @@ impl Server {
         self.pool.join();
         Ok(())
     }
-}
-
-fn tcp(s: TcpStream) -> Stream {
-    let _ = s.set_nodelay(true); // latency matters more than segment count here
-    if is_same_host(&s) {
-        unpace(&s);
-    }
-    Stream::Tcp(s)
-}
-
-/// Whether both ends of `s` are on this host (a loopback address, or the client connected to
-/// one of this host's own addresses from it): the connection then runs over the loopback
-/// device.
-fn is_same_host(s: &TcpStream) -> bool {
-    match (s.local_addr(), s.peer_addr()) {
-        (Ok(local), Ok(peer)) => same_host_addrs(local.ip(), peer.ip()),
-        _ => false,
-    }
-}
-
-fn same_host_addrs(local: IpAddr, peer: IpAddr) -> bool {
-    let (local, peer) = (local.to_canonical(), peer.to_canonical());
-    peer.is_loopback() || peer == local
-}
-
-/// Congestion controls that do not pace, for a same-host connection under a pacing one (see
-/// [`unpace`]): cubic, the kernel's usual default, or reno, which is always built in and which
-/// any process may choose (cubic may need CAP_NET_ADMIN where the system does not list it in
-/// net.ipv4.tcp_allowed_congestion_control).
-const UNPACED: [&str; 2] = ["cubic", "reno"];
-
-/// On a connection whose congestion control is BBR, switches to one of [`UNPACED`].
-///
-/// Why: BBR (a common system default) paces every connection it runs: a segment leaves only
-/// when a timer says the estimated rate allows it, and the data in flight is held to about twice
-/// the estimated bandwidth times the round trip, which on the loopback is microseconds. A
-/// large READ reply then leaves on timer ticks and on the client's ACKs instead of as fast as
-/// it is written, and the client's socket runs empty between segments: large sequential reads
-/// over the loopback were far slower under BBR than under cubic or reno, for the same server
-/// (docs/bench/2026-11-26-tcp-read.md). On the loopback there is no network whose queues
-/// pacing could spare. Connections from other hosts keep the system's choice.
-fn unpace(s: &TcpStream) {
-    use std::os::fd::AsRawFd;
-    let fd = s.as_raw_fd();
-    let mut name = [0u8; 16]; // TCP_CA_NAME_MAX
-    let mut len = name.len() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `name`, a local of that size, and the
-    // length it wrote into `len`; `fd` belongs to `s`, borrowed for the call.
-    let got = unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_CONGESTION, name.as_mut_ptr().cast(), &mut len) };
-    if got != 0 {
-        return;
-    }
-    let current = &name[..(len as usize).min(name.len())];
-    let current = &current[..current.iter().position(|&b| b == 0).unwrap_or(current.len())];
-    if !current.starts_with(b"bbr") {
-        return;
-    }
-    for cc in UNPACED {
-        // SAFETY: setsockopt reads `cc.len()` bytes from `cc`, a live string borrowed for the
-        // call; `fd` belongs to `s`.
-        let set = unsafe { libc::setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_CONGESTION, cc.as_ptr().cast(), cc.len() as libc::socklen_t) };
-        if set == 0 {
-            tracing::debug!("same-host TCP connection: congestion control {} instead of {}", cc, String::from_utf8_lossy(current));
-            return;
-        }
-    }
-}
-
-fn unix(s: UnixStream) -> Stream {
-    Stream::Unix(s)
 }
 
 fn export_info(pipeline: &Pipeline, config: &ServerConfig) -> ExportInfo {
@@ -356,25 +276,4 @@ pub fn raise_open_file_limit() -> io::Result<u64> {
     // rlim_t is u64 on the 64-bit Linux targets, u32 on some 32-bit ones.
     #[allow(clippy::unnecessary_cast)]
     Ok(lim.rlim_cur as u64)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::net::{Ipv4Addr, Ipv6Addr};
-
-    #[test]
-    fn same_host_is_a_loopback_peer_or_a_connection_to_ones_own_address() {
-        let v4 = |a, b, c, d| IpAddr::V4(Ipv4Addr::new(a, b, c, d));
-        let v6 = |s: &str| IpAddr::V6(s.parse::<Ipv6Addr>().unwrap());
-        assert!(same_host_addrs(v4(127, 0, 0, 1), v4(127, 0, 0, 1)));
-        assert!(same_host_addrs(v4(127, 0, 0, 1), v4(127, 3, 2, 1)), "all of 127/8 is loopback");
-        assert!(same_host_addrs(v6("::1"), v6("::1")));
-        assert!(same_host_addrs(v6("::ffff:127.0.0.1"), v6("::ffff:127.0.0.1")), "v4-mapped loopback on a v6 socket");
-        assert!(same_host_addrs(v4(10, 1, 2, 3), v4(10, 1, 2, 3)), "a client on this host using its own address");
-        assert!(same_host_addrs(v6("::ffff:10.1.2.3"), v4(10, 1, 2, 3)));
-        assert!(!same_host_addrs(v4(10, 1, 2, 3), v4(10, 1, 2, 4)), "another host");
-        assert!(!same_host_addrs(v6("2001:db8::1"), v6("2001:db8::2")));
-        assert!(!same_host_addrs(v4(127, 0, 0, 1), v4(192, 168, 0, 1)), "a remote peer seen from a local-bound socket");
-    }
 }

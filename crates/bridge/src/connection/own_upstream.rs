@@ -31,13 +31,14 @@ use std::time::{Duration, Instant};
 use super::{request_bytes, Body, Connection, Reply};
 use crate::aligned::PooledBuf;
 use crate::budget::{FlowLimits, Permit};
-use crate::nbd::own::{recv_now, Done, OwnConn};
+use crate::nbd::own::{Done, OwnConn};
+use crate::transport::recv_now;
 use crate::nbd::request::{check, errno_of, io_error_of, Verdict};
 use crate::nbd::transmission::{parse_request, Request, REQUEST_HEADER_LEN};
 use crate::nbd::{CMD_FLAG_FUA, CMD_FLUSH, CMD_READ, CMD_TRIM, CMD_WRITE, CMD_WRITE_ZEROES, ENOMEM, ESHUTDOWN};
 use crate::pool::{Job, Reading};
 use crate::range_lock::RangeGuard;
-use crate::stream::Inbound;
+use super::inbound::Inbound;
 
 /// After a connection of its own was lost (or could not be opened), the thread tries for one
 /// again no sooner than this; meanwhile its requests go through the shared client.

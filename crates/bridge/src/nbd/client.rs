@@ -26,15 +26,13 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Read, Write};
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::handshake::{
-    info_request, meta_request, option_request, parse_info, parse_option_reply_header, read_u64, within, Info,
-    SocketTimeouts, EXPORT_NAME_ZEROES, OPTION_REPLY_HEADER_LEN,
+    info_request, meta_request, option_request, parse_info, parse_option_reply_header, read_u64, Info,
+    EXPORT_NAME_ZEROES, OPTION_REPLY_HEADER_LEN,
 };
 use super::request::io_error_of;
 use super::transmission::{
@@ -44,8 +42,7 @@ use super::transmission::{
 use super::own::OwnConn;
 use super::uri::{Address, NbdUri};
 use crate::aligned::PooledBuf;
-use crate::stream::Stream;
-use crate::tls_stream::TlsStream;
+use crate::transport::{within, Socket, Stream};
 use super::*;
 
 /// Largest READ or WRITE sent when the upstream advertises no maximum (proto.md: a client
@@ -382,160 +379,26 @@ fn check_block_sizes(min: u32, preferred: u32, max: u32) -> io::Result<()> {
     }
 }
 
-/// A socket to the upstream.
-pub(super) enum Sock {
-    Tcp(TcpStream),
-    Unix(UnixStream),
-    /// `nbds://`: one TLS session, shared by the reply reader and the request writers.
-    Tls(Arc<TlsStream>),
-}
-
-impl Sock {
-    fn connect(address: &Address, timeout: Duration) -> io::Result<Sock> {
-        match address {
-            Address::Unix(path) => Ok(Sock::Unix(UnixStream::connect(path)?)),
-            Address::Tcp { host, port } => {
-                let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{host} has no address"));
-                for addr in (host.as_str(), *port).to_socket_addrs()? {
-                    match TcpStream::connect_timeout(&addr, timeout) {
-                        Ok(s) => {
-                            let _ = s.set_nodelay(true); // requests are written whole, one writev each
-                            return Ok(Sock::Tcp(s));
-                        }
-                        Err(e) => last = e,
-                    }
-                }
-                Err(last)
-            }
-        }
-    }
-
-    fn try_clone(&self) -> io::Result<Sock> {
-        Ok(match self {
-            Sock::Tcp(s) => Sock::Tcp(s.try_clone()?),
-            Sock::Unix(s) => Sock::Unix(s.try_clone()?),
-            Sock::Tls(t) => Sock::Tls(Arc::clone(t)),
-        })
-    }
-
-    /// The descriptor of a plain (not TLS) socket.
-    pub(super) fn plain_fd(&self) -> Option<std::os::fd::RawFd> {
-        use std::os::fd::AsRawFd;
-        match self {
-            Sock::Tcp(s) => Some(s.as_raw_fd()),
-            Sock::Unix(s) => Some(s.as_raw_fd()),
-            Sock::Tls(_) => None,
-        }
-    }
-
-    pub(super) fn shutdown(&self) {
-        // A socket already shut down or reset fails here; it is closed either way.
-        let _ = match self {
-            Sock::Tcp(s) => s.shutdown(Shutdown::Both),
-            Sock::Unix(s) => s.shutdown(Shutdown::Both),
-            Sock::Tls(t) => {
-                t.socket().shutdown();
-                Ok(())
-            }
-        };
-    }
-
-    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
-        match self {
-            Sock::Tcp(s) => s.set_read_timeout(t),
-            Sock::Unix(s) => s.set_read_timeout(t),
-            Sock::Tls(tls) => match tls.socket() {
-                Stream::Tcp(s) => s.set_read_timeout(t),
-                Stream::Unix(s) => s.set_read_timeout(t),
-                Stream::Tls(_) => Ok(()), // never built: TLS is not nested
-            },
-        }
-    }
-
-    /// The plain socket under TLS.
-    fn into_stream(self) -> Stream {
-        match self {
-            Sock::Tcp(s) => Stream::Tcp(s),
-            Sock::Unix(s) => Stream::Unix(s),
-            Sock::Tls(_) => unreachable!("TLS is set up over a plain socket"),
-        }
-    }
-}
-
-impl SocketTimeouts for Sock {
-    fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
-        match self {
-            Sock::Tcp(s) => s.set_timeouts(timeout),
-            Sock::Unix(s) => s.set_timeouts(timeout),
-            Sock::Tls(t) => t.socket().set_timeouts(timeout),
-        }
-    }
-    fn set_send_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
-        match self {
-            Sock::Tcp(s) => s.set_send_timeout(timeout),
-            Sock::Unix(s) => s.set_send_timeout(timeout),
-            Sock::Tls(t) => t.socket().set_send_timeout(timeout),
-        }
-    }
-}
-
-impl Read for &Sock {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Sock::Tcp(s) => (&*s).read(buf),
-            Sock::Unix(s) => (&*s).read(buf),
-            Sock::Tls(t) => t.read(buf),
-        }
-    }
-}
-
-impl Write for &Sock {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Sock::Tcp(s) => (&*s).write(buf),
-            Sock::Unix(s) => (&*s).write(buf),
-            Sock::Tls(t) => t.write_vectored(&[IoSlice::new(buf)]),
-        }
-    }
-    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        match self {
-            Sock::Tcp(s) => (&*s).write_vectored(bufs),
-            Sock::Unix(s) => (&*s).write_vectored(bufs),
-            Sock::Tls(t) => t.write_vectored(bufs),
-        }
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Read for Sock {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        (&*self).read(buf)
-    }
-}
-
-impl Write for Sock {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        (&*self).write(buf)
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
+/// Connects to `address` (tuned as `crate::transport` tunes client sockets).
+fn connect(address: &Address, timeout: Duration) -> io::Result<Socket> {
+    match address {
+        Address::Unix(path) => Socket::connect_unix(path),
+        Address::Tcp { host, port } => Socket::connect_tcp(host, *port, timeout),
     }
 }
 
 /// Connects and negotiates (TLS first with `tls`), all within `limit`.
-fn open_socket(uri: &NbdUri, limit: Duration, tls: Option<&TlsClient>) -> io::Result<(Sock, Export)> {
+fn open_socket(uri: &NbdUri, limit: Duration, tls: Option<&TlsClient>) -> io::Result<(Stream, Export)> {
     open_socket_for(uri, limit, tls, false).map(|(sock, export, _)| (sock, export))
 }
 
 /// [`open_socket`], with `allocation` also asking for `base:allocation` (its context id).
-fn open_socket_for(uri: &NbdUri, limit: Duration, tls: Option<&TlsClient>, allocation: bool) -> io::Result<(Sock, Export, Option<u32>)> {
-    let mut sock = Sock::connect(&uri.address, limit)?;
-    let (export, session, context) = within(&mut sock, limit, |s| negotiate(s, &uri.export, tls, allocation))?;
+fn open_socket_for(uri: &NbdUri, limit: Duration, tls: Option<&TlsClient>, allocation: bool) -> io::Result<(Stream, Export, Option<u32>)> {
+    let mut socket = connect(&uri.address, limit)?;
+    let (export, session, context) = within(&mut socket, limit, |s| negotiate(s, &uri.export, tls, allocation))?;
     match session {
-        None => Ok((sock, export, context)),
-        Some(session) => Ok((Sock::Tls(Arc::new(TlsStream::new_client(sock.into_stream(), session))), export, context)),
+        None => Ok((Stream::Plain(socket), export, context)),
+        Some(session) => Ok((Stream::tls_client(socket, session), export, context)),
     }
 }
 
@@ -637,7 +500,7 @@ struct Pending {
 /// One live upstream connection.
 struct Live {
     index: usize,
-    writer: Mutex<Sock>,
+    writer: Mutex<Stream>,
     pending: Mutex<Pending>,
     next_handle: AtomicU64,
     /// Writes acknowledged on this connection, and how many of them a FLUSH has covered.
@@ -687,7 +550,7 @@ impl Live {
     }
 
     /// The reader thread: replies to slots, until the connection fails.
-    fn read_replies(self: Arc<Self>, sock: Sock, reply_timeout: Duration) {
+    fn read_replies(self: Arc<Self>, sock: Stream, reply_timeout: Duration) {
         BURST_END.with(|b| *b.borrow_mut() = Some(Vec::new()));
         let why = match self.reply_loop(&sock, reply_timeout) {
             Ok(()) => "closed".to_string(),
@@ -698,7 +561,7 @@ impl Live {
         BURST_END.with(|b| *b.borrow_mut() = None);
     }
 
-    fn reply_loop(&self, sock: &Sock, reply_timeout: Duration) -> io::Result<()> {
+    fn reply_loop(&self, sock: &Stream, reply_timeout: Duration) -> io::Result<()> {
         // Reads wake at least this often to check for requests waiting too long.
         sock.set_read_timeout(Some(reply_timeout.clamp(Duration::from_millis(10), Duration::from_secs(1))))?;
         let mut inbox = Inbox { sock, buf: vec![0u8; INBOX_LEN], start: 0, end: 0, progress: Instant::now(), reply_timeout };
@@ -918,7 +781,7 @@ const INBOX_LEN: usize = 64 * 1024;
 
 /// The reader thread's receive buffer.
 struct Inbox<'a> {
-    sock: &'a Sock,
+    sock: &'a Stream,
     buf: Vec<u8>,
     start: usize,
     end: usize,
@@ -1012,7 +875,7 @@ pub struct Client {
 #[derive(Default)]
 struct Allocation {
     /// The socket and the upstream's `base:allocation` context id.
-    conn: Option<(Sock, u32)>,
+    conn: Option<(Stream, u32)>,
     /// The upstream has no `base:allocation`: not asked again.
     unknown: bool,
     next_handle: u64,
@@ -1119,7 +982,7 @@ impl Client {
         &self.uri
     }
 
-    fn start_live(&self, index: usize, sock: Sock) -> io::Result<Arc<Live>> {
+    fn start_live(&self, index: usize, sock: Stream) -> io::Result<Arc<Live>> {
         let reader = sock.try_clone()?;
         let live = Arc::new(Live {
             index,
@@ -1146,7 +1009,7 @@ impl Client {
     }
 
     /// A new socket, negotiated, to the export as it was.
-    fn open_same(&self) -> io::Result<Sock> {
+    fn open_same(&self) -> io::Result<Stream> {
         let (sock, export) = open_socket(&self.uri, self.opts.handshake_limit, self.tls.as_ref())?;
         let same = export.size == self.export.size
             && export.read_only() == self.export.read_only()
@@ -1407,7 +1270,7 @@ fn annotate(uri: &NbdUri, e: io::Error) -> io::Error {
 /// One NBD_CMD_BLOCK_STATUS on the allocation connection: its `base:allocation` extents from
 /// `offset` as `(length, hole)` runs within `len`, or `None` for an error reply or no extents.
 /// A transport or protocol failure is an error (the connection is then dropped).
-fn block_status(sock: &Sock, context: u32, handle: u64, offset: u64, len: u64, timeout: Duration) -> io::Result<Option<Vec<(u64, bool)>>> {
+fn block_status(sock: &Stream, context: u32, handle: u64, offset: u64, len: u64, timeout: Duration) -> io::Result<Option<Vec<(u64, bool)>>> {
     // proto.md: the length is a hint the reply may fall short of or, for the last extent,
     // go past; a u32 bounds it.
     let length = len.min(u64::from(u32::MAX) & !0xfff) as u32;
@@ -1468,7 +1331,7 @@ mod tests {
     use crate::nbd::handshake::{negotiate, Outcome};
     use crate::aligned::BufPool;
     use crate::nbd::transmission::{read_request, write_reply};
-    use std::os::unix::net::UnixListener;
+    use std::os::unix::net::{UnixListener, UnixStream};
 
     fn export_info(name: &str) -> ExportInfo {
         ExportInfo {

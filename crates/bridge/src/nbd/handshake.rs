@@ -7,18 +7,19 @@
 //!
 //! The whole negotiation has one deadline ([`negotiate_within`]): before every read and write the
 //! socket's timeout is set to the time left, so a client that trickles bytes, or stops reading
-//! the replies, is cut when the deadline passes, however it paces itself.
+//! the replies, is cut when the deadline passes, however it paces itself (the deadline itself is
+//! `crate::transport`'s).
 
 use std::io::{self, Read, Write};
-use std::net::TcpStream;
-use std::os::unix::net::UnixStream;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rustls::ServerConnection;
 
 use super::tls::TlsPolicy;
 use super::*;
+pub use crate::transport::SocketTimeouts;
+use crate::transport::within;
 
 /// Options longer than this are refused; a name is at most 4096 bytes, so INFO/GO fit easily.
 const MAX_OPTION_LEN: u32 = 16 * 1024;
@@ -28,34 +29,6 @@ const MAX_DRAIN_LEN: u32 = 1 << 20;
 /// The default for how long a client has for the whole handshake, from accept to the
 /// transmission phase (`serve --handshake-limit`).
 pub const DEFAULT_HANDSHAKE_LIMIT: Duration = Duration::from_secs(30);
-
-/// A socket whose blocking reads and writes can be given a timeout.
-pub trait SocketTimeouts {
-    /// Sets the read and the write timeout (`None`: block without limit).
-    fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()>;
-    /// Sets the write timeout alone.
-    fn set_send_timeout(&self, timeout: Option<Duration>) -> io::Result<()>;
-}
-
-impl SocketTimeouts for TcpStream {
-    fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
-        self.set_read_timeout(timeout)?;
-        self.set_write_timeout(timeout)
-    }
-    fn set_send_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
-        self.set_write_timeout(timeout)
-    }
-}
-
-impl SocketTimeouts for UnixStream {
-    fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
-        self.set_read_timeout(timeout)?;
-        self.set_write_timeout(timeout)
-    }
-    fn set_send_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
-        self.set_write_timeout(timeout)
-    }
-}
 
 /// Runs [`negotiate`] with one deadline, `limit` from now, over every read and write of the
 /// handshake. Past it the handshake fails with [`io::ErrorKind::TimedOut`]. The socket is left
@@ -78,69 +51,6 @@ pub fn negotiate_tls_within<S: Read + Write + SocketTimeouts>(
     tls: Option<&TlsPolicy>,
 ) -> io::Result<(Outcome, Option<Box<ServerConnection>>)> {
     within(stream, limit, |s| negotiate_tls(s, export, tls))
-}
-
-/// Runs `f` with one deadline, `limit` from now, over every read and write it makes on
-/// `stream` (either end of a handshake); the socket is left without timeouts when `f` succeeds.
-pub(crate) fn within<S: Read + Write + SocketTimeouts, T>(
-    stream: &mut S,
-    limit: Duration,
-    f: impl FnOnce(&mut Deadline<'_, S>) -> io::Result<T>,
-) -> io::Result<T> {
-    let result = f(&mut Deadline { stream: &mut *stream, deadline: Instant::now() + limit, limit })?;
-    stream.set_timeouts(None)?;
-    Ok(result)
-}
-
-/// A stream whose every read and write must end by `deadline`.
-pub(crate) struct Deadline<'a, S> {
-    stream: &'a mut S,
-    deadline: Instant,
-    limit: Duration,
-}
-
-impl<S: SocketTimeouts> Deadline<'_, S> {
-    fn expired(&self) -> io::Error {
-        io::Error::new(io::ErrorKind::TimedOut, format!("handshake not finished within {:?}", self.limit))
-    }
-
-    /// Sets the socket's timeouts to the time left before the deadline.
-    fn arm(&self) -> io::Result<()> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(self.expired());
-        }
-        self.stream.set_timeouts(Some(left))
-    }
-
-    /// A timed-out socket call reports WouldBlock (EAGAIN); say what happened instead.
-    fn check<T>(&self, r: io::Result<T>) -> io::Result<T> {
-        match r {
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => Err(self.expired()),
-            r => r,
-        }
-    }
-}
-
-impl<S: Read + SocketTimeouts> Read for Deadline<'_, S> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.arm()?;
-        let r = self.stream.read(buf);
-        self.check(r)
-    }
-}
-
-impl<S: Write + SocketTimeouts> Write for Deadline<'_, S> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.arm()?;
-        let r = self.stream.write(buf);
-        self.check(r)
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        let r = self.stream.flush();
-        self.check(r)
-    }
 }
 
 /// How negotiation ended.
@@ -582,8 +492,10 @@ pub(crate) fn read_u64<R: Read>(r: &mut R) -> io::Result<u64> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use std::os::unix::net::UnixStream;
+    use std::time::Instant;
 
-    /// A small export for handshake tests (also the TLS tests in `tls_stream`).
+    /// A small export for handshake tests (also the TLS session tests in `nbd::tls`).
     pub(crate) fn export() -> ExportInfo {
         ExportInfo {
             name: "x".into(),

@@ -24,10 +24,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::client::Sock;
 use super::transmission::{encode_request, parse_reply_header, Request, REPLY_HEADER_LEN, REQUEST_HEADER_LEN};
 use super::{CMD_DISC, CMD_FLAG_FUA, CMD_READ, CMD_WRITE};
 use crate::aligned::PooledBuf;
+use crate::transport::{recv_now, send_now, Stream};
 
 /// Bytes one receive takes: every reply header (and small read data) queued in the socket.
 /// Larger read data goes straight into the request's buffer.
@@ -76,7 +76,7 @@ struct Partial {
 
 /// See the module comment. `T` is the owner's record of each request, handed back with its end.
 pub struct OwnConn<T> {
-    sock: Sock,
+    sock: Stream,
     fd: RawFd,
     out: VecDeque<Out>,
     /// Bytes of `out`'s first request already sent.
@@ -98,7 +98,7 @@ pub struct OwnConn<T> {
 }
 
 impl<T> OwnConn<T> {
-    pub(super) fn new(sock: Sock, reply_timeout: Duration, maybe_lost: Arc<AtomicBool>) -> io::Result<Self> {
+    pub(super) fn new(sock: Stream, reply_timeout: Duration, maybe_lost: Arc<AtomicBool>) -> io::Result<Self> {
         let fd = sock.plain_fd().ok_or_else(|| io::Error::new(io::ErrorKind::Unsupported, "a connection of one's own is not for TLS"))?;
         Ok(Self {
             sock,
@@ -332,41 +332,13 @@ fn closed() -> io::Error {
     io::Error::new(io::ErrorKind::UnexpectedEof, "the upstream closed the connection")
 }
 
-/// One non-blocking sendmsg: `Some(bytes sent)`, or `None` when the socket takes nothing now.
-pub(crate) fn send_now(fd: RawFd, slices: &[IoSlice<'_>]) -> io::Result<Option<usize>> {
-    without_blocking(|| crate::stream::sendmsg(fd, slices, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL))
-}
-
-/// One non-blocking recv: `Some(bytes)` (0: end of stream), or `None` when nothing is there.
-pub(crate) fn recv_now(fd: RawFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
-    // SAFETY: `buf` is a live, exclusively borrowed slice of `buf.len()` writable bytes; `fd`
-    // is an open socket of the caller's.
-    without_blocking(|| unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) })
-}
-
-/// Runs a MSG_DONTWAIT socket call, again after EINTR: `Some(its count)`, `None` for
-/// EWOULDBLOCK, the error otherwise.
-fn without_blocking(mut call: impl FnMut() -> isize) -> io::Result<Option<usize>> {
-    loop {
-        let n = call();
-        if n >= 0 {
-            return Ok(Some(n as usize));
-        }
-        let e = io::Error::last_os_error();
-        match e.kind() {
-            io::ErrorKind::Interrupted => {}
-            io::ErrorKind::WouldBlock => return Ok(None),
-            _ => return Err(e),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::aligned::BufPool;
     use crate::nbd::transmission::{read_request, write_reply};
     use std::io::Write;
+    use crate::transport::Socket;
     use std::os::unix::net::UnixStream;
 
     fn wait(fd: RawFd, events: libc::c_short) {
@@ -383,7 +355,7 @@ mod tests {
         let (mine, mut theirs) = UnixStream::pair().unwrap();
         let pool = Arc::new(BufPool::new());
         let lost_flag = Arc::new(AtomicBool::new(false));
-        let mut conn: OwnConn<u32> = OwnConn::new(Sock::Unix(mine), Duration::from_secs(30), Arc::clone(&lost_flag)).unwrap();
+        let mut conn: OwnConn<u32> = OwnConn::new(Stream::Plain(Socket::Unix(mine)), Duration::from_secs(30), Arc::clone(&lost_flag)).unwrap();
         let server = std::thread::spawn(move || {
             let requests: Vec<Request> = (0..4).map(|_| read_request(&mut theirs).unwrap().unwrap()).collect();
             let mut written = Vec::new();
@@ -437,7 +409,7 @@ mod tests {
     fn a_reply_for_no_request_is_an_error_and_requests_come_back_lost() {
         let (mine, mut theirs) = UnixStream::pair().unwrap();
         let pool = Arc::new(BufPool::new());
-        let mut conn: OwnConn<u32> = OwnConn::new(Sock::Unix(mine), Duration::from_secs(30), Arc::default()).unwrap();
+        let mut conn: OwnConn<u32> = OwnConn::new(Stream::Plain(Socket::Unix(mine)), Duration::from_secs(30), Arc::default()).unwrap();
         conn.read(0, pool.get(4096).unwrap(), 7);
         conn.send().unwrap();
         write_reply(&mut theirs, 0xdead, 0, &[]).unwrap();

@@ -12,7 +12,7 @@
 //! and 1.2 with rustls's default (forward-secret, AEAD-only) suites.
 //!
 //! The handshake (`handshake.rs`) runs the TLS handshake after its STARTTLS reply and haggles the
-//! rest of the options inside TLS; the transmission phase then goes through `crate::tls_stream`.
+//! rest of the options inside TLS; the transmission phase then goes through `crate::transport`'s TLS stream.
 
 use std::fmt;
 use std::io;
@@ -376,7 +376,7 @@ yQIhANTqVTTO0AZK7FhGj2LTmPs5L7HT8vhoZ4NnQFdN1Awf
 #[cfg(test)]
 mod load_tests {
     use super::*;
-    use crate::tls_stream::tests::{cert_dir, server_dir};
+    use super::session_tests::{cert_dir, server_dir};
 
     #[test]
     fn good_directory_loads() {
@@ -407,5 +407,205 @@ mod load_tests {
         assert!(e.to_string().contains("expired on 2021-01-01 00:00:00 UTC"), "{e}");
         let e = err(&[cert, key], true);
         assert!(matches!(&e, TlsError::Read { path, .. } if path.ends_with(CA_CERT)), "{e}");
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod session_tests {
+
+    //! The TLS handshake and the shared session against rustls's own client, over a socket pair:
+    //! these run wherever the Rust tests do (under qemu for aarch64 too), the integration tests
+    //! (tests/integration/test_tls.py) run libnbd, qemu and OpenSSL clients.
+
+    use std::io::{IoSlice, Read, Write};
+    use std::os::unix::net::UnixStream;
+    use std::path::{Path, PathBuf};
+    use std::sync::{mpsc, Arc, Mutex};
+    use std::time::Duration;
+
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+    use super::{TlsMode, TlsPolicy};
+    use crate::nbd::handshake::{negotiate_tls_within, Outcome};
+    use crate::nbd::*;
+    use crate::transport::{Socket, Stream};
+
+    pub(crate) fn fixture(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tls").join(name)
+    }
+
+    /// A certificate directory in nbdkit's layout, from the fixtures: (dest name, fixture name).
+    pub(crate) fn cert_dir(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (dest, src) in files {
+            std::fs::copy(fixture(src), dir.path().join(dest)).unwrap();
+        }
+        dir
+    }
+
+    pub(crate) fn server_dir() -> tempfile::TempDir {
+        cert_dir(&[("ca-cert.pem", "ca-cert.pem"), ("server-cert.pem", "server-cert.pem"), ("server-key.pem", "server-key.pem")])
+    }
+
+    pub(crate) fn client_config(with_cert: bool) -> Arc<rustls::ClientConfig> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(CertificateDer::from_pem_file(fixture("ca-cert.pem")).unwrap()).unwrap();
+        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots);
+        let config = if with_cert {
+            let cert = CertificateDer::from_pem_file(fixture("client-cert.pem")).unwrap();
+            let key = PrivateKeyDer::from_pem_file(fixture("client-key.pem")).unwrap();
+            builder.with_client_auth_cert(vec![cert], key).unwrap()
+        } else {
+            builder.with_no_client_auth()
+        };
+        Arc::new(config)
+    }
+
+    pub(crate) fn option(option: u32, data: &[u8]) -> Vec<u8> {
+        let mut v = IHAVEOPT.to_be_bytes().to_vec();
+        v.extend_from_slice(&option.to_be_bytes());
+        v.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        v.extend_from_slice(data);
+        v
+    }
+
+    /// One option reply: (option, type, data).
+    pub(crate) fn opt_reply(r: &mut impl Read) -> (u32, u32, Vec<u8>) {
+        let mut h = [0u8; 20];
+        r.read_exact(&mut h).unwrap();
+        assert_eq!(u64::from_be_bytes(h[..8].try_into().unwrap()), OPTION_REPLY_MAGIC);
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+        let mut data = vec![0u8; len];
+        r.read_exact(&mut data).unwrap();
+        (u32::from_be_bytes(h[8..12].try_into().unwrap()), u32::from_be_bytes(h[12..16].try_into().unwrap()), data)
+    }
+
+    /// The client's greeting and flags, then STARTTLS and its ACK: the socket is ready for TLS.
+    pub(crate) fn plaintext_until_starttls(c: &mut UnixStream) {
+        let mut greeting = [0u8; 18];
+        c.read_exact(&mut greeting).unwrap();
+        c.write_all(&(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES).to_be_bytes()).unwrap();
+        c.write_all(&option(OPT_STARTTLS, &[])).unwrap();
+        assert_eq!(opt_reply(c), (OPT_STARTTLS, REP_ACK, vec![]));
+    }
+
+    /// Messages of mixed sizes (up to 1 MiB) go up through TLS; the server's reader hands each
+    /// to one of four writer threads, which echo them while the reader goes on reading, so the
+    /// reader receives and the writers seal and send on one session at the same time.
+    #[test]
+    fn handshake_then_reader_and_writers_share_the_session() {
+        let dir = server_dir();
+        let policy = TlsPolicy::load(TlsMode::Require, dir.path(), true).unwrap();
+        let (server, mut client) = UnixStream::pair().unwrap();
+        let sizes: Vec<usize> = (0..120).map(|i| [1, 16, 4096, 16 * 1024 + 7, 65536, 1 << 20][i % 6]).collect();
+        let total: usize = sizes.iter().sum();
+        let server = std::thread::spawn(move || {
+            let mut stream = Socket::Unix(server);
+            let (outcome, session) = negotiate_tls_within(&mut stream, &crate::nbd::handshake::tests::export(), Duration::from_secs(30), Some(&policy)).unwrap();
+            assert!(matches!(outcome, Outcome::Transmission(_)), "{outcome:?}");
+            let stream = Arc::new(Stream::tls_server(stream, session.expect("a TLS session")));
+            let (tx, rx) = mpsc::channel::<Vec<u8>>();
+            let rx = Arc::new(Mutex::new(rx));
+            let turn = Arc::new(Mutex::new(()));
+            let writers: Vec<_> = (0..4)
+                .map(|_| {
+                    let (stream, rx, turn) = (Arc::clone(&stream), Arc::clone(&rx), Arc::clone(&turn));
+                    std::thread::spawn(move || loop {
+                        let Ok(msg) = rx.lock().unwrap().recv() else { return };
+                        let _turn = turn.lock().unwrap(); // whole messages, as connection.rs's writers take turns
+                        let (head, body) = msg.split_at(8);
+                        stream.write_all_more(&mut [IoSlice::new(head), IoSlice::new(body)], false).unwrap();
+                    })
+                })
+                .collect();
+            let mut got = 0;
+            loop {
+                let mut head = [0u8; 8];
+                (&*stream).read_exact(&mut head).unwrap();
+                let len = u32::from_be_bytes(head[..4].try_into().unwrap()) as usize;
+                if len == 0 {
+                    break;
+                }
+                let mut msg = head.to_vec();
+                msg.resize(8 + len, 0);
+                (&*stream).read_exact(&mut msg[8..]).unwrap();
+                got += len;
+                tx.send(msg).unwrap();
+            }
+            drop(tx);
+            writers.into_iter().for_each(|w| w.join().unwrap());
+            got
+        });
+
+        plaintext_until_starttls(&mut client);
+        let conn = rustls::ClientConnection::new(client_config(true), "localhost".try_into().unwrap()).unwrap();
+        let mut tls = rustls::StreamOwned::new(conn, client);
+        let mut go = 0u32.to_be_bytes().to_vec();
+        go.extend_from_slice(&0u16.to_be_bytes());
+        tls.write_all(&option(OPT_GO, &go)).unwrap();
+        while opt_reply(&mut tls).1 != REP_ACK {}
+        let body = |id: usize, len: usize| -> Vec<u8> { (0..len).map(|i| (i * 31 + id * 7) as u8).collect() };
+        for (id, &len) in sizes.iter().enumerate() {
+            tls.write_all(&(len as u32).to_be_bytes()).unwrap();
+            tls.write_all(&(id as u32).to_be_bytes()).unwrap();
+            tls.write_all(&body(id, len)).unwrap();
+        }
+        tls.write_all(&[0u8; 8]).unwrap();
+        let mut seen = vec![false; sizes.len()];
+        for _ in 0..sizes.len() {
+            let mut head = [0u8; 8];
+            tls.read_exact(&mut head).unwrap();
+            let len = u32::from_be_bytes(head[..4].try_into().unwrap()) as usize;
+            let id = u32::from_be_bytes(head[4..].try_into().unwrap()) as usize;
+            assert_eq!(len, sizes[id]);
+            let mut data = vec![0u8; len];
+            tls.read_exact(&mut data).unwrap();
+            assert!(data == body(id, len), "message {id} came back changed");
+            assert!(!std::mem::replace(&mut seen[id], true), "message {id} twice");
+        }
+        assert_eq!(server.join().unwrap(), total);
+    }
+
+    /// Under --tls=require, options before STARTTLS are refused; EXPORT_NAME closes; a client
+    /// without a certificate fails the TLS handshake when peers are verified.
+    #[test]
+    fn require_refuses_plaintext_and_unauthenticated_clients() {
+        let dir = server_dir();
+        let policy = Arc::new(TlsPolicy::load(TlsMode::Require, dir.path(), true).unwrap());
+        let serve = |sock: UnixStream| {
+            let policy = Arc::clone(&policy);
+            std::thread::spawn(move || {
+                let mut stream = Socket::Unix(sock);
+                negotiate_tls_within(&mut stream, &crate::nbd::handshake::tests::export(), Duration::from_secs(30), Some(&policy)).map(|(o, s)| (o, s.is_some()))
+            })
+        };
+        let (server, mut c) = UnixStream::pair().unwrap();
+        let done = serve(server);
+        let mut greeting = [0u8; 18];
+        c.read_exact(&mut greeting).unwrap();
+        c.write_all(&CLIENT_FIXED_NEWSTYLE.to_be_bytes()).unwrap();
+        for opt in [OPT_LIST, OPT_INFO, OPT_GO, 99] {
+            c.write_all(&option(opt, &[])).unwrap();
+            assert_eq!(opt_reply(&mut c).1, REP_ERR_TLS_REQD, "option {opt}");
+        }
+        c.write_all(&option(OPT_EXPORT_NAME, &[])).unwrap();
+        assert_eq!(done.join().unwrap().unwrap(), (Outcome::Closed, false));
+        let mut rest = Vec::new();
+        c.read_to_end(&mut rest).unwrap();
+        assert!(rest.is_empty(), "no export data before TLS");
+
+        let (server, mut c) = UnixStream::pair().unwrap();
+        let done = serve(server);
+        plaintext_until_starttls(&mut c);
+        let conn = rustls::ClientConnection::new(client_config(false), "localhost".try_into().unwrap()).unwrap();
+        let mut tls = rustls::StreamOwned::new(conn, c);
+        let _ = tls.write_all(&option(OPT_LIST, &[])).and_then(|()| tls.flush());
+        let mut buf = [0u8; 1];
+        assert!(!matches!(tls.read(&mut buf), Ok(1)), "no option reply without a client certificate");
+        assert_eq!(done.join().unwrap().unwrap(), (Outcome::Closed, false));
     }
 }

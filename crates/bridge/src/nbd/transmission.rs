@@ -8,6 +8,8 @@ use super::{
     REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, REPLY_TYPE_ERROR, REPLY_TYPE_NONE, REPLY_TYPE_OFFSET_DATA, REQUEST_MAGIC,
     SIMPLE_REPLY_MAGIC, STRUCTURED_REPLY_MAGIC,
 };
+/// Writes every byte of a batch of slices (in [`crate::transport`], re-exported here).
+pub use crate::transport::write_all_vectored;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Request {
@@ -203,20 +205,6 @@ pub fn write_reply<W: Write>(w: &mut W, handle: u64, error: u32, data: &[u8]) ->
     let data = if error == 0 { data } else { &[] };
     // One writev for header and data: a single segment on the wire for small reads.
     write_all_vectored(w, &mut [IoSlice::new(&header), IoSlice::new(data)])
-}
-
-/// Writes every byte of `bufs` (replies batched into one writev), retrying short writes.
-pub fn write_all_vectored<W: Write>(w: &mut W, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
-    IoSlice::advance_slices(&mut bufs, 0); // drops leading empty slices
-    while !bufs.is_empty() {
-        match w.write_vectored(bufs) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "socket closed while replying")),
-            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 /// Whether `buffered` starts with a whole request: its header and, for a WRITE, its payload.

@@ -14,7 +14,8 @@ fn cryptsetup() -> Option<PathBuf> {
 
 fn main() {
     let args = libtest_mimic::Arguments::from_args();
-    let tests: [(&str, fn(&Path)); 2] = [
+    type Check = fn(&Path);
+    let tests: [(&str, Check); 2] = [
         ("cryptsetup_headers_open_with_the_same_key", cryptsetup_headers_open_with_the_same_key),
         ("volumes_formatted_here_open_in_cryptsetup", volumes_formatted_here_open_in_cryptsetup),
     ];

@@ -9,7 +9,7 @@ use std::io::{self, Read, Write};
 use std::sync::Arc;
 
 use cryptbridge_bridge::nbd::{self, ExportInfo};
-use cryptbridge_bridge::{Backing, BackingOptions, Pipeline};
+use cryptbridge_bridge::{Backing, BackingOptions, Mapping};
 use cryptbridge_cipher::registry::KeyPolicy;
 use cryptbridge_cipher::{new_cipher, SectorCipher};
 use cryptbridge_engine::{CpuBackend, Engine, SectorLayout};
@@ -107,7 +107,7 @@ const KEY: [u8; 64] = {
 pub struct PipelineCase {
     _dir: tempfile::TempDir,
     path: std::path::PathBuf,
-    pipeline: Pipeline,
+    pipeline: Mapping,
     cipher: Arc<dyn SectorCipher>,
     sector: usize,
     model: Vec<u8>,
@@ -121,7 +121,7 @@ impl PipelineCase {
         let backing = Backing::open(&path, &opts).expect("backing");
         let cipher: Arc<dyn SectorCipher> = Arc::from(new_cipher("xts(aes)", &KEY, KeyPolicy::Volume).expect("cipher"));
         let engine = Engine::new(Arc::new(CpuBackend::new(cipher.clone(), 1).expect("engine")), SectorLayout::new(sector, false));
-        let pipeline = Pipeline::new(backing, engine);
+        let pipeline = Mapping::new(backing, engine);
         pipeline.write_zeroes(0, PIPELINE_SIZE, false).expect("zero fill");
         PipelineCase { _dir: dir, path, pipeline, cipher, sector, model: vec![0; PIPELINE_SIZE as usize] }
     }

@@ -1,29 +1,33 @@
 //! The bridge: an NBD server in front of a backing store, with every sector encrypted on its way
 //! down and decrypted on its way up.
 //!
-//! Data flows one way: socket -> [`nbd`] decode -> [`pipeline`] (locks, read-modify-write) ->
-//! engine -> [`backing`]; reads run in reverse. The NBD module knows nothing about crypto and the
-//! pipeline nothing about the wire.
+//! Three layers, one interface between each (docs/architecture.md, docs/bridge.md):
+//! - [`frontend`]: a protocol's requests in, its replies out (NBD today, over [`nbd`]'s wire
+//!   code). It implements `core::Client` and calls `Core::intake` for every request.
+//! - [`core`]: every request through the same steps: admit (budget), order (range locks),
+//!   plan (`core::plan`, the one decision of where it runs and where its crypto runs), run,
+//!   reply; and back-end sessions (`core::session`).
+//! - [`mapping`] (the volume mapping: export bytes -> whole sectors -> engine, at the volume's
+//!   data offset) over [`backing`] (file, block device, remote NBD export).
 //!
 //! Below the protocol, `transport` owns the sockets of both ends (the server's clients and the
 //! client's connections to an upstream export): the socket type (TCP or Unix), connect and
 //! accept, TCP tuning, timeouts and the handshake deadline, and TLS over a plain socket. It
-//! imports nothing from `nbd` or the pipeline.
+//! imports nothing from `nbd`, the core or the mapping.
 
 mod aligned;
 pub mod backing;
-mod budget;
-mod connection;
+mod core;
+mod frontend;
+pub mod mapping;
 pub mod nbd;
-pub mod pipeline;
-mod pool;
 mod range_lock;
 pub mod server;
 mod transport;
 
 pub use aligned::PooledBuf;
 pub use backing::{Backing, BackingOptions};
-pub use pipeline::Pipeline;
+pub use mapping::{BadWindow, Mapping};
 pub use nbd::tls::{TlsError, TlsMode, TlsPolicy};
 pub use server::{raise_open_file_limit, Server, ServerConfig, MAX_REQUEST};
 pub use transport::Listener;

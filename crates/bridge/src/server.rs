@@ -1,7 +1,7 @@
-//! Scheduling connections: the accept loop, the connection limit, one thread per new connection
-//! (its handshake, then its first turn as reader: `connection.rs`), and what every connection
-//! shares (the I/O thread pool and the in-flight byte budget). The protocol lives in `nbd/`,
-//! sockets, their tuning and TLS streams in `transport/`.
+//! The server: the accept loop, the connection limit, one thread per new connection (its
+//! handshake, then the NBD front end: `frontend/nbd/`), and the core every connection shares
+//! (the I/O thread pool, the in-flight byte budget, the volume mapping). The protocol lives in
+//! `nbd/`, sockets, their tuning and TLS streams in `transport/`.
 //!
 //! Nothing one connection does ends the accept loop: a connection over the limit, or one whose
 //! thread cannot be started, is closed with a log line and the server goes on.
@@ -11,15 +11,16 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::budget::Budget;
-use crate::connection::Connection;
+use crate::core::budget::{Budget, FlowLimits};
+use crate::core::pool::Pool;
+use crate::core::Core;
+use crate::frontend::nbd::Connection;
 use crate::nbd::handshake::{negotiate_tls_within, Outcome};
 use crate::nbd::tls::TlsPolicy;
 use crate::nbd::request::Rules;
 pub use crate::nbd::request::MAX_REQUEST;
 use crate::nbd::*;
-use crate::pipeline::Pipeline;
-use crate::pool::{Pool, Reading};
+use crate::mapping::Mapping;
 pub use crate::transport::Listener;
 use crate::transport::{Socket, SocketTimeouts, Stream};
 
@@ -91,12 +92,11 @@ impl ServerConfig {
 }
 
 pub struct Server {
-    pipeline: Arc<Pipeline>,
+    core: Arc<Core>,
+    pool: Arc<Pool>,
     config: ServerConfig,
     export: ExportInfo,
     rules: Rules,
-    budget: Arc<Budget>,
-    pool: Arc<Pool>,
     next_id: AtomicU64,
     /// Connections accepted and not yet closed.
     open: Arc<AtomicUsize>,
@@ -112,18 +112,20 @@ impl Drop for Slot {
 }
 
 impl Server {
-    pub fn new(pipeline: Arc<Pipeline>, config: ServerConfig) -> Arc<Self> {
-        let export = export_info(&pipeline, &config);
+    pub fn new(mapping: Arc<Mapping>, config: ServerConfig) -> Arc<Self> {
+        let export = export_info(&mapping, &config);
         let rules = Rules {
             size: export.size,
             read_only: config.read_only,
             allow_discards: config.allow_discards,
             negotiated: Negotiated::default(),
         };
+        let budget = Arc::new(Budget::new(config.max_inflight_bytes));
+        let pool = Pool::new(config.max_io_threads, POOL_IDLE_EXIT);
+        let limits = FlowLimits { max_tasks: config.io_workers.max(1), max_bytes: config.max_inflight_bytes_per_connection };
         Arc::new(Self {
-            budget: Arc::new(Budget::new(config.max_inflight_bytes)),
-            pool: Pool::new(config.max_io_threads, POOL_IDLE_EXIT),
-            pipeline,
+            core: Arc::new(Core::new(mapping, budget, Arc::clone(&pool), limits)),
+            pool,
             config,
             export,
             rules,
@@ -141,8 +143,8 @@ impl Server {
         self.open.load(Ordering::SeqCst)
     }
 
-    pub(crate) fn pipeline(&self) -> &Pipeline {
-        &self.pipeline
+    pub(crate) fn core(&self) -> &Arc<Core> {
+        &self.core
     }
 
     pub(crate) fn config(&self) -> &ServerConfig {
@@ -151,14 +153,6 @@ impl Server {
 
     pub(crate) fn rules(&self) -> &Rules {
         &self.rules
-    }
-
-    pub(crate) fn budget(&self) -> &Arc<Budget> {
-        &self.budget
-    }
-
-    pub(crate) fn pool(&self) -> &Arc<Pool> {
-        &self.pool
     }
 
     /// Accepts connections forever, one thread each. Only the listener itself failing for good
@@ -220,11 +214,7 @@ impl Server {
         drop(span);
         tracing::info!(conn = id, "client connected");
         if let Some(conn) = Connection::open(id, stream, Arc::clone(self), slot, negotiated) {
-            // This thread serves it whole with an upstream connection of its own, or is its
-            // first reader.
-            if !conn.serve_own_upstream() {
-                conn.turn(Reading::outside());
-            }
+            conn.serve();
         }
         // Its part done, it stays on as an I/O thread while the pool has room.
         self.pool.join();
@@ -232,7 +222,7 @@ impl Server {
     }
 }
 
-fn export_info(pipeline: &Pipeline, config: &ServerConfig) -> ExportInfo {
+fn export_info(mapping: &Mapping, config: &ServerConfig) -> ExportInfo {
     let mut flags = TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_SEND_FUA | TFLAG_SEND_WRITE_ZEROES | TFLAG_SEND_CACHE;
     // Every connection shares one backing file and FLUSH syncs all of it, so a flush on any
     // connection covers writes answered on all of them.
@@ -243,13 +233,13 @@ fn export_info(pipeline: &Pipeline, config: &ServerConfig) -> ExportInfo {
     if config.allow_discards {
         flags |= TFLAG_SEND_TRIM;
     }
-    let ss = pipeline.sector_size() as u32;
+    let ss = mapping.sector_size() as u32;
     ExportInfo {
         name: config.export_name.clone(),
         description: config.description.clone(),
-        size: pipeline.size(),
+        size: mapping.size(),
         transmission_flags: flags,
-        // Any byte range is served (the pipeline widens it to whole sectors with
+        // Any byte range is served (the volume mapping widens it to whole sectors with
         // read-modify-write), so the minimum is 1, as nbdkit's; whole sectors avoid that cost.
         min_block: 1,
         preferred_block: ss,

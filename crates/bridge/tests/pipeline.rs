@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use cryptbridge_bridge::{Backing, BackingOptions, Pipeline};
+use cryptbridge_bridge::{Backing, BackingOptions, Mapping};
 use cryptbridge_cipher::registry::KeyPolicy;
 use cryptbridge_cipher::{new_cipher, SectorCipher};
 use cryptbridge_engine::{CpuBackend, Engine, SectorLayout};
@@ -23,7 +23,7 @@ fn cipher() -> Arc<dyn SectorCipher> {
     Arc::from(new_cipher("xts(aes)", &KEY, KeyPolicy::Volume).unwrap())
 }
 
-fn pipeline(dir: &tempfile::TempDir, sector_size: usize, size: u64) -> (Pipeline, std::path::PathBuf) {
+fn pipeline(dir: &tempfile::TempDir, sector_size: usize, size: u64) -> (Mapping, std::path::PathBuf) {
     let path = dir.path().join("backing.img");
     let backing = Backing::open(
         &path,
@@ -31,7 +31,7 @@ fn pipeline(dir: &tempfile::TempDir, sector_size: usize, size: u64) -> (Pipeline
     )
     .unwrap();
     let engine = Engine::new(Arc::new(CpuBackend::new(cipher(), 2).unwrap()), SectorLayout::new(sector_size, false));
-    (Pipeline::new(backing, engine), path)
+    (Mapping::new(backing, engine), path)
 }
 
 /// A deterministic byte stream, so tests need no RNG crate.

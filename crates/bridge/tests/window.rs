@@ -1,12 +1,18 @@
-//! `Backing::with_window`: a volume's data area after its header (LUKS) is what the export sees.
+//! `Mapping::with_window`: a volume's data area after its header (LUKS) is what the export sees;
+//! the volume mapping applies the offset to every access, the back end never sees it.
 
 use std::os::unix::fs::FileExt;
 
-use cryptbridge_bridge::backing::BackingError;
-use cryptbridge_bridge::{Backing, BackingOptions};
+use cryptbridge_bridge::{Backing, BackingOptions, Mapping};
+use cryptbridge_engine::{Engine, SectorLayout};
 
-fn opts() -> BackingOptions {
-    BackingOptions { size: None, read_only: false, direct: false, sector_size: 512 }
+fn opts(sector_size: usize) -> BackingOptions {
+    BackingOptions { size: None, read_only: false, direct: false, sector_size }
+}
+
+/// Plaintext through the mapping, so that the bytes on disk can be checked as written.
+fn mapping(path: &std::path::Path, sector_size: usize) -> Mapping {
+    Mapping::new(Backing::open(path, &opts(sector_size)).unwrap(), Engine::passthrough(SectorLayout::new(sector_size, false)))
 }
 
 #[test]
@@ -14,25 +20,25 @@ fn window_offsets_every_access_and_bounds_the_size() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("b.img");
     std::fs::write(&path, vec![0xEEu8; 64 * 1024]).unwrap();
-    let b = Backing::open(&path, &opts()).unwrap().with_window(16 * 1024, 32 * 1024, 512).unwrap();
-    assert_eq!(b.size(), 32 * 1024);
-    b.write_at(&[1u8; 512], 0).unwrap();
-    b.write_at(&[2u8; 512], 32 * 1024 - 512).unwrap();
-    let mut buf = [0u8; 512];
-    b.read_at(&mut buf, 0).unwrap();
-    assert_eq!(buf, [1u8; 512]);
+    let m = mapping(&path, 512).with_window(16 * 1024, 32 * 1024).unwrap();
+    assert_eq!(m.size(), 32 * 1024);
+    m.write(0, &mut [1u8; 512], false).unwrap();
+    m.write(32 * 1024 - 512, &mut [2u8; 512], false).unwrap();
+    assert_eq!(&*m.read(0, 512).unwrap(), &[1u8; 512]);
     let file = std::fs::read(&path).unwrap();
     assert!(file[..16 * 1024].iter().all(|&x| x == 0xEE), "the header area is untouched");
     assert_eq!(&file[16 * 1024..16 * 1024 + 512], &[1u8; 512]);
     assert_eq!(&file[48 * 1024 - 512..48 * 1024], &[2u8; 512]);
     assert!(file[48 * 1024..].iter().all(|&x| x == 0xEE), "nothing past the window");
-    b.discard(512, 512).unwrap();
+    m.discard(512, 512, false).unwrap();
     let f = std::fs::File::open(&path).unwrap();
     let mut probe = [0xFFu8; 512];
     f.read_exact_at(&mut probe, 16 * 1024 + 512).unwrap();
     assert_eq!(probe, [0u8; 512], "the hole is punched inside the window");
     f.read_exact_at(&mut probe, 512).unwrap();
     assert_eq!(probe, [0xEEu8; 512], "not at the same offset outside it");
+    let status = m.block_status(0, 1024, 8).unwrap();
+    assert_eq!(status.first().map(|r| r.0), Some(512), "extents are the window's: data, then the hole at 512");
 }
 
 #[test]
@@ -41,8 +47,8 @@ fn windows_outside_or_unaligned_are_refused() {
     let path = dir.path().join("b.img");
     std::fs::write(&path, vec![0u8; 8192]).unwrap();
     for (offset, len) in [(4096, 8192), (0, 0), (100, 512), (512, 100), (u64::MAX - 511, 512)] {
-        let e = Backing::open(&path, &opts()).unwrap().with_window(offset, len, 512).err().expect("refused");
-        assert!(matches!(e, BackingError::BadWindow { .. }), "{offset}+{len}: {e}");
+        let e = mapping(&path, 512).with_window(offset, len).err().expect("refused");
+        assert!(e.to_string().contains("does not fit"), "{offset}+{len}: {e}");
     }
-    assert!(Backing::open(&path, &opts()).unwrap().with_window(4096, 4096, 4096).is_ok());
+    assert!(mapping(&path, 4096).with_window(4096, 4096).is_ok());
 }

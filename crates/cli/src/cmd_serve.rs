@@ -10,7 +10,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use cryptbridge_bridge::backing::RemoteOptions;
 use cryptbridge_bridge::nbd::uri::{self, NbdUri};
-use cryptbridge_bridge::{raise_open_file_limit, Backing, BackingOptions, Listener, Pipeline, Server, ServerConfig, TlsMode, TlsPolicy};
+use cryptbridge_bridge::{raise_open_file_limit, Backing, BackingOptions, Listener, Mapping, Server, ServerConfig, TlsMode, TlsPolicy};
 use cryptbridge_cipher::registry::KeyPolicy;
 use cryptbridge_cipher::{new_cipher, SectorCipher};
 use cryptbridge_engine::{Backend, CpuBackend, Engine, RtlSimBackend, SectorLayout};
@@ -319,11 +319,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if luks.is_none() && args.volume_type.is_none() && !backing.created() {
         refuse_luks_as_plain(&backing, &args.backing)?;
     }
-    let backing = luks::window(luks.as_ref(), backing, &args.backing)?;
-    let pipeline = Arc::new(Pipeline::new(backing, engine));
+    let mapping = Arc::new(luks::window(luks.as_ref(), Mapping::new(backing, engine), &args.backing)?);
     let mode = if args.passthrough { "passthrough (plaintext)".to_string() } else { format!("{} {key_bits}-bit", luks.as_ref().map_or_else(|| args.cipher.clone(), luks::Volume::label)) };
     let server = Server::new(
-        Arc::clone(&pipeline),
+        Arc::clone(&mapping),
         ServerConfig {
             read_only,
             allow_discards,
@@ -366,7 +365,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     // nbds:// (nbds+unix://): the URI scheme of NBD over TLS.
     let uri = if tls.is_some() { uri.replacen("nbd", "nbds", 1) } else { uri };
     // Only a socket this run created is removed on exit; an inherited one belongs to its giver.
-    install_signal_handler(Arc::clone(&pipeline), created.socket.clone(), rtl.clone())?;
+    install_signal_handler(Arc::clone(&mapping), created.socket.clone(), rtl.clone())?;
     if let Some(sim) = rtl {
         report_simulation_speed(sim);
     }
@@ -378,7 +377,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     tracing::info!(
         "serving {} ({} bytes, {}-byte sectors, {}{}{}{tls_note}) as {uri}",
         args.backing.display(),
-        pipeline.size(),
+        mapping.size(),
         sector_size,
         mode,
         if args.direct { ", O_DIRECT" } else { "" },
@@ -501,7 +500,7 @@ fn log_sim_stats(s: &cryptbridge_engine::SimStats) {
 }
 
 /// SIGINT/SIGTERM: make answered writes durable, remove our socket, then exit cleanly.
-fn install_signal_handler(pipeline: Arc<Pipeline>, socket: Option<PathBuf>, rtl: Option<Arc<RtlSimBackend>>) -> Result<()> {
+fn install_signal_handler(mapping: Arc<Mapping>, socket: Option<PathBuf>, rtl: Option<Arc<RtlSimBackend>>) -> Result<()> {
     ctrlc::set_handler(move || {
         if let Some(sim) = &rtl {
             log_sim_stats(&sim.stats());
@@ -509,7 +508,7 @@ fn install_signal_handler(pipeline: Arc<Pipeline>, socket: Option<PathBuf>, rtl:
         if let Some(path) = &socket {
             let _ = std::fs::remove_file(path); // nothing to do if it is already gone
         }
-        let code = match pipeline.flush() {
+        let code = match mapping.flush() {
             Ok(()) => 0,
             Err(e) => {
                 eprintln!("cryptbridge: flush on shutdown failed: {e}");

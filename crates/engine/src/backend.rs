@@ -10,6 +10,16 @@ pub enum Direction {
     Decrypt,
 }
 
+/// Where a batch may run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spread {
+    /// Split over the back end's thread pool when the batch is large enough to pay for it.
+    Pool,
+    /// On the calling thread only: for callers that already keep every core busy with other
+    /// requests, where spreading one buffer over a pool only adds wake-ups.
+    Caller,
+}
+
 /// A run of consecutive sectors: sector i of the buffer uses tweak number
 /// `first_tweak + i * tweak_step`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,15 +41,9 @@ impl SectorRun {
     }
 }
 
-/// Transforms whole sectors in place. `buf.len()` is a multiple of `run.sector_size`.
+/// Transforms whole sectors in place. `buf.len()` is a multiple of `run.sector_size`. A back end
+/// without a thread pool ignores `spread`.
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
-    fn process(&self, dir: Direction, run: SectorRun, buf: &mut [u8]) -> Result<(), EngineError>;
-
-    /// As [`Backend::process`], but only on the calling thread: for callers that already keep
-    /// every core busy with other requests, where spreading one buffer over a pool only adds
-    /// wake-ups. Back ends without a pool need not override it.
-    fn process_here(&self, dir: Direction, run: SectorRun, buf: &mut [u8]) -> Result<(), EngineError> {
-        self.process(dir, run, buf)
-    }
+    fn process(&self, dir: Direction, run: SectorRun, buf: &mut [u8], spread: Spread) -> Result<(), EngineError>;
 }

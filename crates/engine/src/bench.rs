@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::{Direction, Engine, EngineError};
+use crate::{Direction, Engine, EngineError, Spread};
 
 /// Bytes each thread transforms per call: 64 sectors of 4 KiB, resident in L2.
 const BYTES_PER_THREAD: usize = 256 * 1024;
@@ -47,8 +47,5 @@ pub fn measure(engine: &Engine, dir: Direction, threads: usize, duration: Durati
 }
 
 fn run_once(engine: &Engine, dir: Direction, sector: u64, buf: &mut [u8]) -> Result<(), EngineError> {
-    match dir {
-        Direction::Encrypt => engine.encrypt(sector, buf),
-        Direction::Decrypt => engine.decrypt(sector, buf),
-    }
+    engine.process(dir, sector, buf, Spread::Pool)
 }

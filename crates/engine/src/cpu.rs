@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cryptbridge_cipher::SectorCipher;
 use rayon::prelude::*;
 
-use crate::{Backend, Direction, EngineError, SectorRun};
+use crate::{Backend, Direction, EngineError, SectorRun, Spread};
 
 /// Below this many bytes a request runs on the calling thread: waking the pool costs more than
 /// the crypto of a request this small at VAES speed.
@@ -55,13 +55,9 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn process_here(&self, dir: Direction, run: SectorRun, buf: &mut [u8]) -> Result<(), EngineError> {
-        self.serial(dir, run, buf)
-    }
-
-    fn process(&self, dir: Direction, run: SectorRun, buf: &mut [u8]) -> Result<(), EngineError> {
+    fn process(&self, dir: Direction, run: SectorRun, buf: &mut [u8], spread: Spread) -> Result<(), EngineError> {
         let pool = match &self.pool {
-            Some(pool) if buf.len() >= PARALLEL_MIN_BYTES => pool,
+            Some(pool) if spread == Spread::Pool && buf.len() >= PARALLEL_MIN_BYTES => pool,
             _ => return self.serial(dir, run, buf),
         };
         let sectors = buf.len() / run.sector_size;

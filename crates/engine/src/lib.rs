@@ -8,7 +8,7 @@ mod error;
 mod layout;
 mod rtl_sim;
 
-pub use backend::{Backend, Direction, SectorRun};
+pub use backend::{Backend, Direction, SectorRun, Spread};
 pub use cpu::CpuBackend;
 pub use error::EngineError;
 pub use layout::SectorLayout;
@@ -47,41 +47,15 @@ impl Engine {
         self.backend.as_ref().map_or("passthrough", |b| b.name())
     }
 
-    /// Encrypts `buf`, whole sectors starting at export sector `first_sector`.
-    pub fn encrypt(&self, first_sector: u64, buf: &mut [u8]) -> Result<(), EngineError> {
-        self.process(Direction::Encrypt, first_sector, buf)
-    }
-
-    /// Decrypts `buf`, whole sectors starting at export sector `first_sector`.
-    pub fn decrypt(&self, first_sector: u64, buf: &mut [u8]) -> Result<(), EngineError> {
-        self.process(Direction::Decrypt, first_sector, buf)
-    }
-
-    /// As [`Engine::encrypt`], on the calling thread only (see [`Backend::process_here`]).
-    pub fn encrypt_here(&self, first_sector: u64, buf: &mut [u8]) -> Result<(), EngineError> {
-        self.process_on(Direction::Encrypt, first_sector, buf, false)
-    }
-
-    /// As [`Engine::decrypt`], on the calling thread only.
-    pub fn decrypt_here(&self, first_sector: u64, buf: &mut [u8]) -> Result<(), EngineError> {
-        self.process_on(Direction::Decrypt, first_sector, buf, false)
-    }
-
-    fn process(&self, dir: Direction, first_sector: u64, buf: &mut [u8]) -> Result<(), EngineError> {
-        self.process_on(dir, first_sector, buf, true)
-    }
-
-    fn process_on(&self, dir: Direction, first_sector: u64, buf: &mut [u8], pool: bool) -> Result<(), EngineError> {
+    /// Encrypts or decrypts `buf`, whole sectors starting at export sector `first_sector`: the
+    /// engine's one entry point. `spread` says whether the batch may be split over the back
+    /// end's thread pool; the caller decides that once per request (the bridge's plan).
+    pub fn process(&self, dir: Direction, first_sector: u64, buf: &mut [u8], spread: Spread) -> Result<(), EngineError> {
         let Some(backend) = &self.backend else { return Ok(()) };
         let ss = self.layout.sector_size;
         if !buf.len().is_multiple_of(ss) {
             return Err(EngineError::NotWholeSectors { len: buf.len(), sector_size: ss });
         }
-        let run = self.layout.run(first_sector);
-        if pool {
-            backend.process(dir, run, buf)
-        } else {
-            backend.process_here(dir, run, buf)
-        }
+        backend.process(dir, self.layout.run(first_sector), buf, spread)
     }
 }

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Mutex;
 
-use crate::{Backend, Direction, EngineError, SectorRun};
+use crate::{Backend, Direction, EngineError, SectorRun, Spread};
 
 const NAME: &str = "rtl-sim";
 const MAGIC: u32 = 0x3153_5458; // "XTS1"
@@ -259,7 +259,7 @@ impl Backend for RtlSimBackend {
         NAME
     }
 
-    fn process(&self, dir: Direction, run: SectorRun, buf: &mut [u8]) -> Result<(), EngineError> {
+    fn process(&self, dir: Direction, run: SectorRun, buf: &mut [u8], _spread: Spread) -> Result<(), EngineError> {
         let ss = run.sector_size;
         if ss == 0 || !ss.is_multiple_of(16) || !buf.len().is_multiple_of(ss) {
             return Err(EngineError::NotWholeSectors {
@@ -372,14 +372,14 @@ mod tests {
                 .map(|i| (i * 31 + 7 + (i >> 9)) as u8)
                 .collect();
             let (mut a, mut b) = (plain.clone(), plain.clone());
-            hw.encrypt(first, &mut a).unwrap();
-            sw.encrypt(first, &mut b).unwrap();
+            hw.process(Direction::Encrypt, first, &mut a, Spread::Pool).unwrap();
+            sw.process(Direction::Encrypt, first, &mut b, Spread::Pool).unwrap();
             assert!(
                 a == b,
                 "encrypt differs: sector size {ss}, iv_large {iv_large}"
             );
             assert_ne!(a, plain);
-            hw.decrypt(first, &mut a).unwrap();
+            hw.process(Direction::Decrypt, first, &mut a, Spread::Pool).unwrap();
             assert!(a == plain, "decrypt does not round-trip: sector size {ss}");
         }
         // a run whose tweak numbers wrap at 2^64 (split into two requests)
@@ -390,7 +390,7 @@ mod tests {
         };
         let plain = vec![0x5au8; 4 * 512];
         let mut a = plain.clone();
-        rtl.process(Direction::Encrypt, run, &mut a).unwrap();
+        rtl.process(Direction::Encrypt, run, &mut a, Spread::Pool).unwrap();
         let c = new_cipher("xts(aes)", &key(), KeyPolicy::Volume).unwrap();
         for (i, s) in a.chunks(512).enumerate() {
             let mut e = plain[i * 512..(i + 1) * 512].to_vec();

@@ -41,8 +41,6 @@ pub enum BackingError {
     UnalignedSize { size: u64, sector_size: usize },
     #[error("backing {path} is smaller than one {sector_size}-byte sector")]
     TooSmall { path: PathBuf, sector_size: usize },
-    #[error("data area of {len} bytes at offset {offset} does not fit the {size}-byte backing store in whole {sector_size}-byte sectors")]
-    BadWindow { offset: u64, len: u64, size: u64, sector_size: usize },
     #[error("backing {path} is in use: {why}; another process (a second cryptbridge serve, qemu, qemu-nbd) has it open{}", if *read_only { " for writing" } else { " and does not share it with a writer: two writers, or a writer under a reader that needs the image unchanged, corrupt what they see (read-only servers may share an image: --read-only)" })]
     Locked { path: PathBuf, why: String, read_only: bool },
     #[error("backing {path} is neither a regular file nor a block device")]
@@ -66,11 +64,10 @@ enum Store {
     Nbd(Box<nbd::NbdBacking>),
 }
 
+/// A back end: byte-addressed storage. A volume's data offset is not its business: the volume
+/// mapping above it adds it to every offset it passes down.
 pub struct Backing {
     store: Store,
-    /// Where the export starts in the store: a volume's data offset (a LUKS header comes
-    /// first), 0 for a plain volume. Every offset below is relative to it.
-    offset: u64,
     size: u64,
 }
 
@@ -80,14 +77,14 @@ impl Backing {
     /// the error is returned.
     pub fn open(path: &Path, opts: &BackingOptions) -> Result<Self, BackingError> {
         let f = file::FileBacking::open(path, opts)?;
-        Ok(Self { size: f.size(), store: Store::File(f), offset: 0 })
+        Ok(Self { size: f.size(), store: Store::File(f) })
     }
 
     /// Connects to the upstream export `uri` (see [`crate::nbd::client`]), whose size and block
     /// sizes must suit `opts`.
     pub fn connect(uri: &NbdUri, opts: &BackingOptions, remote: &RemoteOptions) -> Result<Self, BackingError> {
         let n = nbd::NbdBacking::connect(uri, opts, remote)?;
-        Ok(Self { size: n.size(), store: Store::Nbd(Box::new(n)), offset: 0 })
+        Ok(Self { size: n.size(), store: Store::Nbd(Box::new(n)) })
     }
 
     pub fn size(&self) -> u64 {
@@ -102,12 +99,12 @@ impl Backing {
         }
     }
 
-    /// A connection of its own to the upstream for one thread (see [`crate::nbd::own`]) and
-    /// where the export starts in the upstream's (add it to every offset sent on it). `None`:
-    /// not an upstream export, or one that cannot have more connections (no multi-conn, TLS).
-    pub fn own_upstream<T>(&self) -> Option<io::Result<(OwnConn<T>, u64)>> {
+    /// A connection of its own to the upstream for one thread (see [`crate::nbd::own`]): the
+    /// back-end session of one client. `None`: not an upstream export, or one that cannot have
+    /// more connections (no multi-conn, TLS).
+    pub fn own_upstream<T>(&self) -> Option<io::Result<OwnConn<T>>> {
         match &self.store {
-            Store::Nbd(n) => n.own_connection().map(|r| r.map(|c| (c, self.offset))),
+            Store::Nbd(n) => n.own_connection(),
             Store::File(_) => None,
         }
     }
@@ -118,20 +115,6 @@ impl Backing {
             Store::Nbd(n) => Some(n.connections()),
             Store::File(_) => None,
         }
-    }
-
-    /// Narrows the export to `len` bytes starting `offset` bytes into the store: the data area
-    /// of a volume whose header comes first (LUKS). Both must be multiples of the sector size (so
-    /// O_DIRECT stays aligned) and lie within what was opened.
-    pub fn with_window(mut self, offset: u64, len: u64, sector_size: usize) -> Result<Self, BackingError> {
-        let ss = sector_size as u64;
-        let fits = offset.checked_add(len).is_some_and(|end| end <= self.size);
-        if len == 0 || !offset.is_multiple_of(ss) || !len.is_multiple_of(ss) || !fits {
-            return Err(BackingError::BadWindow { offset, len, size: self.size, sector_size });
-        }
-        self.offset = offset;
-        self.size = len;
-        Ok(self)
     }
 
     /// Whether [`Backing::open`] created the file (it did not exist before).
@@ -154,15 +137,15 @@ impl Backing {
 
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         match &self.store {
-            Store::File(f) => f.read_at(buf, self.offset + offset),
-            Store::Nbd(n) => n.read_at(buf, self.offset + offset),
+            Store::File(f) => f.read_at(buf, offset),
+            Store::Nbd(n) => n.read_at(buf, offset),
         }
     }
 
     pub fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         match &self.store {
-            Store::File(f) => f.write_at(buf, self.offset + offset),
-            Store::Nbd(n) => n.write_at(buf, self.offset + offset, false),
+            Store::File(f) => f.write_at(buf, offset),
+            Store::Nbd(n) => n.write_at(buf, offset, false),
         }
     }
 
@@ -171,10 +154,10 @@ impl Backing {
     pub fn write_fua_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         match &self.store {
             Store::File(f) => {
-                f.write_at(buf, self.offset + offset)?;
+                f.write_at(buf, offset)?;
                 f.flush()
             }
-            Store::Nbd(n) => n.write_at(buf, self.offset + offset, true),
+            Store::Nbd(n) => n.write_at(buf, offset, true),
         }
     }
 
@@ -193,7 +176,7 @@ impl Backing {
     /// with [`Backing::read_at`].
     pub fn read_async(&self, buf: PooledBuf, offset: u64, done: impl FnOnce(io::Result<PooledBuf>) + Send + 'static) {
         match &self.store {
-            Store::Nbd(n) => n.read_async(buf, self.offset + offset, done),
+            Store::Nbd(n) => n.read_async(buf, offset, done),
             Store::File(_) => done(Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))),
         }
     }
@@ -213,7 +196,7 @@ impl Backing {
     /// may or may not have reached the store): resend it with [`Backing::write_at`].
     pub fn write_async(&self, buf: &[u8], offset: u64, fua: bool, done: impl FnOnce(io::Result<()>) + Send + 'static) {
         match &self.store {
-            Store::Nbd(n) => n.write_async(buf, self.offset + offset, fua, done),
+            Store::Nbd(n) => n.write_async(buf, offset, fua, done),
             Store::File(_) => done(Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))),
         }
     }
@@ -232,8 +215,8 @@ impl Backing {
     /// the range allocated.
     pub fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
         match &self.store {
-            Store::File(f) => f.extents(self.offset + offset, len, max),
-            Store::Nbd(n) => Ok(n.extents(self.offset + offset, len, max)),
+            Store::File(f) => f.extents(offset, len, max),
+            Store::Nbd(n) => Ok(n.extents(offset, len, max)),
         }
     }
 
@@ -241,8 +224,8 @@ impl Backing {
     /// passes TRIM to an upstream that takes it.
     pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         match &self.store {
-            Store::File(f) => f.discard(self.offset + offset, len),
-            Store::Nbd(n) => n.discard(self.offset + offset, len),
+            Store::File(f) => f.discard(offset, len),
+            Store::Nbd(n) => n.discard(offset, len),
         }
     }
 }

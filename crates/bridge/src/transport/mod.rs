@@ -178,3 +178,17 @@ impl Write for Stream {
         Ok(())
     }
 }
+
+/// Waits up to `timeout` for the events asked in `fds` (a descriptor of -1 is left out). On
+/// EINTR every `revents` is cleared: the caller looks at its sockets anyway.
+pub(crate) fn poll(fds: &mut [libc::pollfd], timeout: Duration) {
+    let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+    // SAFETY: `fds` is a live, exclusively borrowed array of `fds.len()` pollfd structs, which
+    // the kernel reads and whose revents it writes during the call.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    if n < 0 {
+        for fd in fds.iter_mut() {
+            fd.revents = 0;
+        }
+    }
+}

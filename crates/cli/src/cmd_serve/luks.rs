@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use cryptbridge_bridge::Backing;
+use cryptbridge_bridge::Mapping;
 use cryptbridge_engine::SectorLayout;
 use cryptbridge_volume::{DataSegment, Header, Secret};
 
@@ -115,10 +115,10 @@ pub fn open(args: &Args) -> Result<Option<Volume>> {
 }
 
 /// The export's part of the backing store: a LUKS volume's data segment, or all of it.
-pub fn window(volume: Option<&Volume>, backing: Backing, path: &Path) -> Result<Backing> {
-    let Some(v) = volume else { return Ok(backing) };
+pub fn window(volume: Option<&Volume>, mapping: Mapping, path: &Path) -> Result<Mapping> {
+    let Some(v) = volume else { return Ok(mapping) };
     let seg = &v.segment;
-    let device_size = backing.size();
+    let device_size = mapping.size();
     let len = seg.length_on(device_size).with_context(|| format!("backing {}", path.display()))?;
-    backing.with_window(seg.offset, len, seg.sector_size).with_context(|| format!("backing {}", path.display()))
+    mapping.with_window(seg.offset, len).with_context(|| format!("backing {}", path.display()))
 }

@@ -1,4 +1,6 @@
-//! The inline pipeline: export byte ranges -> whole sectors -> engine -> backing store.
+//! The volume mapping, between the core and the back end: export byte ranges -> whole sectors
+//! -> engine -> the back end's bytes, at the volume's data offset (a LUKS header comes first;
+//! the window is applied here and nowhere else).
 //!
 //! Requests that do not cover whole sectors are widened to them: the edge sectors are read,
 //! decrypted, patched and re-encrypted (read-modify-write) under a range lock, so that two writes
@@ -9,21 +11,26 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use cryptbridge_engine::Engine;
+use cryptbridge_engine::{Direction, Engine, Spread};
 
 use crate::aligned::{BufPool, PooledBuf, ALIGN};
 use crate::backing::Backing;
 use crate::nbd::{STATE_HOLE, STATE_ZERO};
+use crate::nbd::own::OwnConn;
 use crate::range_lock::{RangeGuard, RangeLocks};
 
-/// A sealed read is decrypted and handed on in pieces of this size (see [`Pipeline::open_into`]).
-const OPEN_PIECE: usize = 128 * 1024;
+/// A sealed read is decrypted and handed on in pieces of this size (see [`Mapping::open_into`]).
+pub(crate) const OPEN_PIECE: usize = 128 * 1024;
 /// Zeroes are written in pieces of this size so a 4 GiB WRITE_ZEROES does not need 4 GiB of RAM.
 const ZERO_CHUNK: u64 = 1 << 20;
 
-pub struct Pipeline {
+pub struct Mapping {
     backing: Backing,
     engine: Engine,
+    /// Where the export starts in the back end: a volume's data offset, 0 for a plain volume.
+    window: u64,
+    /// The export's size: the window's length.
+    size: u64,
     sector_size: u64,
     locks: Arc<RangeLocks>,
     pool: Arc<BufPool>,
@@ -48,11 +55,11 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// How an asynchronous write ended ([`Pipeline::write_async`]).
+/// How an asynchronous write ended ([`Mapping::write_async`]).
 pub(crate) enum AsyncWrite {
     /// Answered by the upstream: the write is done (or failed with this error).
     Done(io::Result<()>),
-    /// Lost with its upstream connection, unanswered: [`Pipeline::resend`] it.
+    /// Lost with its upstream connection, unanswered: [`Mapping::resend`] it.
     Lost(LostWrite),
 }
 
@@ -64,7 +71,7 @@ pub(crate) struct LostWrite {
     fua: bool,
 }
 
-/// Plaintext returned by [`Pipeline::read`]: a window into a sector-aligned buffer.
+/// Plaintext returned by [`Mapping::read`]: a window into a sector-aligned buffer.
 pub struct ReadData {
     buf: PooledBuf,
     start: usize,
@@ -78,7 +85,7 @@ impl Deref for ReadData {
     }
 }
 
-/// Ciphertext returned by [`Pipeline::read_sealed`], for [`Pipeline::open_into`] to decrypt.
+/// Ciphertext returned by [`Mapping::read_sealed`], for [`Mapping::open_into`] to decrypt.
 pub struct SealedRead {
     buf: PooledBuf,
     first_sector: u64,
@@ -87,7 +94,7 @@ pub struct SealedRead {
 }
 
 impl SealedRead {
-    /// The bytes the request asked for (what [`Pipeline::open_into`] hands on in all).
+    /// The bytes the request asked for (what [`Mapping::open_into`] hands on in all).
     pub fn len(&self) -> usize {
         self.len
     }
@@ -97,19 +104,92 @@ impl SealedRead {
     }
 }
 
-impl Pipeline {
+/// A window that does not fit the back end ([`Mapping::with_window`]).
+#[derive(Debug, thiserror::Error)]
+#[error("data area of {len} bytes at offset {offset} does not fit the {size}-byte backing store in whole {sector_size}-byte sectors")]
+pub struct BadWindow {
+    pub offset: u64,
+    pub len: u64,
+    pub size: u64,
+    pub sector_size: u64,
+}
+
+/// What the back end behind the mapping can do, as the core's plan needs it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Caps {
+    /// Every request waits for the device (O_DIRECT) or the network, never the page cache.
+    pub(crate) direct: bool,
+    pub(crate) sector_size: u64,
+    /// The largest span of whole sectors read without waiting (0: reads always wait).
+    pub(crate) max_async_read: usize,
+    /// The largest write sent without waiting, without and with FUA (0: none).
+    pub(crate) max_async_write: usize,
+    pub(crate) max_async_write_fua: usize,
+}
+
+/// Where a request's sectors are encrypted or decrypted: the core's plan says, the mapping
+/// does it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Crypto {
+    /// Whole, on the thread that runs the request.
+    Caller,
+    /// Split over the engine's crypto pool when large enough.
+    Pool,
+    /// The pool, unless other writes are running: their threads then occupy the cores, and
+    /// spreading one buffer over the pool only adds wake-ups and idle spinning (page-cache
+    /// back ends, where the CPU is the limit).
+    PoolWhenIdle,
+    /// A READ decrypted a piece at a time, each as soon as the reply before it is sent.
+    Streamed,
+}
+
+/// The engine's spread for a plan's crypto placement.
+fn spread(crypto: Crypto) -> Spread {
+    match crypto {
+        Crypto::Caller | Crypto::Streamed => Spread::Caller,
+        Crypto::Pool | Crypto::PoolWhenIdle => Spread::Pool,
+    }
+}
+
+impl Mapping {
+    /// The whole back end as the export, sector by sector through `engine`.
     pub fn new(backing: Backing, engine: Engine) -> Self {
         let sector_size = engine.layout().sector_size as u64;
-        Self { backing, engine, sector_size, locks: Arc::default(), pool: Arc::new(BufPool::new()), in_flight: AtomicUsize::new(0) }
+        let size = backing.size();
+        Self { backing, engine, window: 0, size, sector_size, locks: Arc::default(), pool: Arc::new(BufPool::new()), in_flight: AtomicUsize::new(0) }
+    }
+
+    /// Narrows the export to `len` bytes starting `offset` bytes into the back end: the data
+    /// area of a volume whose header comes first (LUKS). Both must be multiples of the sector
+    /// size (so O_DIRECT stays aligned) and lie within the back end.
+    pub fn with_window(mut self, offset: u64, len: u64) -> Result<Self, BadWindow> {
+        let (ss, size) = (self.sector_size, self.backing.size());
+        let fits = offset.checked_add(len).is_some_and(|end| end <= size);
+        if len == 0 || !offset.is_multiple_of(ss) || !len.is_multiple_of(ss) || !fits {
+            return Err(BadWindow { offset, len, size, sector_size: ss });
+        }
+        (self.window, self.size) = (offset, len);
+        Ok(self)
     }
 
     pub fn size(&self) -> u64 {
-        self.backing.size()
+        self.size
     }
 
-    /// Whether the backing store bypasses the page cache (every request waits for the device).
-    pub fn is_direct(&self) -> bool {
-        self.backing.is_direct()
+    /// The back end's offset of export offset `offset`.
+    fn at(&self, offset: u64) -> u64 {
+        self.window + offset
+    }
+
+    /// What the back end can do, for the plan.
+    pub(crate) fn caps(&self) -> Caps {
+        Caps {
+            direct: self.backing.is_direct(),
+            sector_size: self.sector_size,
+            max_async_read: self.backing.max_async_read(),
+            max_async_write: self.backing.max_async_write(false),
+            max_async_write_fua: self.backing.max_async_write(true),
+        }
     }
 
     pub fn sector_size(&self) -> u64 {
@@ -129,31 +209,29 @@ impl Pipeline {
 
     /// Reads and decrypts `len` bytes at `offset`. The caller has checked the range.
     pub fn read(&self, offset: u64, len: usize) -> io::Result<ReadData> {
+        self.read_with(offset, len, Crypto::Pool)
+    }
+
+    /// [`Mapping::read`], decrypted where `crypto` says.
+    pub(crate) fn read_with(&self, offset: u64, len: usize, crypto: Crypto) -> io::Result<ReadData> {
         let SealedRead { mut buf, first_sector, start, len } = self.read_sealed(offset, len)?;
-        self.engine.decrypt(first_sector, &mut buf).map_err(io::Error::other)?;
+        self.engine.process(Direction::Decrypt, first_sector, &mut buf, spread(crypto)).map_err(io::Error::other)?;
         Ok(ReadData { buf, start, len })
     }
 
     /// Reads the sectors under `[offset, offset + len)` and leaves them encrypted, for a reply
-    /// that decrypts them piece by piece while it sends ([`Pipeline::open_into`]). The caller has
+    /// that decrypts them piece by piece while it sends ([`Mapping::open_into`]). The caller has
     /// checked the range.
     pub fn read_sealed(&self, offset: u64, len: usize) -> io::Result<SealedRead> {
         let (start, end) = self.span(offset, len as u64);
         let mut buf = self.pool.get((end - start) as usize)?;
-        self.backing.read_at(&mut buf, start)?;
+        self.backing.read_at(&mut buf, self.at(start))?;
         Ok(SealedRead { buf, first_sector: start / self.sector_size, start: (offset - start) as usize, len })
     }
 
-    /// Whether [`Pipeline::read_sealed_async`] takes a read of `len` bytes at `offset`: an
-    /// upstream export, and the covering sectors within its largest request.
-    pub fn reads_async(&self, offset: u64, len: usize) -> bool {
-        let (start, end) = self.span(offset, len as u64);
-        (end - start) as usize <= self.backing.max_async_read()
-    }
-
-    /// [`Pipeline::read_sealed`] without waiting: `done` gets the ciphertext when the upstream
+    /// [`Mapping::read_sealed`] without waiting: `done` gets the ciphertext when the upstream
     /// answers, on the thread that received the reply. `Interrupted`: lost with its connection,
-    /// to be resent with [`Pipeline::read_sealed`].
+    /// to be resent with [`Mapping::read_sealed`].
     pub fn read_sealed_async(&self, offset: u64, len: usize, done: impl FnOnce(io::Result<SealedRead>) + Send + 'static) {
         let (start, end) = self.span(offset, len as u64);
         let buf = match self.pool.get((end - start) as usize) {
@@ -161,22 +239,16 @@ impl Pipeline {
             Err(e) => return done(Err(e)),
         };
         let (first_sector, at) = (start / self.sector_size, (offset - start) as usize);
-        self.backing.read_async(buf, start, move |r| done(r.map(|buf| SealedRead { buf, first_sector, start: at, len })));
+        self.backing.read_async(buf, self.at(start), move |r| done(r.map(|buf| SealedRead { buf, first_sector, start: at, len })));
     }
 
     /// Decrypts `sealed` whole, on this thread: for a read small enough that decrypting it
-    /// while it is sent would gain nothing ([`Pipeline::open_into`]), and whose reply can then
+    /// while it is sent would gain nothing ([`Mapping::open_into`]), and whose reply can then
     /// share one send with others.
     pub fn open(&self, sealed: SealedRead) -> io::Result<ReadData> {
         let SealedRead { mut buf, first_sector, start, len } = sealed;
-        self.engine.decrypt_here(first_sector, &mut buf).map_err(io::Error::other)?;
+        self.engine.process(Direction::Decrypt, first_sector, &mut buf, Spread::Caller).map_err(io::Error::other)?;
         Ok(ReadData { buf, start, len })
-    }
-
-    /// Whether a read of `len` bytes gains from being decrypted while its reply is sent
-    /// ([`Pipeline::open_into`]) rather than first ([`Pipeline::open`]): more than one piece.
-    pub fn opens_streamed(&self, len: usize) -> bool {
-        len > OPEN_PIECE
     }
 
     /// Decrypts `sealed` on this thread a piece at a time and hands each piece of the requested
@@ -194,7 +266,7 @@ impl Pipeline {
         let (want_start, want_end) = (sealed.start, sealed.start + sealed.len);
         for (i, chunk) in sealed.buf.chunks_mut(piece).enumerate() {
             let at = i * piece;
-            self.engine.decrypt_here(sealed.first_sector + (at / ss) as u64, chunk).map_err(io::Error::other)?;
+            self.engine.process(Direction::Decrypt, sealed.first_sector + (at / ss) as u64, chunk, Spread::Caller).map_err(io::Error::other)?;
             let (lo, hi) = (want_start.max(at), want_end.min(at + chunk.len()));
             if lo < hi {
                 sink(&chunk[lo - at..hi - at])?;
@@ -207,16 +279,14 @@ impl Pipeline {
     /// `fua` the write is durable when this returns (the backing store's FUA write: an upstream
     /// export gets NBD_CMD_FLAG_FUA rather than a flush of everything).
     pub fn write(&self, offset: u64, data: &mut [u8], fua: bool) -> io::Result<()> {
-        self.write_held(None, offset, data, fua, false)
+        self.write_with(None, offset, data, fua, Crypto::PoolWhenIdle)
     }
 
-    /// [`Pipeline::write`] under `held`, a reservation from [`Pipeline::reserve`] (waited for
-    /// here), or under a lock taken now. With `here` the encryption runs on the calling thread
-    /// whatever the size, never split over the crypto pool: for a caller whose client needs the
-    /// other cores (a TLS client decrypting its records, see `connection.rs`).
-    pub(crate) fn write_held(&self, held: Option<RangeGuard>, offset: u64, data: &mut [u8], fua: bool, here: bool) -> io::Result<()> {
+    /// [`Mapping::write`] under `held`, a reservation from [`Mapping::reserve`] (waited for
+    /// here), or under a lock taken now; encrypted where `crypto` says.
+    pub(crate) fn write_with(&self, held: Option<RangeGuard>, offset: u64, data: &mut [u8], fua: bool, crypto: Crypto) -> io::Result<()> {
         let _guard = self.hold(held, self.span(offset, data.len() as u64));
-        self.write_locked(offset, data, fua, here)
+        self.write_locked(offset, data, fua, crypto)
     }
 
     /// `held` once it holds, or a lock on the bytes `[start, end)` (whole sectors) taken now.
@@ -228,12 +298,6 @@ impl Pipeline {
             }
             None => self.locks.lock(start, end),
         }
-    }
-
-    /// Whether writes are reserved in the order they are received ([`Pipeline::reserve`]): on
-    /// an upstream export, where they complete asynchronously and out of order.
-    pub fn orders_writes(&self) -> bool {
-        self.backing.max_async_write(false) > 0
     }
 
     /// Reserves, without waiting, the sectors a WRITE, WRITE_ZEROES or TRIM of
@@ -248,28 +312,21 @@ impl Pipeline {
         self.locks.reserve(start, end)
     }
 
-    /// Whether [`Pipeline::write_async`] takes a write of `len` bytes at `offset`: whole
-    /// sectors, within the upstream's largest request (and FUA where the upstream has it).
-    pub fn writes_async(&self, offset: u64, len: usize, fua: bool) -> bool {
-        let ss = self.sector_size;
-        offset.is_multiple_of(ss) && (len as u64).is_multiple_of(ss) && len > 0 && len <= self.backing.max_async_write(fua)
-    }
-
-    /// Encrypts `data` (whole sectors at `offset`, see [`Pipeline::writes_async`]) and sends it
+    /// Encrypts `data` (whole sectors at `offset`, see [`Mapping::writes_async`]) and sends it
     /// to the upstream without waiting. `held` must hold its range already; it is let go when
     /// the upstream answers, and `done` runs then, on the thread that received the answer
     /// (or on this one should the request not go out). A write lost with its upstream
     /// connection keeps its range and its ciphertext: [`AsyncWrite::Lost`], for
-    /// [`Pipeline::resend`] on a thread that may wait.
-    pub(crate) fn write_async(&self, held: RangeGuard, offset: u64, mut data: PooledBuf, fua: bool, done: impl FnOnce(AsyncWrite) + Send + 'static) {
-        debug_assert!(held.is_held() && self.writes_async(offset, data.len(), fua));
-        if let Err(e) = self.engine.encrypt(offset / self.sector_size, &mut data) {
+    /// [`Mapping::resend`] on a thread that may wait.
+    pub(crate) fn write_async(&self, held: RangeGuard, offset: u64, mut data: PooledBuf, fua: bool, crypto: Crypto, done: impl FnOnce(AsyncWrite) + Send + 'static) {
+        debug_assert!(held.is_held());
+        if let Err(e) = self.engine.process(Direction::Encrypt, offset / self.sector_size, &mut data, spread(crypto)) {
             return done(AsyncWrite::Done(Err(io::Error::other(e))));
         }
         let sealed = Arc::new(data);
         let keep = Arc::clone(&sealed);
         // `sealed` outlives the send (the upstream may answer, and `done` run, before it returns).
-        self.backing.write_async(&sealed, offset, fua, move |result| match result {
+        self.backing.write_async(&sealed, self.at(offset), fua, move |result| match result {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => done(AsyncWrite::Lost(LostWrite { _held: held, sealed: keep, offset, fua })),
             result => {
                 drop(held);
@@ -279,60 +336,71 @@ impl Pipeline {
         });
     }
 
-    /// See [`Backing::own_upstream`].
-    pub(crate) fn own_upstream<T>(&self) -> Option<io::Result<(crate::nbd::own::OwnConn<T>, u64)>> {
+    /// A back-end session for one client ([`crate::core::session`]): an upstream connection of
+    /// its own. `None`: the back end has none to give.
+    pub(crate) fn own_session<T>(&self) -> Option<io::Result<OwnConn<T>>> {
         self.backing.own_upstream()
     }
 
-    /// The whole sectors under `[offset, offset + len)`: where they start and how many bytes.
-    pub(crate) fn sectors_of(&self, offset: u64, len: usize) -> (u64, usize) {
+    /// Queues on `up` a READ of the sectors under `[offset, offset + len)`, into a buffer of
+    /// its own; the ciphertext comes back with the tag made by `tag`, for
+    /// [`Mapping::open_sectors`]. `Err` (with the permit back) when no buffer can be had.
+    pub(crate) fn session_read<T, P>(&self, up: &mut OwnConn<T>, offset: u64, len: usize, permit: P, tag: impl FnOnce(P) -> T) -> Result<(), (io::Error, P)> {
         let (start, end) = self.span(offset, len as u64);
-        (start, (end - start) as usize)
+        match self.pool.get((end - start) as usize) {
+            Ok(buf) => {
+                up.read(self.at(start), buf, tag(permit));
+                Ok(())
+            }
+            Err(e) => Err((e, permit)),
+        }
+    }
+
+    /// Queues on `up` a WRITE of `sealed` (ciphertext from [`Mapping::seal_sectors`]) at
+    /// `offset`.
+    pub(crate) fn session_write<T>(&self, up: &mut OwnConn<T>, offset: u64, sealed: Arc<PooledBuf>, fua: bool, tag: T) {
+        up.write(self.at(offset), sealed, fua, tag);
     }
 
     /// Decrypts, on this thread, `buf`: the ciphertext of the sectors under `[offset, offset +
-    /// len)` ([`Pipeline::sectors_of`]), read by the caller; the plaintext of the bytes asked for.
+    /// len)` ([`Mapping::sectors_of`]), read by the caller; the plaintext of the bytes asked for.
     pub(crate) fn open_sectors(&self, mut buf: PooledBuf, offset: u64, len: usize) -> io::Result<ReadData> {
         let (start, _) = self.span(offset, len as u64);
-        self.engine.decrypt_here(start / self.sector_size, &mut buf).map_err(io::Error::other)?;
+        self.engine.process(Direction::Decrypt, start / self.sector_size, &mut buf, Spread::Caller).map_err(io::Error::other)?;
         Ok(ReadData { buf, start: (offset - start) as usize, len })
     }
 
     /// Encrypts, on this thread, `data`: whole sectors at `offset` (see
-    /// [`Pipeline::writes_async`]), for the caller to send.
+    /// [`Mapping::writes_async`]), for the caller to send.
     pub(crate) fn seal_sectors(&self, offset: u64, data: &mut [u8]) -> io::Result<()> {
-        self.engine.encrypt_here(offset / self.sector_size, data).map_err(io::Error::other)
+        self.engine.process(Direction::Encrypt, offset / self.sector_size, data, Spread::Caller).map_err(io::Error::other)
     }
 
-    /// Writes `sealed` (ciphertext from [`Pipeline::seal_sectors`]) at `offset`, through the
+    /// Writes `sealed` (ciphertext from [`Mapping::seal_sectors`]) at `offset`, through the
     /// backing's own retries: a write lost with a connection the caller owned. The caller still
     /// holds its range.
     pub(crate) fn write_sealed(&self, sealed: &[u8], offset: u64, fua: bool) -> io::Result<()> {
         if fua {
-            self.backing.write_fua_at(sealed, offset)
+            self.backing.write_fua_at(sealed, self.at(offset))
         } else {
-            self.backing.write_at(sealed, offset)
+            self.backing.write_at(sealed, self.at(offset))
         }
     }
 
     /// Sends a write lost with its upstream connection again, with the client's retries; it
     /// still holds its range, so nothing else wrote those sectors meanwhile.
     pub(crate) fn resend(&self, lost: LostWrite) -> io::Result<()> {
-        if lost.fua {
-            self.backing.write_fua_at(&lost.sealed, lost.offset)
-        } else {
-            self.backing.write_at(&lost.sealed, lost.offset)
-        }
+        self.write_sealed(&lost.sealed, lost.offset, lost.fua)
     }
 
     /// Makes `[offset, offset + len)` read back as zeros: in an encrypted export that means
     /// writing the encryption of zeros, never a hole.
     pub fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
-        self.write_zeroes_held(None, offset, len, fua)
+        self.write_zeroes_with(None, offset, len, fua, Crypto::PoolWhenIdle)
     }
 
-    /// [`Pipeline::write_zeroes`] under `held` (see [`Pipeline::write_held`]).
-    pub(crate) fn write_zeroes_held(&self, held: Option<RangeGuard>, offset: u64, len: u64, fua: bool) -> io::Result<()> {
+    /// [`Mapping::write_zeroes`] under `held` (see [`Mapping::write_with`]).
+    pub(crate) fn write_zeroes_with(&self, held: Option<RangeGuard>, offset: u64, len: u64, fua: bool, crypto: Crypto) -> io::Result<()> {
         {
             let _guard = self.hold(held, self.span(offset, len));
             let mut pos = offset;
@@ -341,7 +409,7 @@ impl Pipeline {
                 let piece_end = ((pos / ZERO_CHUNK + 1) * ZERO_CHUNK).min(stop);
                 let mut zeros = self.pool.get((piece_end - pos) as usize)?;
                 zeros.fill(0);
-                self.write_locked(pos, &mut zeros, false, false)?;
+                self.write_locked(pos, &mut zeros, false, crypto)?;
                 pos = piece_end;
             }
         }
@@ -351,25 +419,25 @@ impl Pipeline {
     /// Deallocates the whole sectors inside `[offset, offset + len)`; partial edge sectors are
     /// left alone (a discard is advisory). Discarded sectors read back as unspecified data.
     pub fn discard(&self, offset: u64, len: u64, fua: bool) -> io::Result<()> {
-        self.discard_held(None, offset, len, fua)
+        self.discard_with(None, offset, len, fua)
     }
 
-    /// [`Pipeline::discard`] under `held` (see [`Pipeline::write_held`]; it covers the edge
+    /// [`Mapping::discard`] under `held` (see [`Mapping::write_with`]; it covers the edge
     /// sectors too, which are left alone).
-    pub(crate) fn discard_held(&self, held: Option<RangeGuard>, offset: u64, len: u64, fua: bool) -> io::Result<()> {
+    pub(crate) fn discard_with(&self, held: Option<RangeGuard>, offset: u64, len: u64, fua: bool) -> io::Result<()> {
         let ss = self.sector_size;
         let start = offset.div_ceil(ss) * ss;
         let end = (offset + len) / ss * ss;
         if start < end {
             let _guard = self.hold(held, (start, end));
-            self.backing.discard(start, end - start)?;
+            self.backing.discard(self.at(start), end - start)?;
         }
         self.fua(fua)
     }
 
-    /// [`Pipeline::flush`] once `held` (a reservation of everything) holds: every write
+    /// [`Mapping::flush`] once `held` (a reservation of everything) holds: every write
     /// received before the FLUSH has then been answered by the backing store.
-    pub(crate) fn flush_held(&self, held: Option<RangeGuard>) -> io::Result<()> {
+    pub(crate) fn flush_after(&self, held: Option<RangeGuard>) -> io::Result<()> {
         if let Some(g) = held {
             g.wait();
             // Later writes need not wait for the flush: it covers those answered before it.
@@ -385,7 +453,7 @@ impl Pipeline {
     /// would let a client (qemu-img convert, nbdcopy) skip data that reads otherwise.
     pub fn block_status(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u32, u32)>> {
         let hole_flags = if self.engine.is_passthrough() { STATE_HOLE | STATE_ZERO } else { STATE_HOLE };
-        let runs = self.backing.extents(offset, len, max.max(1))?;
+        let runs = self.backing.extents(self.at(offset), len, max.max(1))?;
         let mut out: Vec<(u32, u32)> = Vec::with_capacity(runs.len());
         for (run, hole) in runs {
             let flags = if hole { hole_flags } else { 0 };
@@ -417,50 +485,47 @@ impl Pipeline {
 
     /// Writes `data` at `offset`, widening to whole sectors with read-modify-write. The caller
     /// holds the range lock for the widened span.
-    fn write_locked(&self, offset: u64, data: &mut [u8], fua: bool, here: bool) -> io::Result<()> {
+    fn write_locked(&self, offset: u64, data: &mut [u8], fua: bool, crypto: Crypto) -> io::Result<()> {
         let ss = self.sector_size;
         let (start, end) = self.span(offset, data.len() as u64);
         let aligned = start == offset && end == offset + data.len() as u64;
         let direct_ok = !self.backing.is_direct() || (data.as_ptr() as usize).is_multiple_of(ALIGN);
         if aligned && direct_ok {
-            return self.write_sectors(start, data, fua, here);
+            return self.write_sectors(start, data, fua, crypto);
         }
         let mut buf = self.pool.get((end - start) as usize)?;
         let head_partial = offset != start;
         let tail_partial = offset + data.len() as u64 != end;
         if head_partial {
-            self.read_sectors(start, &mut buf[..ss as usize])?;
+            self.read_sectors(start, &mut buf[..ss as usize], crypto)?;
         }
         if tail_partial && (end - ss != start || !head_partial) {
             let len = buf.len();
-            self.read_sectors(end - ss, &mut buf[len - ss as usize..])?;
+            self.read_sectors(end - ss, &mut buf[len - ss as usize..], crypto)?;
         }
         let at = (offset - start) as usize;
         buf[at..at + data.len()].copy_from_slice(data);
-        self.write_sectors(start, &mut buf, fua, here)
+        self.write_sectors(start, &mut buf, fua, crypto)
     }
 
-    fn read_sectors(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        self.backing.read_at(buf, offset)?;
-        self.engine.decrypt(offset / self.sector_size, buf).map_err(io::Error::other)
+    fn read_sectors(&self, offset: u64, buf: &mut [u8], crypto: Crypto) -> io::Result<()> {
+        self.backing.read_at(buf, self.at(offset))?;
+        self.engine.process(Direction::Decrypt, offset / self.sector_size, buf, spread(crypto)).map_err(io::Error::other)
     }
 
-    // On a page-cache backing, a write that finds other writes running keeps its encryption on
-    // its own thread: their threads occupy the cores, and spreading one buffer over the crypto
-    // pool then adds wake-ups and idle spinning. On an O_DIRECT backing a write always takes the
-    // pool (when the engine finds it large enough): there the client's queue depth, not the CPU,
-    // limits throughput, so what counts is how soon each write completes (the pool was the
-    // faster of the two in paired runs, for a little more server CPU; docs/bench/2026-11-23-bridge.md).
-    fn write_sectors(&self, offset: u64, buf: &mut [u8], fua: bool, here: bool) -> io::Result<()> {
+    /// Encrypts and writes whole sectors. [`Crypto::PoolWhenIdle`] is decided here, the one
+    /// place that knows whether other writes are running.
+    fn write_sectors(&self, offset: u64, buf: &mut [u8], fua: bool, crypto: Crypto) -> io::Result<()> {
         let (_running, busy) = InFlight::enter(&self.in_flight);
-        let sector = offset / self.sector_size;
-        let own_thread = here || (busy && !self.backing.is_direct());
-        let done = if own_thread { self.engine.encrypt_here(sector, buf) } else { self.engine.encrypt(sector, buf) };
-        done.map_err(io::Error::other)?;
+        let spread = match crypto {
+            Crypto::PoolWhenIdle if busy => Spread::Caller,
+            crypto => spread(crypto),
+        };
+        self.engine.process(Direction::Encrypt, offset / self.sector_size, buf, spread).map_err(io::Error::other)?;
         if fua {
-            self.backing.write_fua_at(buf, offset)
+            self.backing.write_fua_at(buf, self.at(offset))
         } else {
-            self.backing.write_at(buf, offset)
+            self.backing.write_at(buf, self.at(offset))
         }
     }
 }

@@ -1,0 +1,261 @@
+//! A back-end session: per-client state of a back end, owned by the loop that reads that
+//! client's requests. Today the one kind is an upstream connection of the client's own
+//! ([`crate::nbd::own`]), which the NBD front end's session loop (`frontend/nbd/own_loop.rs`)
+//! polls beside the client's socket, so that a burst of requests goes upstream in one send and
+//! the answers to a burst go to the client in one send, with no other thread in between.
+//!
+//! The plan ([`super::plan`]) puts READs and whole-sector WRITEs up to its session threshold
+//! here; everything else takes the shared path, after the session's requests in flight are
+//! answered when it may need their sectors ([`Session::settle`]). What the shared path
+//! guarantees holds here too: a write is answered only once the upstream has acknowledged it,
+//! and holds its sectors until then; a FLUSH runs after every write before it has been answered.
+//! A lost upstream connection hands its requests in flight to the shared connections (which
+//! retry and reconnect); the session opens a connection of its own again a little later.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::budget::Permit;
+use super::request::{Body, Outcome, Request};
+use super::{answer, Apart, Client, Core};
+use crate::aligned::PooledBuf;
+use crate::nbd::own::{Done, OwnConn};
+use crate::nbd::request::io_error_of;
+use crate::nbd::ESHUTDOWN;
+use crate::range_lock::RangeGuard;
+
+/// After a connection of its own was lost (or could not be opened), the session tries for one
+/// again no sooner than this; meanwhile its requests take the shared path.
+const OWN_RETRY: Duration = Duration::from_secs(1);
+
+/// A request in flight on the session.
+pub(crate) struct Flight {
+    request: Request,
+    permit: Permit,
+    kind: Kind,
+}
+
+enum Kind {
+    Read,
+    /// Its sectors held until the upstream answers; its ciphertext kept for a resend.
+    Write { held: RangeGuard, sealed: Arc<PooledBuf> },
+}
+
+pub(crate) struct Session<C: Client> {
+    up: Option<OwnConn<Flight>>,
+    /// When to try for a connection of its own again (`None`: never).
+    retry_at: Option<Instant>,
+    /// Replies made since the owner last sent: they go out together.
+    pub(crate) replies: VecDeque<C::Reply>,
+    done: Vec<Done<Flight>>,
+    conn: u64,
+}
+
+impl<C: Client> Session<C> {
+    /// A session for `client`; `None` where the back end has none to give (not an upstream
+    /// export, one without multi-conn, TLS to it) or none can be had now (logged).
+    pub(crate) fn open(core: &Core, client: &C) -> Option<Self> {
+        let up = match core.mapping().own_session()? {
+            Ok(up) => up,
+            Err(e) => {
+                tracing::warn!(conn = client.id(), "no upstream connection of its own ({e}); using the shared ones");
+                return None;
+            }
+        };
+        Some(Self { up: Some(up), retry_at: None, replies: VecDeque::new(), done: Vec::new(), conn: client.id() })
+    }
+
+    /// Whether its connection is open now (the plan sends nothing here otherwise).
+    pub(crate) fn is_open(&self) -> bool {
+        self.up.is_some()
+    }
+
+    /// The connection's socket, for the owner's poll: with whether requests wait to be sent
+    /// and how long until the reply timeout needs a look.
+    pub(crate) fn poll_target(&self) -> Option<(std::os::fd::RawFd, bool, Duration)> {
+        self.up.as_ref().map(|up| (up.fd(), up.wants_send(), up.timeout_check()))
+    }
+
+    pub(crate) fn in_flight(&self) -> usize {
+        self.up.as_ref().map_or(0, OwnConn::in_flight)
+    }
+
+    /// Sends queued requests as far as the socket takes them.
+    pub(crate) fn send(&mut self, core: &Core, client: &Arc<C>) {
+        if let Some(Err(e)) = self.up.as_mut().map(OwnConn::send) {
+            self.lose(core, client, &format!("sending a request failed: {e}"));
+        }
+    }
+
+    /// Ends the connection if the upstream has answered nothing within the reply timeout.
+    pub(crate) fn check_timeout(&mut self, core: &Core, client: &Arc<C>) {
+        if self.up.as_ref().is_some_and(OwnConn::timed_out) {
+            self.lose(core, client, "no reply from the upstream within the reply timeout");
+        }
+    }
+
+    /// A connection of its own again, once `OWN_RETRY` has passed since the last was lost.
+    pub(crate) fn reopen(&mut self, core: &Core) {
+        if self.up.is_some() || self.retry_at.is_none_or(|at| Instant::now() < at) {
+            return;
+        }
+        match core.mapping().own_session() {
+            Some(Ok(up)) => {
+                tracing::info!(conn = self.conn, "upstream connection of its own open again");
+                (self.up, self.retry_at) = (Some(up), None);
+            }
+            Some(Err(e)) => {
+                tracing::warn!(conn = self.conn, "no upstream connection of its own yet ({e}); using the shared ones");
+                self.retry_at = Some(Instant::now() + OWN_RETRY);
+            }
+            None => self.retry_at = None,
+        }
+    }
+
+    /// Queues a READ (the plan put it here, so the connection is open).
+    pub(super) fn read(&mut self, core: &Core, client: &Arc<C>, request: Request, permit: Permit) {
+        let Some(up) = self.up.as_mut() else {
+            let reply = core.execute(&**client, request, read_plan(), None, permit, None);
+            self.replies.push_back(reply);
+            return;
+        };
+        let flight = |permit| Flight { request, permit, kind: Kind::Read };
+        if let Err((e, permit)) = core.mapping().session_read(up, request.offset, request.len as usize, permit, flight) {
+            tracing::error!(conn = self.conn, ?request, "no memory for the read: {e}");
+            self.replies.push_back(client.reply(Outcome { request, result: Err(e), permit: Some(permit) }));
+        }
+    }
+
+    /// Encrypts a WRITE on this thread and queues it, once its sectors are free.
+    pub(super) fn write(&mut self, core: &Core, client: &Arc<C>, request: Request, mut buf: PooledBuf, held: RangeGuard, permit: Permit) {
+        if !held.is_held() {
+            // Sectors an earlier write holds: ours in flight first (this thread answers them),
+            // then whatever another connection holds.
+            self.settle(core, client);
+            held.wait();
+        }
+        let mapping = core.mapping();
+        if let Err(e) = mapping.seal_sectors(request.offset, &mut buf) {
+            self.replies.push_back(answer(&**client, request, Err(e), permit));
+            return;
+        }
+        match self.up.as_mut() {
+            Some(up) => {
+                let sealed = Arc::new(buf);
+                let flight = Flight { request, permit, kind: Kind::Write { held, sealed: Arc::clone(&sealed) } };
+                mapping.session_write(up, request.offset, sealed, request.fua, flight);
+            }
+            None => {
+                // Lost while settling: through the shared connections.
+                let result = mapping.write_sealed(&buf, request.offset, request.fua);
+                drop(held);
+                self.replies.push_back(answer(&**client, request, result, permit));
+            }
+        }
+    }
+
+    /// Runs a request that is not for the session, on this thread, once the requests in flight
+    /// here are answered: it may need sectors they hold, and a FLUSH must cover them.
+    pub(crate) fn run_apart(&mut self, core: &Core, client: &Arc<C>, apart: Apart) {
+        self.settle(core, client);
+        let point = self.up.as_ref().map(OwnConn::flush_point);
+        let Apart { request, plan, payload, permit, held } = apart;
+        let result = core.run(request, plan, payload, held);
+        if request.op == super::request::Op::Flush && result.is_ok() {
+            // Through a multi-conn upstream's other connections, which covers this one's writes.
+            if let (Some(up), Some(point)) = (self.up.as_mut(), point) {
+                up.flushed(point);
+            }
+        }
+        if let Err(e) = &result {
+            tracing::error!(conn = self.conn, ?request, "I/O error: {e}");
+        }
+        self.replies.push_back(client.reply(Outcome { request, result, permit: Some(permit) }));
+    }
+
+    /// Waits until the upstream has answered every request in flight here.
+    pub(crate) fn settle(&mut self, core: &Core, client: &Arc<C>) {
+        while let Some(up) = self.up.as_mut() {
+            if up.in_flight() == 0 {
+                return;
+            }
+            if let Err(e) = up.send() {
+                self.lose(core, client, &format!("sending a request failed: {e}"));
+                continue;
+            }
+            let events = libc::POLLIN | if up.wants_send() { libc::POLLOUT } else { 0 };
+            let mut fds = [libc::pollfd { fd: up.fd(), events, revents: 0 }];
+            crate::transport::poll(&mut fds, up.timeout_check());
+            if up.timed_out() {
+                self.lose(core, client, "no reply from the upstream within the reply timeout");
+                continue;
+            }
+            self.collect(core, client);
+        }
+    }
+
+    /// Takes the upstream's answers received so far and makes the client's replies.
+    pub(crate) fn collect(&mut self, core: &Core, client: &Arc<C>) {
+        let Some(up) = self.up.as_mut() else { return };
+        let received = up.receive(&mut self.done);
+        let done = std::mem::take(&mut self.done);
+        for d in done {
+            self.complete(core, client, d);
+        }
+        if let Err(e) = received {
+            self.lose(core, client, &e.to_string());
+        }
+    }
+
+    fn complete(&mut self, core: &Core, client: &Arc<C>, d: Done<Flight>) {
+        let Flight { request, permit, kind } = d.tag;
+        let reply = match (kind, d.result, d.buf) {
+            (Kind::Read, Ok(()), Some(buf)) => {
+                let result = core.mapping().open_sectors(buf, request.offset, request.len as usize).map(Body::Data);
+                if let Err(e) = &result {
+                    tracing::error!(conn = self.conn, ?request, "decryption failed: {e}");
+                }
+                client.reply(Outcome { request, result, permit: Some(permit) })
+            }
+            // The server is going away: as good as a lost connection (the shared path resends).
+            (kind, Err(ESHUTDOWN), _) => return self.resend(core, client, Flight { request, permit, kind }),
+            (kind, result, _) => {
+                drop(kind); // a write's sectors, let go once answered
+                answer(&**client, request, result.map_err(io_error_of), permit)
+            }
+        };
+        self.replies.push_back(reply);
+    }
+
+    /// Ends the connection of its own: what was in flight on it takes the shared path.
+    fn lose(&mut self, core: &Core, client: &Arc<C>, why: &str) {
+        let Some(mut up) = self.up.take() else { return };
+        let lost = up.take_lost(why);
+        drop(up);
+        self.retry_at = Some(Instant::now() + OWN_RETRY);
+        for l in lost {
+            self.resend(core, client, l.tag);
+        }
+    }
+
+    /// A request lost with the connection of its own, through the shared connections (which
+    /// retry with their back-off); a write still holds its sectors meanwhile.
+    fn resend(&mut self, core: &Core, client: &Arc<C>, flight: Flight) {
+        let Flight { request, permit, kind } = flight;
+        let reply = match kind {
+            Kind::Read => core.execute(&**client, request, read_plan(), None, permit, None),
+            Kind::Write { held, sealed } => {
+                let result = core.mapping().write_sealed(&sealed, request.offset, request.fua);
+                drop(held);
+                answer(&**client, request, result, permit)
+            }
+        };
+        self.replies.push_back(reply);
+    }
+}
+
+/// A READ run on the session's thread, decrypted there whole.
+fn read_plan() -> super::plan::Plan {
+    super::plan::Plan { route: super::plan::Route::Apart, crypto: super::plan::Crypto::Caller, ordered: false }
+}

@@ -1,0 +1,581 @@
+//! The NBD front end: one client connection in the transmission phase. It decodes and checks
+//! the client's requests ([`crate::nbd::request::check`]), hands each to the core
+//! ([`Core::intake`]) as the bridge's own [`Request`], and turns each [`Outcome`] back into an
+//! NBD reply (simple or structured, its errno mapped) that it sends.
+//!
+//! One thread at a time holds the connection's read side. It reads requests and gives them to
+//! the core, which answers quick ones at once; on one to run apart it hands the read side to an
+//! I/O pool thread (a new [`Job`]) and runs the request itself, so no request waits for another
+//! thread to wake up (leader/follower, with the followers shared by all connections). The
+//! connection's own thread, which ran the handshake, is its first reader; on an upstream back end
+//! with sessions it instead serves the connection whole in the session loop (`own_loop.rs`).
+//!
+//! A thread that has a reply sends it, after waiting its turn while another writes; past a few
+//! waiting threads it leaves the reply to the writer and goes on, so a client that does not read
+//! holds a bounded number of threads. The socket closes when the last thread lets go of the
+//! connection.
+
+mod inbound;
+mod own_loop;
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::io::{self, IoSlice};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use crate::core::budget::{Flow, Permit};
+use crate::core::pool::{Job, Reading};
+use crate::core::request::{Body, Op, Outcome, Request};
+use crate::core::{Admit, Apart, Client, Core, Intake, Source};
+use crate::mapping::{Mapping, ReadData, SealedRead};
+use crate::nbd::client;
+use crate::nbd::request::{check, errno_of, Rules, Verdict};
+use crate::nbd::transmission::{self, block_status_payload, holds_whole_request, parse_request, ReplyHead};
+use crate::nbd::{
+    Negotiated, BASE_ALLOCATION_ID, CMD_BLOCK_STATUS, CMD_CACHE, CMD_FLAG_FUA, CMD_FLAG_REQ_ONE, CMD_FLUSH, CMD_READ, CMD_TRIM,
+    CMD_WRITE, CMD_WRITE_ZEROES,
+};
+use crate::server::{Server, Slot};
+use crate::transport::Stream;
+use inbound::Inbound;
+
+/// One recv on a connection takes up to this much: every request header queued behind it, so a
+/// queue of small requests costs one system call to read instead of two per request.
+const INBOUND_BUFFER: usize = 64 * 1024;
+/// Replies of quick requests held back to go out in one writev: at most this many (two iovecs
+/// each, below IOV_MAX)...
+const BATCH_MAX_REPLIES: usize = 256;
+/// ...and at most this many data bytes.
+const BATCH_MAX_BYTES: usize = 1 << 20;
+/// Threads of one connection that wait to send their own replies while another writes; more
+/// queue theirs and go on (see `Connection::deliver`). So a client that never reads its replies
+/// holds at most this many threads and the writer.
+const MAX_WRITE_WAITERS: usize = 4;
+
+thread_local! {
+    /// Replies held by `Connection::deliver_soon`, per connection.
+    static HELD_REPLIES: RefCell<Vec<(Arc<Connection>, Vec<Reply>)>> = const { RefCell::new(Vec::new()) };
+}
+
+pub(crate) struct Connection {
+    pub(crate) id: u64,
+    server: Arc<Server>,
+    core: Arc<Core>,
+    stream: Stream,
+    /// Set when a reply could not be sent: the socket is shut down and replies are dropped.
+    broken: AtomicBool,
+    flow: Arc<Flow>,
+    outbox: Mutex<Outbox>,
+    /// Signalled when the writer lets go (or the connection breaks).
+    write_turn: Condvar,
+    /// Held by the thread whose turn it is to read.
+    read_side: Mutex<ReadSide>,
+    /// This connection's place under --max-connections, given back on drop.
+    _slot: Slot,
+    /// The server's rules with what this client negotiated.
+    rules: Rules,
+}
+
+struct ReadSide {
+    inbound: Inbound,
+    batch: Batch,
+    /// Whether the last request ran here: clients then often send the next within
+    /// microseconds, so the socket is polled before sleeping.
+    after_quick: bool,
+    /// The client has gone (or the stream cannot be followed): nothing more is read.
+    ended: bool,
+}
+
+#[derive(Default)]
+struct Outbox {
+    queue: VecDeque<Reply>,
+    /// Whether a thread is writing replies now (it also writes whatever is queued meanwhile).
+    writing: bool,
+    /// Threads waiting to write their own replies.
+    waiters: usize,
+}
+
+/// An NBD reply, holding the request's permit until it is sent or dropped.
+pub(crate) struct Reply {
+    handle: u64,
+    error: u32,
+    body: Payload,
+    /// A structured reply (a READ's or a BLOCK_STATUS's, once structured replies are
+    /// negotiated): the request's offset, for an OFFSET_DATA chunk. `None`: a simple reply.
+    chunk_at: Option<u64>,
+    /// What the request holds (none for a rejected one).
+    _permit: Option<Permit>,
+}
+
+enum Payload {
+    Empty,
+    /// A successful READ's plaintext.
+    Data(ReadData),
+    /// A successful READ's ciphertext, decrypted piece by piece as it is sent.
+    Sealed(SealedRead),
+    /// A successful BLOCK_STATUS's chunk payload (context id and extents).
+    Status(Vec<u8>),
+}
+
+impl Reply {
+    fn data_len(&self) -> usize {
+        match &self.body {
+            Payload::Data(d) => d.len(),
+            Payload::Status(p) => p.len(),
+            _ => 0,
+        }
+    }
+
+    /// What goes before the reply's data: a simple reply's header, or the structured chunk
+    /// (OFFSET_DATA, BLOCK_STATUS, or ERROR for a failed READ or BLOCK_STATUS).
+    fn head(&self) -> ReplyHead {
+        let Some(offset) = self.chunk_at else { return ReplyHead::simple(self.handle, self.error) };
+        if self.error != 0 {
+            return ReplyHead::error(self.handle, self.error);
+        }
+        match &self.body {
+            Payload::Data(d) => ReplyHead::offset_data(self.handle, offset, d.len()),
+            Payload::Sealed(s) => ReplyHead::offset_data(self.handle, offset, s.len()),
+            Payload::Status(p) => ReplyHead::block_status(self.handle, p.len()),
+            Payload::Empty => ReplyHead::none(self.handle),
+        }
+    }
+
+    /// The bytes after [`Reply::head`] (a sealed READ's are produced while it is sent).
+    fn data(&self) -> &[u8] {
+        match (self.error, &self.body) {
+            (0, Payload::Data(d)) => d,
+            (0, Payload::Status(p)) => p,
+            _ => &[],
+        }
+    }
+}
+
+/// Replies of quick requests held back by the reader while more requests are already buffered.
+#[derive(Default)]
+struct Batch {
+    replies: Vec<Reply>,
+    data_bytes: usize,
+}
+
+impl Batch {
+    fn push(&mut self, reply: Reply) {
+        self.data_bytes += reply.data_len();
+        self.replies.push(reply);
+    }
+
+    fn is_full(&self) -> bool {
+        self.replies.len() >= BATCH_MAX_REPLIES || self.data_bytes >= BATCH_MAX_BYTES
+    }
+
+    fn drain(&mut self) -> std::vec::Drain<'_, Reply> {
+        self.data_bytes = 0;
+        self.replies.drain(..)
+    }
+}
+
+/// Keeps the reading thread corked (`client::cork`) while alive; uncorks, sending what is
+/// queued, when dropped.
+struct Corked;
+
+impl Corked {
+    fn new() -> Self {
+        client::cork();
+        Self
+    }
+}
+
+impl Drop for Corked {
+    fn drop(&mut self) {
+        client::uncork();
+    }
+}
+
+/// The bridge's request for a checked NBD request (`check` said it runs, so its command is
+/// one the core knows).
+fn to_core(r: &transmission::Request) -> Request {
+    let op = match r.command {
+        CMD_READ => Op::Read,
+        CMD_WRITE => Op::Write,
+        CMD_WRITE_ZEROES => Op::WriteZeroes,
+        CMD_TRIM => Op::Trim,
+        CMD_FLUSH => Op::Flush,
+        CMD_CACHE => Op::Cache,
+        CMD_BLOCK_STATUS => Op::BlockStatus,
+        other => unreachable!("check() refuses command {other}"),
+    };
+    Request {
+        op,
+        handle: r.handle,
+        offset: r.offset,
+        len: r.length,
+        fua: r.flags & CMD_FLAG_FUA != 0,
+        req_one: r.flags & CMD_FLAG_REQ_ONE != 0,
+    }
+}
+
+/// A request's payload, read from the connection's buffered input (its header taken already).
+struct Input<'a> {
+    inbound: &'a mut Inbound,
+    stream: &'a Stream,
+}
+
+impl Source for Input<'_> {
+    fn accept(&mut self) {}
+
+    fn read_payload(&mut self, buf: &mut [u8]) -> io::Result<()> {
+        self.inbound.read_exact(self.stream, buf)
+    }
+
+    fn skip_payload(&mut self, len: u64) -> io::Result<()> {
+        self.inbound.skip(self.stream, len)
+    }
+}
+
+impl Client for Connection {
+    type Reply = Reply;
+
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn tls(&self) -> bool {
+        self.stream.is_tls()
+    }
+
+    fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::SeqCst)
+    }
+
+    fn flow(&self) -> &Arc<Flow> {
+        &self.flow
+    }
+
+    /// Structured for a READ or BLOCK_STATUS once the client negotiated structured replies
+    /// (proto.md: a READ's reply then MUST be structured), simple otherwise.
+    fn reply(&self, outcome: Outcome) -> Reply {
+        let Outcome { request: r, result, permit } = outcome;
+        let (error, body) = match result {
+            Ok(Body::Empty) => (0, Payload::Empty),
+            Ok(Body::Data(d)) => (0, Payload::Data(d)),
+            Ok(Body::Sealed(s)) => (0, Payload::Sealed(s)),
+            Ok(Body::Extents(e)) => (0, Payload::Status(block_status_payload(BASE_ALLOCATION_ID, &e))),
+            Err(e) => (errno_of(&e), Payload::Empty),
+        };
+        let structured = self.rules.negotiated.structured && matches!(r.op, Op::Read | Op::BlockStatus);
+        Reply { handle: r.handle, error, body, chunk_at: structured.then_some(r.offset), _permit: permit }
+    }
+
+    fn deliver(&self, replies: impl IntoIterator<Item = Reply>) {
+        Connection::deliver(self, replies)
+    }
+
+    /// Sends `reply`, or, on an upstream connection's reply reader, holds it until that thread
+    /// has handled the replies it has already received (`client::after_burst`), so that the
+    /// answers to a burst go to each client in one send.
+    fn deliver_soon(self: &Arc<Self>, reply: Reply) {
+        let first = HELD_REPLIES.with(|h| {
+            let mut h = h.borrow_mut();
+            let first = h.is_empty();
+            match h.iter_mut().find(|(c, _)| Arc::ptr_eq(c, self)) {
+                Some((_, replies)) => replies.push(reply),
+                None => h.push((Arc::clone(self), vec![reply])),
+            }
+            first
+        });
+        if first {
+            client::after_burst(Box::new(|| {
+                let held = HELD_REPLIES.with(|h| std::mem::take(&mut *h.borrow_mut()));
+                for (conn, replies) in held {
+                    conn.deliver(replies);
+                }
+            }));
+        }
+    }
+}
+
+impl Connection {
+    /// A connection past the handshake; `None` (logged) when its buffer cannot be had.
+    pub(crate) fn open(id: u64, stream: Stream, server: Arc<Server>, slot: Slot, negotiated: Negotiated) -> Option<Arc<Self>> {
+        let inbound = match Inbound::new(INBOUND_BUFFER) {
+            Ok(inbound) => inbound,
+            Err(e) => {
+                tracing::warn!(conn = id, "cannot allocate the connection's buffer ({e}); closing it");
+                return None;
+            }
+        };
+        let read_side = ReadSide { inbound, batch: Batch::default(), after_quick: false, ended: false };
+        let rules = Rules { negotiated, ..*server.rules() };
+        Some(Arc::new(Self {
+            id,
+            core: Arc::clone(server.core()),
+            server,
+            stream,
+            broken: AtomicBool::new(false),
+            flow: Arc::default(),
+            outbox: Mutex::default(),
+            write_turn: Condvar::new(),
+            read_side: Mutex::new(read_side),
+            _slot: slot,
+            rules,
+        }))
+    }
+
+    /// Serves the connection to its end: in the session loop where the back end gives it a
+    /// session, otherwise as its first reader (leader/follower).
+    pub(crate) fn serve(self: &Arc<Self>) {
+        if !self.serve_with_session() {
+            self.turn(Reading::outside());
+        }
+    }
+
+    /// A turn on the read side: reads until a request to run apart comes, hands the read side
+    /// on and runs the request; or reads until the connection ends. Should no pool thread be
+    /// available to take the read side over, this thread keeps it and runs the request first.
+    fn turn(self: &Arc<Self>, reading: Reading) {
+        let mut reading = Some(reading);
+        loop {
+            let apart = {
+                let mut side = self.read_side.lock().unwrap_or_else(|e| e.into_inner());
+                self.read_until_apart(&mut side)
+            };
+            let Some(apart) = apart else { return };
+            let next = Arc::clone(self);
+            let job: Job = Box::new(move |reading| next.turn(reading));
+            let handed_on = self.core.pool().submit(job).is_ok();
+            if handed_on {
+                drop(reading.take()); // from here this thread runs a request, it does not read
+            }
+            self.core.run_apart(self, apart);
+            if handed_on {
+                return;
+            }
+        }
+    }
+
+    /// Reads and checks requests and gives them to the core, until one comes to run apart
+    /// (returned) or the connection ends (`None`).
+    fn read_until_apart(self: &Arc<Self>, side: &mut ReadSide) -> Option<Apart> {
+        let ReadSide { inbound, batch, after_quick, ended } = side;
+        if *ended {
+            return None;
+        }
+        let poll_max = self.server.config().poll_max;
+        // Upstream requests made for the requests of one receive go out together (see
+        // `client::cork`); sent before this thread could wait, and when it lets go.
+        let _corked = Corked::new();
+        loop {
+            // Held-back replies go out before anything could wait on the socket, so a client
+            // that waits for them before sending more is never stuck.
+            if !holds_whole_request(inbound.buffered()) {
+                client::flush_corked();
+            }
+            if batch.is_full() || !holds_whole_request(inbound.buffered()) {
+                self.deliver(batch.drain());
+            }
+            if *after_quick && !poll_max.is_zero() && inbound.buffered().is_empty() {
+                self.stream.poll_for_input(poll_max);
+            }
+            *after_quick = false;
+            let request = match inbound.header(&self.stream) {
+                Ok(Some(header)) => match parse_request(&header) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::warn!(conn = self.id, "{e}; closing the connection");
+                        break;
+                    }
+                },
+                Ok(None) => {
+                    tracing::info!(conn = self.id, "client closed the connection");
+                    break;
+                }
+                Err(e) => {
+                    tracing::info!(conn = self.id, "connection lost: {e}");
+                    break;
+                }
+            };
+            match check(&request, &self.rules) {
+                Verdict::Run => {}
+                Verdict::Disconnect => {
+                    tracing::info!(conn = self.id, "client sent NBD_CMD_DISC");
+                    break;
+                }
+                Verdict::Close(why) => {
+                    tracing::warn!(conn = self.id, ?request, "{why}");
+                    break;
+                }
+                Verdict::Reject { errno, drain } => {
+                    tracing::warn!(conn = self.id, ?request, errno, "rejected request");
+                    if let Err(e) = inbound.skip(&self.stream, u64::from(drain)) {
+                        tracing::info!(conn = self.id, "connection lost while draining a rejected write: {e}");
+                        break;
+                    }
+                    batch.push(self.rejected(&request, errno));
+                    continue;
+                }
+            }
+            // Back pressure: at the connection's or the server's limit, the core stops this
+            // thread until replies drain (after it sends its own held-back ones).
+            let mut before_wait = || {
+                client::flush_corked();
+                self.deliver(batch.drain())
+            };
+            let admit = Admit::Wait { before_wait: &mut before_wait };
+            let mut input = Input { inbound, stream: &self.stream };
+            match self.core.intake(self, to_core(&request), admit, &mut input, None) {
+                Intake::Answered(reply) => {
+                    batch.push(reply);
+                    *after_quick = true;
+                }
+                Intake::Started => {}
+                Intake::Apart(apart) => {
+                    self.deliver(batch.drain());
+                    return Some(apart);
+                }
+                Intake::Blocked | Intake::Ended => break,
+            }
+        }
+        *ended = true;
+        self.deliver(batch.drain());
+        None
+    }
+
+    /// The reply to a request `check` refused.
+    fn rejected(&self, r: &transmission::Request, errno: u32) -> Reply {
+        let structured = self.rules.negotiated.structured && matches!(r.command, CMD_READ | CMD_BLOCK_STATUS);
+        Reply { handle: r.handle, error: errno, body: Payload::Empty, chunk_at: structured.then_some(r.offset), _permit: None }
+    }
+
+    /// Sends replies. A thread sends its own, after waiting its turn while another thread
+    /// writes (as under a writer lock: a READ's data is still in this CPU's cache); if
+    /// `MAX_WRITE_WAITERS` threads already wait, it queues them for the writer instead and goes
+    /// on. The writer also sends whatever was queued meanwhile before it lets go.
+    pub(crate) fn deliver(&self, replies: impl IntoIterator<Item = Reply>) {
+        let mut replies = replies.into_iter().peekable();
+        if replies.peek().is_none() {
+            return;
+        }
+        let mut out = self.lock_outbox();
+        if out.writing {
+            if out.waiters >= MAX_WRITE_WAITERS {
+                out.queue.extend(replies);
+                return;
+            }
+            out.waiters += 1;
+            while out.writing && !self.is_broken() {
+                out = self.write_turn.wait(out).unwrap_or_else(|e| e.into_inner());
+            }
+            out.waiters -= 1;
+        }
+        out.queue.extend(replies);
+        if self.is_broken() {
+            let dropped = std::mem::take(&mut out.queue);
+            drop(out);
+            drop(dropped); // releases their permits
+            return;
+        }
+        out.writing = true;
+        let mut sending = VecDeque::new();
+        loop {
+            std::mem::swap(&mut sending, &mut out.queue);
+            drop(out);
+            let result = self.write_replies(self.core.mapping(), &mut sending);
+            sending.clear(); // after a failure: dropped, their permits go back
+            out = self.lock_outbox();
+            if let Err(e) = result {
+                match e.kind() {
+                    // The send timeout (`ServerConfig::send_timeout`) ran out.
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                        tracing::warn!(conn = self.id, "the client has not read its replies within the send timeout; disconnecting it")
+                    }
+                    _ => tracing::debug!(conn = self.id, "reply failed ({e}); closing"),
+                }
+                self.broken.store(true, Ordering::SeqCst);
+                self.stream.shutdown();
+                let dropped = std::mem::take(&mut out.queue);
+                out.writing = false;
+                drop(out);
+                drop(dropped);
+                self.write_turn.notify_all();
+                self.flow.wake();
+                return;
+            }
+            if out.queue.is_empty() {
+                out.writing = false;
+                if out.queue.capacity() == 0 {
+                    out.queue = sending; // keep the allocation
+                }
+                drop(out);
+                self.write_turn.notify_one();
+                return;
+            }
+        }
+    }
+
+    /// Writes replies in order, each dropped (its buffer and permit given back) once written:
+    /// runs of plain replies in one writev each, up to `BATCH_MAX_REPLIES` replies and until
+    /// `BATCH_MAX_BYTES` of data are in (so a large READ's reply goes alone: several MiB in one
+    /// writev cost large sequential reads throughput in paired runs); sealed READs
+    /// decrypted a piece at a time as they go out. Should a decryption fail after its header has
+    /// gone, the error closes the connection: the client must not take the rest of the stream
+    /// for data.
+    fn write_replies(&self, mapping: &Mapping, replies: &mut VecDeque<Reply>) -> io::Result<()> {
+        while !replies.is_empty() {
+            let more_after = replies.len() > 1;
+            let first = replies.front_mut().expect("not empty");
+            let head = first.head();
+            if let Payload::Sealed(sealed) = &mut first.body {
+                let mut header = Some(&head[..]);
+                let mut left = sealed.len();
+                mapping.open_into(sealed, |piece| {
+                    left -= piece.len();
+                    let more = left > 0 || more_after;
+                    match header.take() {
+                        // The header and the first piece in one writev.
+                        Some(h) => self.stream.write_all_more(&mut [IoSlice::new(h), IoSlice::new(piece)], more),
+                        None => self.stream.write_all_more(&mut [IoSlice::new(piece)], more),
+                    }
+                })?;
+                replies.pop_front();
+                continue;
+            }
+            let (mut run, mut data) = (0, 0);
+            for reply in replies.iter() {
+                if matches!(reply.body, Payload::Sealed(_)) {
+                    break;
+                }
+                run += 1;
+                data += reply.data_len();
+                if run >= BATCH_MAX_REPLIES || data >= BATCH_MAX_BYTES {
+                    break;
+                }
+            }
+            let heads: Vec<ReplyHead> = replies.iter().take(run).map(Reply::head).collect();
+            let mut slices = Vec::with_capacity(2 * run);
+            for (head, reply) in heads.iter().zip(replies.iter()) {
+                slices.push(IoSlice::new(head));
+                let data = reply.data();
+                if !data.is_empty() {
+                    slices.push(IoSlice::new(data));
+                }
+            }
+            // More replies queued behind this run: they follow at once, in the next call.
+            self.stream.write_all_more(&mut slices, replies.len() > run)?;
+            replies.drain(..run);
+        }
+        Ok(())
+    }
+
+    fn lock_outbox(&self) -> MutexGuard<'_, Outbox> {
+        self.outbox.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for Connection {
+    /// Every thread has let go: every request in flight has been answered (or its reply
+    /// dropped, the client being gone). The socket closes with the stream.
+    fn drop(&mut self) {
+        tracing::info!(conn = self.id, "client disconnected");
+    }
+}

@@ -14,9 +14,7 @@ use std::sync::Arc;
 use cryptbridge_engine::{Direction, Engine, Spread};
 
 use crate::aligned::{BufPool, PooledBuf, ALIGN};
-use crate::backing::Backing;
-use crate::nbd::{STATE_HOLE, STATE_ZERO};
-use crate::nbd::own::OwnConn;
+use crate::backing::{Backing, Session};
 use crate::range_lock::{RangeGuard, RangeLocks};
 
 /// A sealed read is decrypted and handed on in pieces of this size (see [`Mapping::open_into`]).
@@ -102,6 +100,16 @@ impl SealedRead {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+}
+
+/// A run of the export's allocation ([`Mapping::block_status`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    pub len: u32,
+    /// Not allocated in the back end.
+    pub hole: bool,
+    /// Reads as zeroes.
+    pub zero: bool,
 }
 
 /// A window that does not fit the back end ([`Mapping::with_window`]).
@@ -239,7 +247,7 @@ impl Mapping {
             Err(e) => return done(Err(e)),
         };
         let (first_sector, at) = (start / self.sector_size, (offset - start) as usize);
-        self.backing.read_async(buf, self.at(start), move |r| done(r.map(|buf| SealedRead { buf, first_sector, start: at, len })));
+        self.backing.read_async(buf, self.at(start), Box::new(move |r| done(r.map(|buf| SealedRead { buf, first_sector, start: at, len }))));
     }
 
     /// Decrypts `sealed` whole, on this thread: for a read small enough that decrypting it
@@ -326,39 +334,34 @@ impl Mapping {
         let sealed = Arc::new(data);
         let keep = Arc::clone(&sealed);
         // `sealed` outlives the send (the upstream may answer, and `done` run, before it returns).
-        self.backing.write_async(&sealed, self.at(offset), fua, move |result| match result {
+        self.backing.write_async(&sealed, self.at(offset), fua, Box::new(move |result| match result {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => done(AsyncWrite::Lost(LostWrite { _held: held, sealed: keep, offset, fua })),
             result => {
                 drop(held);
                 drop(keep);
                 done(AsyncWrite::Done(result))
             }
-        });
+        }));
     }
 
     /// A back-end session for one client ([`crate::core::session`]): an upstream connection of
     /// its own. `None`: the back end has none to give.
-    pub(crate) fn own_session<T>(&self) -> Option<io::Result<OwnConn<T>>> {
-        self.backing.own_upstream()
+    pub(crate) fn own_session(&self) -> Option<io::Result<Box<dyn Session>>> {
+        self.backing.session()
     }
 
     /// Queues on `up` a READ of the sectors under `[offset, offset + len)`, into a buffer of
-    /// its own; the ciphertext comes back with the tag made by `tag`, for
-    /// [`Mapping::open_sectors`]. `Err` (with the permit back) when no buffer can be had.
-    pub(crate) fn session_read<T, P>(&self, up: &mut OwnConn<T>, offset: u64, len: usize, permit: P, tag: impl FnOnce(P) -> T) -> Result<(), (io::Error, P)> {
+    /// its own; the ciphertext comes back with `tag`, for [`Mapping::open_sectors`]. `Err`
+    /// when no buffer can be had.
+    pub(crate) fn session_read(&self, up: &mut dyn Session, offset: u64, len: usize, tag: u64) -> io::Result<()> {
         let (start, end) = self.span(offset, len as u64);
-        match self.pool.get((end - start) as usize) {
-            Ok(buf) => {
-                up.read(self.at(start), buf, tag(permit));
-                Ok(())
-            }
-            Err(e) => Err((e, permit)),
-        }
+        up.read(self.at(start), self.pool.get((end - start) as usize)?, tag);
+        Ok(())
     }
 
     /// Queues on `up` a WRITE of `sealed` (ciphertext from [`Mapping::seal_sectors`]) at
     /// `offset`.
-    pub(crate) fn session_write<T>(&self, up: &mut OwnConn<T>, offset: u64, sealed: Arc<PooledBuf>, fua: bool, tag: T) {
+    pub(crate) fn session_write(&self, up: &mut dyn Session, offset: u64, sealed: Arc<PooledBuf>, fua: bool, tag: u64) {
         up.write(self.at(offset), sealed, fua, tag);
     }
 
@@ -381,9 +384,9 @@ impl Mapping {
     /// holds its range.
     pub(crate) fn write_sealed(&self, sealed: &[u8], offset: u64, fua: bool) -> io::Result<()> {
         if fua {
-            self.backing.write_fua_at(sealed, self.at(offset))
+            self.backing.write_at(sealed, self.at(offset), true)
         } else {
-            self.backing.write_at(sealed, self.at(offset))
+            self.backing.write_at(sealed, self.at(offset), false)
         }
     }
 
@@ -446,26 +449,25 @@ impl Mapping {
         self.flush()
     }
 
-    /// NBD `base:allocation` for `[offset, offset + len)`: `(length, flags)` runs, at most
-    /// `max` (one with `req_one`). A hole in the backing store is NBD_STATE_HOLE; it reads as
-    /// zeroes (NBD_STATE_ZERO too) only in passthrough, for in an encrypted export a hole is
-    /// ciphertext of zeroes, which decrypts to bytes that look random: reporting it as zero
-    /// would let a client (qemu-img convert, nbdcopy) skip data that reads otherwise.
-    pub fn block_status(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u32, u32)>> {
-        let hole_flags = if self.engine.is_passthrough() { STATE_HOLE | STATE_ZERO } else { STATE_HOLE };
+    /// The allocation of `[offset, offset + len)`: runs, at most `max` (one with `req_one`). A
+    /// hole in the backing store reads as zeroes only in passthrough: in an encrypted export a
+    /// hole is ciphertext of zeroes, which decrypts to bytes that look random, and reporting it
+    /// as zero would let a client (qemu-img convert, nbdcopy) skip data that reads otherwise.
+    pub fn block_status(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<Extent>> {
+        let hole_reads_zero = self.engine.is_passthrough();
         let runs = self.backing.extents(self.at(offset), len, max.max(1))?;
-        let mut out: Vec<(u32, u32)> = Vec::with_capacity(runs.len());
+        let mut out: Vec<Extent> = Vec::with_capacity(runs.len());
         for (run, hole) in runs {
-            let flags = if hole { hole_flags } else { 0 };
-            // A request's length is a u32, so every run fits one; neighbours with the same
-            // flags (the file system may split them) are merged.
+            let zero = hole && hole_reads_zero;
+            // A request's length is a u32, so every run fits one; neighbours alike (the file
+            // system may split them) are merged.
             match out.last_mut() {
-                Some((l, f)) if *f == flags && u64::from(*l) + run <= u64::from(u32::MAX) => *l += run as u32,
-                _ => out.push((run as u32, flags)),
+                Some(e) if e.hole == hole && e.zero == zero && u64::from(e.len) + run <= u64::from(u32::MAX) => e.len += run as u32,
+                _ => out.push(Extent { len: run as u32, hole, zero }),
             }
         }
         if out.is_empty() {
-            out.push((len as u32, 0));
+            out.push(Extent { len: len as u32, hole: false, zero: false });
         }
         Ok(out)
     }
@@ -523,9 +525,9 @@ impl Mapping {
         };
         self.engine.process(Direction::Encrypt, offset / self.sector_size, buf, spread).map_err(io::Error::other)?;
         if fua {
-            self.backing.write_fua_at(buf, self.at(offset))
+            self.backing.write_at(buf, self.at(offset), true)
         } else {
-            self.backing.write_at(buf, self.at(offset))
+            self.backing.write_at(buf, self.at(offset), false)
         }
     }
 }

@@ -143,18 +143,6 @@ impl Server {
         self.open.load(Ordering::SeqCst)
     }
 
-    pub(crate) fn core(&self) -> &Arc<Core> {
-        &self.core
-    }
-
-    pub(crate) fn config(&self) -> &ServerConfig {
-        &self.config
-    }
-
-    pub(crate) fn rules(&self) -> &Rules {
-        &self.rules
-    }
-
     /// Accepts connections forever, one thread each. Only the listener itself failing for good
     /// would end it; per-connection failures are logged and the loop goes on.
     pub fn run(self: &Arc<Self>, listener: Listener) -> io::Result<()> {
@@ -213,7 +201,8 @@ impl Server {
         stream.set_send_timeout(self.config.send_timeout)?;
         drop(span);
         tracing::info!(conn = id, "client connected");
-        if let Some(conn) = Connection::open(id, stream, Arc::clone(self), slot, negotiated) {
+        let (core, poll_max) = (Arc::clone(&self.core), self.config.poll_max);
+        if let Some(conn) = Connection::open(id, stream, core, &self.rules, poll_max, Box::new(slot), negotiated) {
             conn.serve();
         }
         // Its part done, it stays on as an I/O thread while the pool has room.

@@ -14,7 +14,7 @@ use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
-use super::{check_aligned, image_lock, BackingError, BackingOptions};
+use super::{check_aligned, image_lock, BackingError, BackingOptions, Store};
 
 pub(super) struct FileBacking {
     file: File,
@@ -108,34 +108,41 @@ impl FileBacking {
             .map_err(|error| BackingError::DirectUnsupported { path: path.to_path_buf(), sector_size, error })
     }
 
-    pub fn size(&self) -> u64 {
+}
+
+impl Store for FileBacking {
+    fn size(&self) -> u64 {
         self.size
     }
 
     /// Whether [`FileBacking::open`] created the file (it did not exist before).
-    pub fn created(&self) -> bool {
+    fn created(&self) -> bool {
         self.created
     }
 
-    pub fn is_direct(&self) -> bool {
+    fn is_direct(&self) -> bool {
         self.direct
     }
 
-    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.file.read_exact_at(buf, offset)
     }
 
-    pub fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        self.file.write_all_at(buf, offset)
+    fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        self.file.write_all_at(buf, offset)?;
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
     }
 
     /// Makes every completed write durable (fdatasync).
-    pub fn flush(&self) -> io::Result<()> {
+    fn flush(&self) -> io::Result<()> {
         self.file.sync_data()
     }
 
     /// Deallocates `[offset, offset + len)`: punches a hole in a file, discards on a device.
-    pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         let fd = self.file.as_raw_fd();
         if self.is_block_device {
             let range: [u64; 2] = [offset, len];
@@ -154,13 +161,11 @@ impl FileBacking {
             Err(io::Error::last_os_error())
         }
     }
-}
 
-impl FileBacking {
     /// The allocation of `[offset, offset + len)` as runs of `(length, hole)`, in order, at most
     /// `max` runs (the rest unreported), from SEEK_DATA/SEEK_HOLE. A block device, or a file
     /// system that cannot tell, reports everything allocated: "hole" must never be a guess.
-    pub fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
+    fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
         let end = offset + len;
         if self.is_block_device {
             return Ok(vec![(len, false)]);

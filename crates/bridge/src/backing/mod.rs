@@ -1,14 +1,22 @@
-//! The backing store, where ciphertext goes: a regular file or block device ([`file`]), or an
-//! export of an upstream NBD server ([`nbd`]: nbdkit, qemu-nbd, rbd-nbd, another host). The
-//! pipeline sees one [`Backing`] with positioned reads and writes in whole sectors, a flush and
-//! a discard, relative to the export's window (a LUKS data segment, or all of it).
+//! Back ends: where ciphertext goes. Each is a [`Store`], byte-addressed storage: a regular file
+//! or block device ([`file`]), or an export of an upstream NBD server ([`nbd`]: nbdkit,
+//! qemu-nbd, rbd-nbd, another host). A back end that keeps per-client state gives each client a
+//! [`Session`] (the NBD back end: an upstream connection of its own). The volume mapping above
+//! sees one [`Backing`] and adds the volume's data offset to every offset it passes down; a back
+//! end never knows about volumes.
+//!
+//! A new back end is a module here with a [`Store`] implementation and a constructor on
+//! [`Backing`].
 
 mod file;
 mod image_lock;
 mod nbd;
 
 use std::io;
+use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
 use thiserror::Error;
 
@@ -17,7 +25,7 @@ pub use crate::nbd::client::ClientOptions as RemoteOptions;
 
 use crate::aligned::PooledBuf;
 use crate::nbd::client::Export;
-use crate::nbd::own::OwnConn;
+pub use crate::nbd::own::{Done, Lost};
 use crate::nbd::uri::NbdUri;
 
 #[derive(Debug, Clone)]
@@ -58,17 +66,119 @@ pub enum BackingError {
     RemoteGeometry { uri: String, why: String },
 }
 
-enum Store {
-    File(file::FileBacking),
-    /// Boxed: the client is much larger than a file.
-    Nbd(Box<nbd::NbdBacking>),
+/// Runs when an asynchronous read completes, with the filled buffer, on the thread that
+/// received the answer.
+pub type ReadDone = Box<dyn FnOnce(io::Result<PooledBuf>) + Send>;
+/// Runs when an asynchronous write is acknowledged, on the thread that received the answer.
+pub type WriteDone = Box<dyn FnOnce(io::Result<()>) + Send>;
+
+fn unsupported() -> io::Error {
+    io::Error::from_raw_os_error(libc::EOPNOTSUPP)
 }
 
-/// A back end: byte-addressed storage. A volume's data offset is not its business: the volume
-/// mapping above it adds it to every offset it passes down.
+/// Byte-addressed storage: what every back end implements. Offsets are the back end's own.
+pub trait Store: Send + Sync {
+    fn size(&self) -> u64;
+
+    /// Whether every request waits for the device rather than the page cache: O_DIRECT, or a
+    /// remote export (a network round trip).
+    fn is_direct(&self) -> bool;
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+
+    /// Writes `buf`; with `fua`, durable before it returns (NBD FUA where the upstream has it,
+    /// otherwise the write and then a flush).
+    fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()>;
+
+    /// Makes every completed write durable (fdatasync; FLUSH on every upstream connection).
+    fn flush(&self) -> io::Result<()>;
+
+    /// Deallocates `[offset, offset + len)`: punches a hole in a file, discards on a device,
+    /// passes TRIM to an upstream that takes it.
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()>;
+
+    /// The allocation of `[offset, offset + len)`: runs of `(length, hole)` in order, at most
+    /// `max`, covering a prefix of the range. A back end that cannot tell reports it allocated.
+    fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>>;
+
+    /// The largest read [`Store::read_async`] takes (0: reads always wait).
+    fn max_async_read(&self) -> usize {
+        0
+    }
+
+    /// Starts a read of `buf.len()` bytes at `offset`; `done` runs with the filled buffer when
+    /// it completes, on the thread that received the answer. `Interrupted`: lost with its
+    /// connection; read it again with [`Store::read_at`].
+    fn read_async(&self, buf: PooledBuf, offset: u64, done: ReadDone) {
+        let _ = (buf, offset);
+        done(Err(unsupported()))
+    }
+
+    /// The largest write [`Store::write_async`] takes, with or without FUA (0: none).
+    fn max_async_write(&self, fua: bool) -> usize {
+        let _ = fua;
+        0
+    }
+
+    /// Sends a write of `buf` at `offset` and returns once it is sent; `done` runs when it is
+    /// acknowledged. `Interrupted`: lost with its connection (it may or may not have reached
+    /// the store); write it again with [`Store::write_at`].
+    fn write_async(&self, buf: &[u8], offset: u64, fua: bool, done: WriteDone) {
+        let _ = (buf, offset, fua);
+        done(Err(unsupported()))
+    }
+
+    /// A session for one client (see [`Session`]); `None` where the back end has none to give.
+    fn session(&self) -> Option<io::Result<Box<dyn Session>>> {
+        None
+    }
+
+    /// Whether opening it created it (a new file).
+    fn created(&self) -> bool {
+        false
+    }
+
+    /// The upstream export's properties and the connections to it, for a remote back end.
+    fn remote(&self) -> Option<(&Export, usize)> {
+        None
+    }
+}
+
+/// A back end's per-client state, owned and driven by the one thread that serves the client
+/// (`core::session`): it never blocks. The owner queues requests, sends what the socket takes
+/// ([`Session::send`]) and collects answers ([`Session::receive`]) when its poll says the
+/// session's descriptor is ready. Each request carries the owner's `tag`, handed back with its
+/// end.
+pub trait Session: Send {
+    /// The descriptor to poll.
+    fn fd(&self) -> RawFd;
+    fn in_flight(&self) -> usize;
+    /// Whether requests wait to be sent (poll for writability).
+    fn wants_send(&self) -> bool;
+    /// Queues a read of `buf.len()` bytes at `offset` into `buf`.
+    fn read(&mut self, offset: u64, buf: PooledBuf, tag: u64);
+    /// Queues a write of `payload`, which must not change until the write is answered.
+    fn write(&mut self, offset: u64, payload: Arc<PooledBuf>, fua: bool, tag: u64);
+    /// Sends queued requests until the socket takes no more.
+    fn send(&mut self) -> io::Result<()>;
+    /// Takes the answers received so far into `done`; an error leaves the session useless
+    /// ([`Session::take_lost`]).
+    fn receive(&mut self, done: &mut Vec<Done<u64>>) -> io::Result<()>;
+    /// Whether requests have waited the reply timeout without a byte from the back end.
+    fn timed_out(&self) -> bool;
+    /// How long the owner's poll may sleep before [`Session::timed_out`] should be asked again.
+    fn timeout_check(&self) -> Duration;
+    /// The writes acknowledged so far, for a FLUSH taken now ([`Session::flushed`]).
+    fn flush_point(&self) -> u64;
+    /// A FLUSH taken at `point` succeeded: it covers the writes acknowledged before it.
+    fn flushed(&mut self, point: u64);
+    /// Ends the session and hands back every request in flight, unanswered.
+    fn take_lost(&mut self, why: &str) -> Vec<Lost<u64>>;
+}
+
+/// The back end the volume mapping stores to.
 pub struct Backing {
-    store: Store,
-    size: u64,
+    store: Box<dyn Store>,
 }
 
 impl Backing {
@@ -76,157 +186,31 @@ impl Backing {
     /// bytes) when it does not exist. On an error after creating it, the file is removed before
     /// the error is returned.
     pub fn open(path: &Path, opts: &BackingOptions) -> Result<Self, BackingError> {
-        let f = file::FileBacking::open(path, opts)?;
-        Ok(Self { size: f.size(), store: Store::File(f) })
+        Ok(Self { store: Box::new(file::FileBacking::open(path, opts)?) })
     }
 
     /// Connects to the upstream export `uri` (see [`crate::nbd::client`]), whose size and block
     /// sizes must suit `opts`.
     pub fn connect(uri: &NbdUri, opts: &BackingOptions, remote: &RemoteOptions) -> Result<Self, BackingError> {
-        let n = nbd::NbdBacking::connect(uri, opts, remote)?;
-        Ok(Self { size: n.size(), store: Store::Nbd(Box::new(n)) })
-    }
-
-    pub fn size(&self) -> u64 {
-        self.size
+        Ok(Self { store: Box::new(nbd::NbdBacking::connect(uri, opts, remote)?) })
     }
 
     /// The upstream export's properties, for an NBD backing.
     pub fn upstream(&self) -> Option<&Export> {
-        match &self.store {
-            Store::Nbd(n) => Some(n.export()),
-            Store::File(_) => None,
-        }
-    }
-
-    /// A connection of its own to the upstream for one thread (see [`crate::nbd::own`]): the
-    /// back-end session of one client. `None`: not an upstream export, or one that cannot have
-    /// more connections (no multi-conn, TLS).
-    pub fn own_upstream<T>(&self) -> Option<io::Result<OwnConn<T>>> {
-        match &self.store {
-            Store::Nbd(n) => n.own_connection(),
-            Store::File(_) => None,
-        }
+        self.store.remote().map(|(e, _)| e)
     }
 
     /// Connections to the upstream, for an NBD backing.
     pub fn upstream_connections(&self) -> Option<usize> {
-        match &self.store {
-            Store::Nbd(n) => Some(n.connections()),
-            Store::File(_) => None,
-        }
+        self.store.remote().map(|(_, n)| n)
     }
+}
 
-    /// Whether [`Backing::open`] created the file (it did not exist before).
-    pub fn created(&self) -> bool {
-        match &self.store {
-            Store::File(f) => f.created(),
-            Store::Nbd(_) => false,
-        }
-    }
+impl std::ops::Deref for Backing {
+    type Target = dyn Store;
 
-    /// Whether every request waits for the device rather than the page cache: O_DIRECT, or a
-    /// remote export (a network round trip). The connection scheduling treats such requests as
-    /// slow (run on I/O threads, never inline on the reading thread).
-    pub fn is_direct(&self) -> bool {
-        match &self.store {
-            Store::File(f) => f.is_direct(),
-            Store::Nbd(_) => true,
-        }
-    }
-
-    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        match &self.store {
-            Store::File(f) => f.read_at(buf, offset),
-            Store::Nbd(n) => n.read_at(buf, offset),
-        }
-    }
-
-    pub fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        match &self.store {
-            Store::File(f) => f.write_at(buf, offset),
-            Store::Nbd(n) => n.write_at(buf, offset, false),
-        }
-    }
-
-    /// Writes `buf` and makes it durable before returning (a client's FUA write): NBD FUA
-    /// where the upstream has it, otherwise the write and then a flush.
-    pub fn write_fua_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        match &self.store {
-            Store::File(f) => {
-                f.write_at(buf, offset)?;
-                f.flush()
-            }
-            Store::Nbd(n) => n.write_at(buf, offset, true),
-        }
-    }
-
-    /// The largest read [`Backing::read_async`] takes: reads complete asynchronously only on an
-    /// upstream export (0: never).
-    pub fn max_async_read(&self) -> usize {
-        match &self.store {
-            Store::File(_) => 0,
-            Store::Nbd(n) => n.max_async_read(),
-        }
-    }
-
-    /// Starts a read of `buf.len()` bytes at `offset` (at most [`Backing::max_async_read`]);
-    /// `done` runs with the filled buffer when it completes, on the thread that received the
-    /// reply. An `Interrupted` error means the read was lost with its connection: resend it
-    /// with [`Backing::read_at`].
-    pub fn read_async(&self, buf: PooledBuf, offset: u64, done: impl FnOnce(io::Result<PooledBuf>) + Send + 'static) {
-        match &self.store {
-            Store::Nbd(n) => n.read_async(buf, offset, done),
-            Store::File(_) => done(Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))),
-        }
-    }
-
-    /// The largest write [`Backing::write_async`] takes (0: none): whole sectors on an upstream
-    /// export, and with `fua` only where the upstream has FUA.
-    pub fn max_async_write(&self, fua: bool) -> usize {
-        match &self.store {
-            Store::File(_) => 0,
-            Store::Nbd(n) => n.max_async_write(fua),
-        }
-    }
-
-    /// Sends a write of `buf` (at most [`Backing::max_async_write`]) at `offset` and returns
-    /// once it is sent; `done` runs when the upstream acknowledges it, on the thread that
-    /// received the reply. An `Interrupted` error means it was lost with its connection (it
-    /// may or may not have reached the store): resend it with [`Backing::write_at`].
-    pub fn write_async(&self, buf: &[u8], offset: u64, fua: bool, done: impl FnOnce(io::Result<()>) + Send + 'static) {
-        match &self.store {
-            Store::Nbd(n) => n.write_async(buf, offset, fua, done),
-            Store::File(_) => done(Err(io::Error::from_raw_os_error(libc::EOPNOTSUPP))),
-        }
-    }
-
-    /// Makes every completed write durable (fdatasync; FLUSH on every upstream connection).
-    pub fn flush(&self) -> io::Result<()> {
-        match &self.store {
-            Store::File(f) => f.flush(),
-            Store::Nbd(n) => n.flush(),
-        }
-    }
-
-    /// The allocation of `[offset, offset + len)`: runs of `(length, hole)` in order, at most
-    /// `max`, covering a prefix of the range. A file tells holes apart (SEEK_HOLE), and an
-    /// upstream export that has `base:allocation`; a device, or an upstream without it, reports
-    /// the range allocated.
-    pub fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
-        match &self.store {
-            Store::File(f) => f.extents(offset, len, max),
-            Store::Nbd(n) => Ok(n.extents(offset, len, max)),
-        }
-    }
-
-    /// Deallocates `[offset, offset + len)`: punches a hole in a file, discards on a device,
-    /// passes TRIM to an upstream that takes it.
-    pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
-        match &self.store {
-            Store::File(f) => f.discard(offset, len),
-            Store::Nbd(n) => n.discard(offset, len),
-        }
+    fn deref(&self) -> &(dyn Store + 'static) {
+        &*self.store
     }
 }
 

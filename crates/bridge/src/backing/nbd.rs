@@ -3,8 +3,11 @@
 //! operations onto it.
 
 use std::io;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::time::Duration;
 
-use super::{BackingError, BackingOptions, RemoteOptions};
+use super::{BackingError, BackingOptions, Done, Lost, ReadDone, RemoteOptions, Session, Store, WriteDone};
 use crate::aligned::PooledBuf;
 use crate::nbd::client::{Client, Export};
 use crate::nbd::own::OwnConn;
@@ -61,43 +64,49 @@ impl NbdBacking {
         Ok(Self { client })
     }
 
-    pub fn export(&self) -> &Export {
-        self.client.export()
-    }
+}
 
-    pub fn connections(&self) -> usize {
-        self.client.connections()
-    }
-
-    pub fn size(&self) -> u64 {
+impl Store for NbdBacking {
+    fn size(&self) -> u64 {
         self.client.export().size
     }
 
-    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    /// A network round trip per request: never the page cache's speed.
+    fn is_direct(&self) -> bool {
+        true
+    }
+
+    fn remote(&self) -> Option<(&Export, usize)> {
+        Some((self.client.export(), self.client.connections()))
+    }
+
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         self.client.read(offset, buf)
     }
 
-    pub fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+    fn write_at(&self, buf: &[u8], offset: u64, fua: bool) -> io::Result<()> {
         self.client.write(offset, buf, fua)
     }
 
-    pub fn flush(&self) -> io::Result<()> {
+    fn flush(&self) -> io::Result<()> {
         self.client.flush()
     }
 
-    pub fn own_connection<T>(&self) -> Option<io::Result<OwnConn<T>>> {
-        self.client.own_connection()
+    /// An upstream connection of the client's own ([`crate::nbd::own`]); `None` for an
+    /// upstream without multi-conn or behind TLS.
+    fn session(&self) -> Option<io::Result<Box<dyn Session>>> {
+        self.client.own_connection::<u64>().map(|r| r.map(|c| Box::new(c) as Box<dyn Session>))
     }
 
-    pub fn max_async_read(&self) -> usize {
+    fn max_async_read(&self) -> usize {
         self.client.export().max_request() as usize
     }
 
-    pub fn read_async(&self, buf: PooledBuf, offset: u64, done: impl FnOnce(io::Result<PooledBuf>) + Send + 'static) {
+    fn read_async(&self, buf: PooledBuf, offset: u64, done: ReadDone) {
         self.client.read_async(offset, buf, done)
     }
 
-    pub fn max_async_write(&self, fua: bool) -> usize {
+    fn max_async_write(&self, fua: bool) -> usize {
         let e = self.client.export();
         if fua && !e.can_fua() {
             0
@@ -106,19 +115,59 @@ impl NbdBacking {
         }
     }
 
-    pub fn write_async(&self, buf: &[u8], offset: u64, fua: bool, done: impl FnOnce(io::Result<()>) + Send + 'static) {
+    fn write_async(&self, buf: &[u8], offset: u64, fua: bool, done: WriteDone) {
         self.client.write_async(offset, buf, fua, done)
     }
 
     /// The upstream's allocation (see [`Client::allocation`]): at most `max` runs of
     /// `(length, hole)`, all data where it cannot tell.
-    pub fn extents(&self, offset: u64, len: u64, max: usize) -> Vec<(u64, bool)> {
+    fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<(u64, bool)>> {
         let mut runs = self.client.allocation(offset, len).unwrap_or_else(|| vec![(len, false)]);
         runs.truncate(max.max(1));
-        runs
+        Ok(runs)
     }
 
-    pub fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         self.client.trim(offset, len)
+    }
+}
+
+/// The session interface over an upstream connection of one's own.
+impl Session for OwnConn<u64> {
+    fn fd(&self) -> RawFd {
+        OwnConn::fd(self)
+    }
+    fn in_flight(&self) -> usize {
+        OwnConn::in_flight(self)
+    }
+    fn wants_send(&self) -> bool {
+        OwnConn::wants_send(self)
+    }
+    fn read(&mut self, offset: u64, buf: PooledBuf, tag: u64) {
+        OwnConn::read(self, offset, buf, tag)
+    }
+    fn write(&mut self, offset: u64, payload: Arc<PooledBuf>, fua: bool, tag: u64) {
+        OwnConn::write(self, offset, payload, fua, tag)
+    }
+    fn send(&mut self) -> io::Result<()> {
+        OwnConn::send(self)
+    }
+    fn receive(&mut self, done: &mut Vec<Done<u64>>) -> io::Result<()> {
+        OwnConn::receive(self, done)
+    }
+    fn timed_out(&self) -> bool {
+        OwnConn::timed_out(self)
+    }
+    fn timeout_check(&self) -> Duration {
+        OwnConn::timeout_check(self)
+    }
+    fn flush_point(&self) -> u64 {
+        OwnConn::flush_point(self)
+    }
+    fn flushed(&mut self, point: u64) {
+        OwnConn::flushed(self, point)
+    }
+    fn take_lost(&mut self, why: &str) -> Vec<Lost<u64>> {
+        OwnConn::take_lost(self, why)
     }
 }

@@ -5,7 +5,7 @@
 use std::io;
 
 use super::budget::Permit;
-use crate::mapping::{ReadData, SealedRead};
+use crate::mapping::{Extent, ReadData, SealedRead};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Op {
@@ -62,8 +62,8 @@ pub(crate) enum Body {
     /// A READ's ciphertext, decrypted piece by piece as the reply is sent
     /// ([`crate::mapping::Mapping::open_into`]).
     Sealed(SealedRead),
-    /// A BLOCK_STATUS's `(length, flags)` runs.
-    Extents(Vec<(u32, u32)>),
+    /// A BLOCK_STATUS's runs.
+    Extents(Vec<Extent>),
 }
 
 /// How a request ended, with what it holds of the budget until its reply is sent or dropped.

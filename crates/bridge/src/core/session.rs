@@ -1,6 +1,6 @@
 //! A back-end session: per-client state of a back end, owned by the loop that reads that
 //! client's requests. Today the one kind is an upstream connection of the client's own
-//! ([`crate::nbd::own`]), which the NBD front end's session loop (`frontend/nbd/own_loop.rs`)
+//! ([`crate::backing::Session`]; for an NBD back end [`crate::nbd::own`]), which the NBD front end's session loop (`frontend/nbd/own_loop.rs`)
 //! polls beside the client's socket, so that a burst of requests goes upstream in one send and
 //! the answers to a burst go to the client in one send, with no other thread in between.
 //!
@@ -12,7 +12,7 @@
 //! A lost upstream connection hands its requests in flight to the shared connections (which
 //! retry and reconnect); the session opens a connection of its own again a little later.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,9 +20,7 @@ use super::budget::Permit;
 use super::request::{Body, Outcome, Request};
 use super::{answer, Apart, Client, Core};
 use crate::aligned::PooledBuf;
-use crate::nbd::own::{Done, OwnConn};
-use crate::nbd::request::io_error_of;
-use crate::nbd::ESHUTDOWN;
+use crate::backing::{Done, Session as BackendSession};
 use crate::range_lock::RangeGuard;
 
 /// After a connection of its own was lost (or could not be opened), the session tries for one
@@ -30,7 +28,7 @@ use crate::range_lock::RangeGuard;
 const OWN_RETRY: Duration = Duration::from_secs(1);
 
 /// A request in flight on the session.
-pub(crate) struct Flight {
+struct Flight {
     request: Request,
     permit: Permit,
     kind: Kind,
@@ -43,12 +41,15 @@ enum Kind {
 }
 
 pub(crate) struct Session<C: Client> {
-    up: Option<OwnConn<Flight>>,
+    up: Option<Box<dyn BackendSession>>,
+    /// The requests in flight on `up`, by tag.
+    flights: HashMap<u64, Flight>,
+    next_tag: u64,
     /// When to try for a connection of its own again (`None`: never).
     retry_at: Option<Instant>,
     /// Replies made since the owner last sent: they go out together.
     pub(crate) replies: VecDeque<C::Reply>,
-    done: Vec<Done<Flight>>,
+    done: Vec<Done<u64>>,
     conn: u64,
 }
 
@@ -63,7 +64,7 @@ impl<C: Client> Session<C> {
                 return None;
             }
         };
-        Some(Self { up: Some(up), retry_at: None, replies: VecDeque::new(), done: Vec::new(), conn: client.id() })
+        Some(Self { up: Some(up), flights: HashMap::new(), next_tag: 0, retry_at: None, replies: VecDeque::new(), done: Vec::new(), conn: client.id() })
     }
 
     /// Whether its connection is open now (the plan sends nothing here otherwise).
@@ -78,19 +79,19 @@ impl<C: Client> Session<C> {
     }
 
     pub(crate) fn in_flight(&self) -> usize {
-        self.up.as_ref().map_or(0, OwnConn::in_flight)
+        self.up.as_ref().map_or(0, |up| up.in_flight())
     }
 
     /// Sends queued requests as far as the socket takes them.
     pub(crate) fn send(&mut self, core: &Core, client: &Arc<C>) {
-        if let Some(Err(e)) = self.up.as_mut().map(OwnConn::send) {
+        if let Some(Err(e)) = self.up.as_mut().map(|up| up.send()) {
             self.lose(core, client, &format!("sending a request failed: {e}"));
         }
     }
 
     /// Ends the connection if the upstream has answered nothing within the reply timeout.
     pub(crate) fn check_timeout(&mut self, core: &Core, client: &Arc<C>) {
-        if self.up.as_ref().is_some_and(OwnConn::timed_out) {
+        if self.up.as_ref().is_some_and(|up| up.timed_out()) {
             self.lose(core, client, "no reply from the upstream within the reply timeout");
         }
     }
@@ -120,10 +121,15 @@ impl<C: Client> Session<C> {
             self.replies.push_back(reply);
             return;
         };
-        let flight = |permit| Flight { request, permit, kind: Kind::Read };
-        if let Err((e, permit)) = core.mapping().session_read(up, request.offset, request.len as usize, permit, flight) {
-            tracing::error!(conn = self.conn, ?request, "no memory for the read: {e}");
-            self.replies.push_back(client.reply(Outcome { request, result: Err(e), permit: Some(permit) }));
+        self.next_tag += 1;
+        match core.mapping().session_read(&mut **up, request.offset, request.len as usize, self.next_tag) {
+            Ok(()) => {
+                self.flights.insert(self.next_tag, Flight { request, permit, kind: Kind::Read });
+            }
+            Err(e) => {
+                tracing::error!(conn = self.conn, ?request, "no memory for the read: {e}");
+                self.replies.push_back(client.reply(Outcome { request, result: Err(e), permit: Some(permit) }));
+            }
         }
     }
 
@@ -143,8 +149,9 @@ impl<C: Client> Session<C> {
         match self.up.as_mut() {
             Some(up) => {
                 let sealed = Arc::new(buf);
-                let flight = Flight { request, permit, kind: Kind::Write { held, sealed: Arc::clone(&sealed) } };
-                mapping.session_write(up, request.offset, sealed, request.fua, flight);
+                self.next_tag += 1;
+                mapping.session_write(&mut **up, request.offset, Arc::clone(&sealed), request.fua, self.next_tag);
+                self.flights.insert(self.next_tag, Flight { request, permit, kind: Kind::Write { held, sealed } });
             }
             None => {
                 // Lost while settling: through the shared connections.
@@ -159,7 +166,7 @@ impl<C: Client> Session<C> {
     /// here are answered: it may need sectors they hold, and a FLUSH must cover them.
     pub(crate) fn run_apart(&mut self, core: &Core, client: &Arc<C>, apart: Apart) {
         self.settle(core, client);
-        let point = self.up.as_ref().map(OwnConn::flush_point);
+        let point = self.up.as_ref().map(|up| up.flush_point());
         let Apart { request, plan, payload, permit, held } = apart;
         let result = core.run(request, plan, payload, held);
         if request.op == super::request::Op::Flush && result.is_ok() {
@@ -208,8 +215,11 @@ impl<C: Client> Session<C> {
         }
     }
 
-    fn complete(&mut self, core: &Core, client: &Arc<C>, d: Done<Flight>) {
-        let Flight { request, permit, kind } = d.tag;
+    fn complete(&mut self, core: &Core, client: &Arc<C>, d: Done<u64>) {
+        let Some(Flight { request, permit, kind }) = self.flights.remove(&d.tag) else {
+            tracing::error!(conn = self.conn, tag = d.tag, "the back-end session answered a request it was not given");
+            return;
+        };
         let reply = match (kind, d.result, d.buf) {
             (Kind::Read, Ok(()), Some(buf)) => {
                 let result = core.mapping().open_sectors(buf, request.offset, request.len as usize).map(Body::Data);
@@ -219,10 +229,10 @@ impl<C: Client> Session<C> {
                 client.reply(Outcome { request, result, permit: Some(permit) })
             }
             // The server is going away: as good as a lost connection (the shared path resends).
-            (kind, Err(ESHUTDOWN), _) => return self.resend(core, client, Flight { request, permit, kind }),
+            (kind, Err(e), _) if e.raw_os_error() == Some(libc::ESHUTDOWN) => return self.resend(core, client, Flight { request, permit, kind }),
             (kind, result, _) => {
                 drop(kind); // a write's sectors, let go once answered
-                answer(&**client, request, result.map_err(io_error_of), permit)
+                answer(&**client, request, result, permit)
             }
         };
         self.replies.push_back(reply);
@@ -235,7 +245,9 @@ impl<C: Client> Session<C> {
         drop(up);
         self.retry_at = Some(Instant::now() + OWN_RETRY);
         for l in lost {
-            self.resend(core, client, l.tag);
+            if let Some(flight) = self.flights.remove(&l.tag) {
+                self.resend(core, client, flight);
+            }
         }
     }
 

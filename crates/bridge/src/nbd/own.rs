@@ -1,5 +1,5 @@
 //! An upstream connection owned by one thread: the one that serves a client connection
-//! (`connection::own_upstream`). It has no reader thread and never blocks: the owner queues
+//! (`core::session`). It has no reader thread and never blocks: the owner queues
 //! requests, sends what the socket takes ([`OwnConn::send`]), and collects replies as they come
 //! ([`OwnConn::receive`]), both when its poll says the socket is ready. A READ's data goes
 //! straight from the socket into the buffer given with the request; a WRITE's payload is sent
@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::transmission::{encode_request, parse_reply_header, Request, REPLY_HEADER_LEN, REQUEST_HEADER_LEN};
+use super::request::io_error_of;
 use super::{CMD_DISC, CMD_FLAG_FUA, CMD_READ, CMD_WRITE};
 use crate::aligned::PooledBuf;
 use crate::transport::{recv_now, send_now, Stream};
@@ -38,8 +39,8 @@ const SEND_BATCH: usize = 256;
 /// How a request ended, with what it was given back.
 pub struct Done<T> {
     pub tag: T,
-    /// `Err(errno)`: the upstream's error, as NBD sent it.
-    pub result: Result<(), u32>,
+    /// The upstream's error, as NBD sent it, as the matching OS error.
+    pub result: io::Result<()>,
     /// A READ's buffer, filled on success.
     pub buf: Option<PooledBuf>,
 }
@@ -271,7 +272,7 @@ impl<T> OwnConn<T> {
             if error == 0 && f.write {
                 self.acked_writes += 1;
             }
-            done.push(Done { tag: f.tag, result: if error == 0 { Ok(()) } else { Err(error) }, buf: f.read });
+            done.push(Done { tag: f.tag, result: if error == 0 { Ok(()) } else { Err(io_error_of(error)) }, buf: f.read });
         }
     }
 
@@ -392,11 +393,11 @@ mod tests {
         assert_eq!(conn.in_flight(), 0);
         done.sort_by_key(|d| d.tag);
         for d in &done[..3] {
-            assert_eq!(d.result, Ok(()));
+            assert!(d.result.is_ok());
             let buf = d.buf.as_ref().unwrap();
             assert!(buf.iter().all(|&b| b == d.tag as u8 + 1), "read {} got another's data", d.tag);
         }
-        assert_eq!((done[3].tag, done[3].result, done[3].buf.is_none()), (99, Ok(()), true));
+        assert_eq!((done[3].tag, done[3].result.is_ok(), done[3].buf.is_none()), (99, true, true));
         assert!(conn.take_lost("test").is_empty());
         assert!(lost_flag.load(Ordering::SeqCst), "an acknowledged write was never flushed");
         drop(conn);

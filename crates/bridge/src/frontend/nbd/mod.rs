@@ -23,20 +23,20 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
 
 use crate::core::budget::{Flow, Permit};
 use crate::core::pool::{Job, Reading};
 use crate::core::request::{Body, Op, Outcome, Request};
 use crate::core::{Admit, Apart, Client, Core, Intake, Source};
-use crate::mapping::{Mapping, ReadData, SealedRead};
+use crate::mapping::{Extent, Mapping, ReadData, SealedRead};
 use crate::nbd::client;
 use crate::nbd::request::{check, errno_of, Rules, Verdict};
 use crate::nbd::transmission::{self, block_status_payload, holds_whole_request, parse_request, ReplyHead};
 use crate::nbd::{
     Negotiated, BASE_ALLOCATION_ID, CMD_BLOCK_STATUS, CMD_CACHE, CMD_FLAG_FUA, CMD_FLAG_REQ_ONE, CMD_FLUSH, CMD_READ, CMD_TRIM,
-    CMD_WRITE, CMD_WRITE_ZEROES,
+    CMD_WRITE, CMD_WRITE_ZEROES, STATE_HOLE, STATE_ZERO,
 };
-use crate::server::{Server, Slot};
 use crate::transport::Stream;
 use inbound::Inbound;
 
@@ -60,8 +60,9 @@ thread_local! {
 
 pub(crate) struct Connection {
     pub(crate) id: u64,
-    server: Arc<Server>,
     core: Arc<Core>,
+    /// How long a reader that just ran a quick request polls for the next before it sleeps.
+    poll_max: Duration,
     stream: Stream,
     /// Set when a reply could not be sent: the socket is shut down and replies are dropped.
     broken: AtomicBool,
@@ -72,7 +73,7 @@ pub(crate) struct Connection {
     /// Held by the thread whose turn it is to read.
     read_side: Mutex<ReadSide>,
     /// This connection's place under --max-connections, given back on drop.
-    _slot: Slot,
+    _slot: Box<dyn Send + Sync>,
     /// The server's rules with what this client negotiated.
     rules: Rules,
 }
@@ -215,6 +216,12 @@ fn to_core(r: &transmission::Request) -> Request {
     }
 }
 
+/// `base:allocation`'s `(length, flags)` runs.
+fn nbd_extents(extents: &[Extent]) -> Vec<(u32, u32)> {
+    let flags = |e: &Extent| (if e.hole { STATE_HOLE } else { 0 }) | (if e.zero { STATE_ZERO } else { 0 });
+    extents.iter().map(|e| (e.len, flags(e))).collect()
+}
+
 /// A request's payload, read from the connection's buffered input (its header taken already).
 struct Input<'a> {
     inbound: &'a mut Inbound,
@@ -260,7 +267,7 @@ impl Client for Connection {
             Ok(Body::Empty) => (0, Payload::Empty),
             Ok(Body::Data(d)) => (0, Payload::Data(d)),
             Ok(Body::Sealed(s)) => (0, Payload::Sealed(s)),
-            Ok(Body::Extents(e)) => (0, Payload::Status(block_status_payload(BASE_ALLOCATION_ID, &e))),
+            Ok(Body::Extents(e)) => (0, Payload::Status(block_status_payload(BASE_ALLOCATION_ID, &nbd_extents(&e)))),
             Err(e) => (errno_of(&e), Payload::Empty),
         };
         let structured = self.rules.negotiated.structured && matches!(r.op, Op::Read | Op::BlockStatus);
@@ -297,7 +304,17 @@ impl Client for Connection {
 
 impl Connection {
     /// A connection past the handshake; `None` (logged) when its buffer cannot be had.
-    pub(crate) fn open(id: u64, stream: Stream, server: Arc<Server>, slot: Slot, negotiated: Negotiated) -> Option<Arc<Self>> {
+    /// `slot` is the connection's place under the server's connection limit, given back when
+    /// the connection is dropped; `rules` the server's, to which this client's negotiation adds.
+    pub(crate) fn open(
+        id: u64,
+        stream: Stream,
+        core: Arc<Core>,
+        rules: &Rules,
+        poll_max: Duration,
+        slot: Box<dyn Send + Sync>,
+        negotiated: Negotiated,
+    ) -> Option<Arc<Self>> {
         let inbound = match Inbound::new(INBOUND_BUFFER) {
             Ok(inbound) => inbound,
             Err(e) => {
@@ -306,11 +323,11 @@ impl Connection {
             }
         };
         let read_side = ReadSide { inbound, batch: Batch::default(), after_quick: false, ended: false };
-        let rules = Rules { negotiated, ..*server.rules() };
+        let rules = Rules { negotiated, ..*rules };
         Some(Arc::new(Self {
             id,
-            core: Arc::clone(server.core()),
-            server,
+            core,
+            poll_max,
             stream,
             broken: AtomicBool::new(false),
             flow: Arc::default(),
@@ -361,7 +378,7 @@ impl Connection {
         if *ended {
             return None;
         }
-        let poll_max = self.server.config().poll_max;
+        let poll_max = self.poll_max;
         // Upstream requests made for the requests of one receive go out together (see
         // `client::cork`); sent before this thread could wait, and when it lets go.
         let _corked = Corked::new();

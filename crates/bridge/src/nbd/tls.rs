@@ -516,7 +516,7 @@ pub(crate) mod session_tests {
                     let (stream, rx, turn) = (Arc::clone(&stream), Arc::clone(&rx), Arc::clone(&turn));
                     std::thread::spawn(move || loop {
                         let Ok(msg) = rx.lock().unwrap().recv() else { return };
-                        let _turn = turn.lock().unwrap(); // whole messages, as connection.rs's writers take turns
+                        let _turn = turn.lock().unwrap(); // whole messages, as the front end's writers take turns
                         let (head, body) = msg.split_at(8);
                         stream.write_all_more(&mut [IoSlice::new(head), IoSlice::new(body)], false).unwrap();
                     })

@@ -18,7 +18,6 @@
 mod inbound;
 mod own_loop;
 
-use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,11 +52,6 @@ const BATCH_MAX_BYTES: usize = 1 << 20;
 /// holds at most this many threads and the writer.
 const MAX_WRITE_WAITERS: usize = 4;
 
-thread_local! {
-    /// Replies held by `Connection::deliver_soon`, per connection.
-    static HELD_REPLIES: RefCell<Vec<(Arc<Connection>, Vec<Reply>)>> = const { RefCell::new(Vec::new()) };
-}
-
 pub(crate) struct Connection {
     pub(crate) id: u64,
     core: Arc<Core>,
@@ -72,6 +66,10 @@ pub(crate) struct Connection {
     write_turn: Condvar,
     /// Held by the thread whose turn it is to read.
     read_side: Mutex<ReadSide>,
+    /// Replies made by upstream connections' reply readers, held until the reader has handled
+    /// the burst of answers it received (see `deliver_soon`), with the last reader that
+    /// arranged to send them.
+    soon: Mutex<(Vec<Reply>, Option<std::thread::ThreadId>)>,
     /// This connection's place under --max-connections, given back on drop.
     _slot: Box<dyn Send + Sync>,
     /// The server's rules with what this client negotiated.
@@ -282,21 +280,20 @@ impl Client for Connection {
     /// has handled the replies it has already received (`client::after_burst`), so that the
     /// answers to a burst go to each client in one send.
     fn deliver_soon(self: &Arc<Self>, reply: Reply) {
-        let first = HELD_REPLIES.with(|h| {
-            let mut h = h.borrow_mut();
-            let first = h.is_empty();
-            match h.iter_mut().find(|(c, _)| Arc::ptr_eq(c, self)) {
-                Some((_, replies)) => replies.push(reply),
-                None => h.push((Arc::clone(self), vec![reply])),
-            }
-            first
-        });
-        if first {
-            client::after_burst(Box::new(|| {
-                let held = HELD_REPLIES.with(|h| std::mem::take(&mut *h.borrow_mut()));
-                for (conn, replies) in held {
-                    conn.deliver(replies);
-                }
+        // Each reader arranges its own send: one reader's burst never waits for another's.
+        let me = std::thread::current().id();
+        let arrange = {
+            let mut soon = self.soon.lock().unwrap_or_else(|e| e.into_inner());
+            soon.0.push(reply);
+            let arrange = soon.0.len() == 1 || soon.1 != Some(me);
+            soon.1 = Some(me);
+            arrange
+        };
+        if arrange {
+            let conn = Arc::clone(self);
+            client::after_burst(Box::new(move || {
+                let replies = std::mem::take(&mut conn.soon.lock().unwrap_or_else(|e| e.into_inner()).0);
+                conn.deliver(replies);
             }));
         }
     }
@@ -334,6 +331,7 @@ impl Connection {
             outbox: Mutex::default(),
             write_turn: Condvar::new(),
             read_side: Mutex::new(read_side),
+            soon: Mutex::default(),
             _slot: slot,
             rules,
         }))

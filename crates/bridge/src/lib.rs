@@ -19,6 +19,7 @@ pub mod pipeline;
 mod pool;
 mod range_lock;
 pub mod server;
+mod throttle;
 mod transport;
 
 pub use aligned::PooledBuf;

@@ -358,7 +358,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let (listener, uri) = match activated {
         Some(inherited) => {
             if args.unix.is_some() || args.listen != DEFAULT_LISTEN {
-                tracing::info!("socket activation: serving the inherited socket, as it was given; --listen/--unix/--group ignored");
+                tracing::info!("socket activation: serving the inherited socket; --listen/--unix ignored");
             }
             inherited
         }

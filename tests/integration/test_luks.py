@@ -441,6 +441,40 @@ def test_unsupported_luks2_states_are_refused(ws, luks2_img, what, edit, needle)
         assert p.returncode == 1 and needle in p.stderr.decode(), (what, p.stderr)
 
 
+def keyslot_area(img: Path, key: str) -> int:
+    """Keyslot 0's area `offset` or `size`, as the header says."""
+    with open(img, "rb") as f:
+        hdr_size = struct.unpack(">Q", f.read(16)[8:16])[0]
+        f.seek(4096)
+        meta = json.loads(f.read(hdr_size - 4096).split(b"\0", 1)[0])
+    return int(meta["keyslots"]["0"]["area"][key])
+
+
+@pytest.mark.parametrize(
+    "what,edit,needle",
+    [
+        ("1 TiB area", lambda m: m["keyslots"]["0"]["area"].update(size=str(1 << 40)), "runs past the keyslots area"),
+        ("area over the header", lambda m: m["keyslots"]["0"]["area"].update(offset="4096"), "overlaps the header copies"),
+        ("keyslots area over the data", lambda m: m["config"].update(keyslots_size=str(int(m["segments"]["0"]["offset"]))), "runs into the data"),
+    ],
+    ids=["huge-area", "area-over-header", "keyslots-over-data"],
+)
+def test_luks2_geometry_cryptsetup_refuses_is_refused(ws, luks2_img, what, edit, needle):
+    """A header whose keyslot areas lie where cryptsetup does not allow them (checksums
+    recomputed, so only the geometry is wrong) is not a valid LUKS device for cryptsetup, and a
+    damaged header here: not served, and not reported as a wrong passphrase."""
+    img, pw = luks2_img
+    assert keyslot_area(img, "size") > 0
+    rewrite_luks2(img, edit)
+    out = cryptsetup("open", "--test-passphrase", "--key-file", pw, img, check=False)
+    assert out.returncode != 0, (what, out)
+    assert b"not a valid LUKS device" in out.stdout + out.stderr, (what, out)
+    p = serve_fails(ws, "--backing", img, "--key-file", pw)
+    err = p.stderr.decode()
+    assert p.returncode == 1 and "both LUKS2 header copies are damaged" in err and needle in err, (what, err)
+    assert "no key available" not in err, err
+
+
 def test_cryptsetup_integrity_volume_is_refused(ws):
     img = sparse(ws.tmp / "v.img", 40 * MiB)
     pw = write_file(ws.tmp / "pass", PASS)

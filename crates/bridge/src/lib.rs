@@ -23,6 +23,7 @@ pub mod mapping;
 pub mod nbd;
 mod range_lock;
 pub mod server;
+mod throttle;
 mod transport;
 
 pub use aligned::PooledBuf;

@@ -21,6 +21,7 @@ use crate::nbd::request::Rules;
 pub use crate::nbd::request::MAX_REQUEST;
 use crate::nbd::*;
 use crate::mapping::Mapping;
+use crate::throttle::{unreported_note, RateLimitedWarn, WARN_PERIOD};
 pub use crate::transport::Listener;
 use crate::transport::{Socket, SocketTimeouts, Stream};
 
@@ -177,9 +178,20 @@ impl Server {
             }
         });
         // On failure the closure, with the socket and the slot, has been dropped: the socket is
-        // closed and the slot given back.
-        if let Err(e) = spawned {
-            tracing::warn!(conn = id, "cannot start a thread for the connection ({e}); closing it");
+        // closed and the slot given back. A client that reconnects at once would otherwise log a
+        // line per try: see `throttle`.
+        static START_FAILURES: RateLimitedWarn = RateLimitedWarn::new(WARN_PERIOD);
+        match spawned {
+            Ok(_) => {
+                if let Some(n) = START_FAILURES.succeeded() {
+                    tracing::info!(conn = id, "connection threads start again; {n} more connections were closed for want of one since the last warning");
+                }
+            }
+            Err(e) => {
+                if let Some(n) = START_FAILURES.failed() {
+                    tracing::warn!(conn = id, "cannot start a thread for the connection ({e}); closing it{}", unreported_note(n));
+                }
+            }
         }
     }
 

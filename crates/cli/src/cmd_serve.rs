@@ -2,7 +2,6 @@
 
 use std::net::TcpListener;
 use std::os::unix::fs::FileTypeExt;
-use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -20,6 +19,7 @@ use crate::{keyfile, names, size, usage};
 
 mod activation;
 mod luks;
+mod unix_socket;
 
 /// `--type`: how the backing store holds the volume.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -98,9 +98,14 @@ pub struct Args {
     /// this is ignored.
     #[arg(long, default_value = DEFAULT_LISTEN, conflicts_with = "unix")]
     listen: String,
-    /// Listen on a Unix socket instead of TCP (ignored under socket activation).
+    /// Listen on a Unix socket instead of TCP (ignored under socket activation). The socket is
+    /// created mode 0600, whatever the umask: whoever can connect reads and writes the plaintext.
     #[arg(long)]
     unix: Option<PathBuf>,
+    /// With --unix: give the socket to this group (a name or a number) and make it 0660, so that
+    /// members of the group may connect too.
+    #[arg(long, value_name = "GROUP", requires = "unix")]
+    group: Option<String>,
     /// Export name (clients asking for the empty name get it too).
     #[arg(long, default_value = "cryptbridge")]
     export_name: String,
@@ -463,7 +468,11 @@ fn bind(args: &Args) -> Result<(Listener, String)> {
             }
             std::fs::remove_file(path)?; // a stale socket from an earlier run
         }
-        let l = UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
+        let group = args.group.as_deref().map(unix_socket::parse_group).transpose()?;
+        let l = unix_socket::bind(path, group)?;
+        if let Some(gid) = group {
+            tracing::info!("{}: mode 0660, group {}", path.display(), unix_socket::group_name(gid));
+        }
         let abs = std::fs::canonicalize(path)?;
         return Ok((Listener::Unix(l), format!("nbd+unix:///?socket={}", abs.display())));
     }

@@ -25,6 +25,8 @@ pub const MIN_HDR_SIZE: u64 = 0x4000;
 pub const MAX_HDR_SIZE: u64 = 0x40_0000;
 const CSUM_AT: usize = 448;
 const CSUM_LEN: usize = 64;
+/// The most the keyslots area may span (cryptsetup's LUKS2_MAX_KEYSLOTS_SIZE).
+pub const MAX_KEYSLOTS_SIZE: u64 = 128 << 20;
 
 /// The binary part of a header copy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -296,6 +298,56 @@ fn section<'a>(root: &'a Map<String, Value>, name: &str) -> Result<BTreeMap<u32,
     Ok(out)
 }
 
+/// Where the header says things lie, checked as cryptsetup checks a copy before it trusts it
+/// (`hdr_validate_config`, `hdr_validate_areas`): both header copies, then the keyslots area, then
+/// the data; every keyslot's area inside the keyslots area, none overlapping another. A copy that
+/// fails is damaged, as for cryptsetup ("not a valid LUKS device"): its areas would otherwise be
+/// read where they cannot be (a 1 TiB area) or from the header itself, and a passphrase that
+/// cannot open it reported as wrong.
+fn check_geometry(root: &Map<String, Value>, config: &Config, segments: &BTreeMap<u32, Segment>) -> Result<()> {
+    let bad = |why: String| Err(VolumeError::Corrupt(format!("LUKS2 metadata: {why}")));
+    let metadata_size = config.json_size.saturating_add(BIN_LEN as u64);
+    if !SECONDARY_OFFSETS.contains(&metadata_size) {
+        return bad(format!("header size {metadata_size} (JSON size {} plus the binary header) is not one LUKS2 allows", config.json_size));
+    }
+    if !config.keyslots_size.is_multiple_of(4096) || config.keyslots_size > MAX_KEYSLOTS_SIZE {
+        return bad(format!(
+            "keyslots area size {} is not a multiple of 4096 up to {MAX_KEYSLOTS_SIZE} bytes",
+            config.keyslots_size
+        ));
+    }
+    let areas_start = 2 * metadata_size;
+    let areas_end = areas_start + config.keyslots_size;
+    // The first segment's offset; 0 for a detached header, whose data starts the device.
+    let data = segments.values().map(|s| s.offset).min().unwrap_or(0);
+    if data != 0 && data < areas_end {
+        return bad(format!(
+            "the keyslots area [{areas_start}, {areas_end}) runs into the data, which starts at {data}"
+        ));
+    }
+    let mut areas: Vec<(u32, u64, u64)> = Vec::new();
+    for (id, o) in section(root, "keyslots")? {
+        let what = format!("keyslot {id}.area");
+        let area = obj(field(o, "area", &format!("keyslot {id}"))?, &what)?;
+        let offset = u64_string(area, "offset", &what)?;
+        let size = u64_string(area, "size", &what)?;
+        let Some(end) = offset.checked_add(size).filter(|_| size > 0) else {
+            return bad(format!("keyslot {id}'s area (offset {offset}, size {size}) is empty or past any device"));
+        };
+        if offset < areas_start {
+            return bad(format!("keyslot {id}'s area [{offset}, {end}) overlaps the header copies, which end at {areas_start}"));
+        }
+        if end > areas_end {
+            return bad(format!("keyslot {id}'s area [{offset}, {end}) runs past the keyslots area, which ends at {areas_end}"));
+        }
+        if let Some((other, ..)) = areas.iter().find(|&&(_, o, e)| offset < e && o < end) {
+            return bad(format!("keyslot {id}'s area [{offset}, {end}) overlaps keyslot {other}'s"));
+        }
+        areas.push((id, offset, end));
+    }
+    Ok(())
+}
+
 fn parse_keyslot(o: &Map<String, Value>, what: &str) -> Result<Keyslot> {
     let kind = string(o, "type", what)?.to_string();
     let key_size = u32_number(o, "key_size", what)? as usize;
@@ -474,6 +526,7 @@ impl Luks2Header {
             flags: strings(c, "flags", "config")?,
             requirements,
         };
+        check_geometry(root, &config, &segments)?;
         for (id, d) in &digests {
             for k in &d.keyslots {
                 if !keyslots.contains_key(k) {
@@ -834,7 +887,7 @@ pub(crate) mod tests {
             (Box::new(|j| j["segments"]["0"]["encryption"] = json!("aes-cbc-essiv:sha256")), "aes-cbc-essiv:sha256"),
             (Box::new(|j| j["segments"]["0"]["iv_tweak"] = json!("8")), "iv_tweak"),
             (Box::new(|j| j["segments"]["1"] = json!({"type": "linear", "offset": "0", "size": "4096"})), "2 data segments"),
-            (Box::new(|j| j["keyslots"]["1"] = json!({"type": "reencrypt", "key_size": 1, "mode": "reencrypt", "direction": "forward", "area": {"type": "none", "offset": "0", "size": "0"}})), "reencryption keyslot"),
+            (Box::new(|j| j["keyslots"]["1"] = json!({"type": "reencrypt", "key_size": 1, "mode": "reencrypt", "direction": "forward", "area": {"type": "none", "offset": free_area(j), "size": "4096"}})), "reencryption keyslot"),
         ];
         for (f, needle) in cases {
             let mut img = make_image(b"p", pbkdf2(), 512, json!({}));
@@ -844,6 +897,55 @@ pub(crate) mod tests {
             assert!(matches!(e, VolumeError::Unsupported(_)), "{needle}: {e:?}");
             assert!(e.to_string().contains(needle), "{needle}: {e}");
         }
+    }
+
+    /// The first 4 KiB after keyslot 0's area, which the test image leaves free.
+    fn free_area(j: &Value) -> String {
+        let area = &j["keyslots"]["0"]["area"];
+        let at = |k: &str| area[k].as_str().unwrap().parse::<u64>().unwrap();
+        (at("offset") + at("size")).to_string()
+    }
+
+    /// Geometry cryptsetup refuses ("not a valid LUKS device") is a damaged header here too, not
+    /// a keyslot that fails to open.
+    #[test]
+    fn keyslot_areas_outside_the_keyslots_area_are_corrupt() {
+        type Edit = Box<dyn Fn(&mut Value)>;
+        let area = |k: &'static str, v: String| -> Edit { Box::new(move |j| j["keyslots"]["0"]["area"][k] = json!(v)) };
+        let cases: Vec<(Edit, &str)> = vec![
+            (area("size", (1u64 << 40).to_string()), "runs past the keyslots area"),
+            (area("offset", "4096".into()), "overlaps the header copies"),
+            (area("offset", "16384".into()), "overlaps the header copies"),
+            (area("size", "0".into()), "is empty"),
+            (area("offset", u64::MAX.to_string()), "past any device"),
+            (
+                Box::new(|j| {
+                    let mut second = j["keyslots"]["0"].clone();
+                    second["area"]["offset"] = json!((0x8000 + 4096).to_string());
+                    j["keyslots"]["1"] = second;
+                }),
+                "overlaps keyslot 0's",
+            ),
+            (Box::new(|j| j["config"]["keyslots_size"] = json!((MAX_KEYSLOTS_SIZE + 4096).to_string())), "keyslots area size"),
+            (Box::new(|j| j["config"]["keyslots_size"] = json!("4097")), "keyslots area size"),
+            (Box::new(|j| j["config"]["keyslots_size"] = json!((16u64 << 20).to_string())), "runs into the data"),
+        ];
+        for (f, needle) in cases {
+            let mut img = make_image(b"p", pbkdf2(), 512, json!({}));
+            edit(&mut img, f);
+            let e = crate::Header::read(&img.bytes).unwrap_err();
+            assert!(matches!(e, VolumeError::Corrupt(_)), "{needle}: {e:?}");
+            assert!(e.to_string().contains(needle) && e.to_string().contains("both LUKS2 header copies are damaged"), "{needle}: {e}");
+        }
+        // A second keyslot that fits where it should is fine.
+        let mut img = make_image(b"p", pbkdf2(), 512, json!({}));
+        edit(&mut img, |j| {
+            let mut second = j["keyslots"]["0"].clone();
+            second["area"]["offset"] = json!(free_area(j));
+            second["area"]["size"] = json!("4096");
+            j["keyslots"]["1"] = second;
+        });
+        assert!(crate::Header::read(&img.bytes).is_ok());
     }
 
     #[test]

@@ -15,6 +15,8 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::throttle::{unreported_note, RateLimitedWarn, WARN_PERIOD};
+
 /// A turn on a connection's read side. It holds the [`Reading`] mark while it reads and drops it
 /// before it runs a request.
 pub(crate) type Job = Box<dyn FnOnce(Reading) + Send + 'static>;
@@ -101,12 +103,24 @@ impl Pool {
             let job = first.lock().unwrap_or_else(|e| e.into_inner()).take();
             pool.worker(job);
         });
-        let Err(e) = spawned else { return Ok(()) };
+        // Under a pids or memory limit every request may fail to start one: see `throttle`.
+        static START_FAILURES: RateLimitedWarn = RateLimitedWarn::new(WARN_PERIOD);
+        let e = match spawned {
+            Ok(_) => {
+                if let Some(n) = START_FAILURES.succeeded() {
+                    tracing::info!("I/O threads start again; {n} more had failed to start since the last warning");
+                }
+                return Ok(());
+            }
+            Err(e) => e,
+        };
         let job = slot.lock().unwrap_or_else(|e| e.into_inner()).take().expect("a thread that never started left its job");
         let mut s = self.lock();
         s.threads -= 1;
         let working = self.working(&s);
-        tracing::warn!("cannot start an I/O thread ({e}); {working} other I/O threads at work");
+        if let Some(n) = START_FAILURES.failed() {
+            tracing::warn!("cannot start an I/O thread ({e}); {working} other I/O threads at work{}", unreported_note(n));
+        }
         if working == 0 {
             return Err(job);
         }

@@ -14,9 +14,12 @@
 //! connections and a FLUSH on any one covers them all).
 //!
 //! Failures: an upstream errno is handed on as the same errno. A lost connection (closed, reset,
-//! a protocol violation, no reply within the reply timeout) fails every request in flight on it
-//! as "lost"; their callers reconnect (a new handshake, which must find the same export) and
-//! resend them, with a bounded back-off, then give up with EIO. Resending is safe: reads have no
+//! a protocol violation) fails every request in flight on it as "lost"; their callers reconnect
+//! (a new handshake, which must find the same export) and resend them, with a bounded back-off,
+//! then give up with EIO. A connection on which requests have waited the reply timeout without
+//! a byte of reply is cut too, but its requests fail with EIO at once: the timeout is the most a
+//! silent upstream is waited for, not a time that each resend would wait again. An upstream that
+//! is slow but sends replies (to any request on the connection) is waited for. Resending is safe: reads have no
 //! effect, and a write is idempotent while the caller holds it (the pipeline's range lock keeps
 //! any other write to those sectors out until this one is answered). A write is acknowledged
 //! only once the upstream has acknowledged it. Writes the upstream acknowledged but had not yet
@@ -63,7 +66,8 @@ pub struct ClientOptions {
     pub connections: Option<usize>,
     /// Connecting plus the whole handshake must end within this.
     pub handshake_limit: Duration,
-    /// A connection on which requests wait this long without a byte of reply is taken as lost.
+    /// A connection on which requests wait this long without a byte of reply is cut, and those
+    /// requests fail (EIO) without being resent.
     pub reply_timeout: Duration,
     /// Pauses before each resend of requests lost with a connection; their number is the retry
     /// budget, after which the request fails with EIO.
@@ -410,6 +414,15 @@ enum Outcome {
     Errno(u32),
     /// The connection was lost before the reply came: resend.
     Lost,
+    /// The connection was cut because requests had waited the reply timeout without a byte of
+    /// reply: not resent, since a resend would wait for the same silent upstream once more (the
+    /// timeout then added up over the retries); the request fails with EIO.
+    TimedOut,
+}
+
+/// What a request that got [`Outcome::TimedOut`] fails with (EIO to the bridge's client).
+fn timed_out_error() -> io::Error {
+    io::Error::from_raw_os_error(libc::ETIMEDOUT)
 }
 
 /// Where a READ's data goes: the caller's buffer.
@@ -523,6 +536,11 @@ impl Live {
 
     /// Ends the connection: every request in flight is completed as lost.
     fn die(&self, why: &str) {
+        self.die_with(why, Outcome::Lost);
+    }
+
+    /// Ends the connection, completing every request in flight with `outcome`.
+    fn die_with(&self, why: &str, outcome: Outcome) {
         let slots = {
             let mut p = self.lock_pending();
             if p.dead {
@@ -545,18 +563,21 @@ impl Live {
             );
         }
         for slot in slots.into_values() {
-            slot.complete(Outcome::Lost);
+            slot.complete(outcome);
         }
     }
 
     /// The reader thread: replies to slots, until the connection fails.
     fn read_replies(self: Arc<Self>, sock: Stream, reply_timeout: Duration) {
         BURST_END.with(|b| *b.borrow_mut() = Some(Vec::new()));
-        let why = match self.reply_loop(&sock, reply_timeout) {
-            Ok(()) => "closed".to_string(),
-            Err(e) => e.to_string(),
+        let (why, outcome) = match self.reply_loop(&sock, reply_timeout) {
+            Ok(()) => ("closed".to_string(), Outcome::Lost),
+            // Silent for the whole reply timeout (ours, or the kernel's ETIMEDOUT): every request
+            // on it fails, so that none waits longer than that in all.
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => (format!("{e}; failing its requests with EIO, not resending them"), Outcome::TimedOut),
+            Err(e) => (e.to_string(), Outcome::Lost),
         };
-        self.die(&why);
+        self.die_with(&why, outcome);
         end_burst();
         BURST_END.with(|b| *b.borrow_mut() = None);
     }
@@ -1080,6 +1101,7 @@ impl Client {
             // This thread may be corked: what it queued must go before it waits for the answers.
             flush_corked();
             let mut errno = None;
+            let mut timed_out = false;
             for (op, slot, live, flushed_upto) in waiting {
                 match slot.wait() {
                     Outcome::Done => {
@@ -1092,10 +1114,14 @@ impl Client {
                     Outcome::Errno(e) => {
                         errno.get_or_insert(e);
                     }
+                    Outcome::TimedOut => timed_out = true,
                 }
             }
             if let Some(e) = errno {
                 return Err(io_error_of(e));
+            }
+            if timed_out {
+                return Err(timed_out_error());
             }
             if lost.is_empty() {
                 return Ok(());
@@ -1166,6 +1192,7 @@ impl Client {
                 Outcome::Done => Ok(buf),
                 Outcome::Errno(ESHUTDOWN) | Outcome::Lost => Err(io::Error::new(io::ErrorKind::Interrupted, "upstream connection lost")),
                 Outcome::Errno(e) => Err(io_error_of(e)),
+                Outcome::TimedOut => Err(timed_out_error()),
             })
         });
         let mut request = Request { flags: 0, command: CMD_READ, handle: 0, offset, length: len as u32 };
@@ -1190,6 +1217,7 @@ impl Client {
                 Outcome::Done => Ok(()),
                 Outcome::Errno(ESHUTDOWN) | Outcome::Lost => Err(io::Error::new(io::ErrorKind::Interrupted, "upstream connection lost")),
                 Outcome::Errno(e) => Err(io_error_of(e)),
+                Outcome::TimedOut => Err(timed_out_error()),
             })
         });
         let flags = if fua { CMD_FLAG_FUA } else { 0 };
@@ -1422,6 +1450,55 @@ mod tests {
         client.flush().unwrap();
         drop(Arc::into_inner(client).expect("the only reference"));
         server.join().unwrap();
+    }
+
+    /// An upstream that takes a request and never answers: the read fails once the reply
+    /// timeout has passed, without a resend that would wait as long again (the timeout was
+    /// multiplied by the retries before).
+    #[test]
+    fn a_silent_upstream_fails_a_request_after_one_reply_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("up.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let (seen_tx, seen) = std::sync::mpsc::channel();
+        let server = std::thread::spawn(move || {
+            let mut conns = 0;
+            let deadline = Instant::now() + Duration::from_secs(3);
+            let mut held = Vec::new();
+            while Instant::now() < deadline {
+                let Ok((mut s, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                };
+                s.set_nonblocking(false).unwrap();
+                conns += 1;
+                assert!(matches!(negotiate(&mut s, &export_info("")).unwrap(), Outcome::Transmission(_)));
+                let seen_tx = seen_tx.clone();
+                let mut r = s.try_clone().unwrap();
+                held.push(s);
+                std::thread::spawn(move || {
+                    while let Ok(Some(req)) = read_request(&mut r) {
+                        let _ = seen_tx.send(req.command);
+                    }
+                });
+            }
+            conns
+        });
+        let uri = NbdUri { address: Address::Unix(path), export: String::new(), tls: false, tls_certificates: None, tls_hostname: None };
+        let opts = ClientOptions { connections: Some(1), reply_timeout: Duration::from_millis(300), ..ClientOptions::default() };
+        let client = Client::connect(&uri, opts).unwrap();
+        let t0 = Instant::now();
+        let mut buf = vec![0u8; 4096];
+        let err = client.read(0, &mut buf).unwrap_err();
+        let took = t0.elapsed();
+        assert_eq!(err.raw_os_error(), Some(libc::ETIMEDOUT), "{err}");
+        assert_eq!(crate::nbd::request::errno_of(&err), EIO);
+        assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(2), "{took:?}");
+        drop(client);
+        let reads = seen.try_iter().filter(|&c| c == CMD_READ).count();
+        assert_eq!(reads, 1, "the read was resent");
+        assert_eq!(server.join().unwrap(), 1, "one connection, no reconnection for the timed-out read");
     }
 
     /// A corked thread's requests reach the upstream only when it flushes, all on one

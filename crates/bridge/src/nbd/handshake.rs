@@ -25,6 +25,13 @@ use crate::transport::within;
 const MAX_OPTION_LEN: u32 = 16 * 1024;
 /// Larger option payloads are not even drained: the connection is dropped.
 const MAX_DRAIN_LEN: u32 = 1 << 20;
+/// Options one connection may send, plaintext and TLS haggling together, before it is closed.
+/// A real client needs a handful (`nbdinfo --list --content` on this one export: fewer than
+/// ten; qemu and the kernel's nbd-client fewer); without a cap a client that loops
+/// NBD_OPT_LIST keeps a thread busy answering for the whole handshake limit. nbdkit allows 32;
+/// twice that leaves room for a client that probes every option once, and bounds what one
+/// handshake costs to 64 small replies (and 64 MiB of drained payload at most).
+pub const MAX_OPTIONS: u32 = 64;
 
 /// The default for how long a client has for the whole handshake, from accept to the
 /// transmission phase (`serve --handshake-limit`).
@@ -106,7 +113,8 @@ pub fn negotiate_tls<S: Read + Write>(
     }
     let no_zeroes = client_flags & CLIENT_NO_ZEROES != 0;
     let state = tls.map_or(TlsState::Off, |t| TlsState::Offered { required: t.required });
-    let policy = match options(stream, export, no_zeroes, state)? {
+    let mut sent = 0;
+    let policy = match options(stream, export, no_zeroes, state, &mut sent)? {
         Step::Done(outcome) => return Ok((outcome, None)),
         Step::StartTls => tls.expect("STARTTLS is acknowledged only under a TLS policy"),
     };
@@ -122,7 +130,7 @@ pub fn negotiate_tls<S: Read + Write>(
     let suite = session.negotiated_cipher_suite().map_or_else(|| "?".into(), |s| format!("{:?}", s.suite()));
     let peer = if policy.verify_peer { ", client certificate verified" } else { "" };
     tracing::info!("TLS established ({version}, {suite}{peer})");
-    let outcome = match options(&mut rustls::Stream::new(&mut *session, stream), export, no_zeroes, TlsState::Active)? {
+    let outcome = match options(&mut rustls::Stream::new(&mut *session, stream), export, no_zeroes, TlsState::Active, &mut sent)? {
         Step::Done(outcome) => outcome,
         Step::StartTls => unreachable!("a second STARTTLS is refused"),
     };
@@ -133,8 +141,9 @@ pub fn negotiate_tls<S: Read + Write>(
 ///
 /// What the client negotiates here (structured replies, metadata contexts) lives in this call
 /// only: after STARTTLS the haggling starts afresh inside TLS, and what was agreed in plaintext
-/// no longer holds (proto.md, "NBD_OPT_STARTTLS").
-fn options<S: Read + Write>(stream: &mut S, export: &ExportInfo, no_zeroes: bool, tls: TlsState) -> io::Result<Step> {
+/// no longer holds (proto.md, "NBD_OPT_STARTTLS"). `sent` counts the connection's options
+/// over both runs, against [`MAX_OPTIONS`].
+fn options<S: Read + Write>(stream: &mut S, export: &ExportInfo, no_zeroes: bool, tls: TlsState, sent: &mut u32) -> io::Result<Step> {
     let mut refused_plaintext = false;
     let mut negotiated = Negotiated::default();
     loop {
@@ -145,6 +154,12 @@ fn options<S: Read + Write>(stream: &mut S, export: &ExportInfo, no_zeroes: bool
             tracing::warn!("bad option magic {magic:#x}; closing");
             return Ok(Step::Done(Outcome::Closed));
         }
+        if *sent >= MAX_OPTIONS {
+            // No reply: NBD_OPT_EXPORT_NAME has none, and a client this far gone reads none.
+            tracing::warn!("client sent {MAX_OPTIONS} options without choosing the export; closing");
+            return Ok(Step::Done(Outcome::Closed));
+        }
+        *sent += 1;
         let option = read_u32(stream)?;
         let len = read_u32(stream)?;
         if len > MAX_OPTION_LEN {
@@ -492,6 +507,7 @@ pub(crate) fn read_u64<R: Read>(r: &mut R) -> io::Result<u64> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
     use std::os::unix::net::UnixStream;
     use std::time::Instant;
 
@@ -564,6 +580,21 @@ pub(crate) mod tests {
     #[test]
     fn client_that_never_reads_is_cut_at_the_deadline() {
         let (mut server, client) = UnixStream::pair().unwrap();
+        // The replies to fewer than MAX_OPTIONS options must fill the socket's buffer, or the
+        // option cap ends the handshake before any write blocks.
+        let small: libc::c_int = 1;
+        // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a live local; the socket is
+        // open for the call.
+        let rc = unsafe {
+            libc::setsockopt(
+                server.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&raw const small).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0, "{}", io::Error::last_os_error());
         let flood = std::thread::spawn(move || {
             let mut c = client;
             let mut bytes = (CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES).to_be_bytes().to_vec();
@@ -579,6 +610,44 @@ pub(crate) mod tests {
         assert!(took < Duration::from_millis(1500), "{took:?}");
         drop(server);
         flood.join().unwrap();
+    }
+
+    /// A client that loops NBD_OPT_LIST gets MAX_OPTIONS answers, then the connection closes,
+    /// long before the handshake limit.
+    #[test]
+    fn option_count_is_capped() {
+        let (mut server, client) = UnixStream::pair().unwrap();
+        let looping = std::thread::spawn(move || {
+            let mut c = client;
+            let mut greeting = [0u8; 18];
+            c.read_exact(&mut greeting).unwrap();
+            c.write_all(&(CLIENT_FIXED_NEWSTYLE | CLIENT_NO_ZEROES).to_be_bytes()).unwrap();
+            let mut acks = 0;
+            loop {
+                if c.write_all(&option(OPT_LIST, &[])).is_err() {
+                    return acks;
+                }
+                // One NBD_REP_SERVER, then the ACK; the end of the stream ends the loop.
+                loop {
+                    let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
+                    if c.read_exact(&mut h).is_err() {
+                        return acks;
+                    }
+                    let (_, kind, len) = parse_option_reply_header(&h).unwrap();
+                    io::copy(&mut (&mut c).take(u64::from(len)), &mut io::sink()).unwrap();
+                    if kind == REP_ACK {
+                        acks += 1;
+                        break;
+                    }
+                }
+            }
+        });
+        let t0 = Instant::now();
+        let outcome = negotiate_within(&mut server, &export(), Duration::from_secs(30)).unwrap();
+        assert_eq!(outcome, Outcome::Closed);
+        assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+        drop(server);
+        assert_eq!(looping.join().unwrap(), MAX_OPTIONS);
     }
 
     /// A prompt handshake ends in transmission and leaves the socket without timeouts.

@@ -85,6 +85,9 @@ pub fn validate(r: &Request, rules: &Rules) -> Result<(), u32> {
         CMD_WRITE | CMD_WRITE_ZEROES if !in_range => Err(ENOSPC),
         CMD_READ | CMD_TRIM | CMD_CACHE | CMD_BLOCK_STATUS if !in_range => Err(EINVAL),
         CMD_TRIM if !rules.allow_discards => Err(EINVAL),
+        // proto.md: a FLUSH's offset and length MUST be zero; a client that sets them expects
+        // a ranged flush this server would not do (nbdkit answers EINVAL too).
+        CMD_FLUSH if r.offset != 0 || r.length != 0 => Err(EINVAL),
         CMD_READ | CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM | CMD_CACHE | CMD_FLUSH | CMD_BLOCK_STATUS => Ok(()),
         _ => Err(EINVAL),
     }
@@ -193,6 +196,15 @@ mod tests {
         }
         assert_eq!(validate(&req(CMD_READ, 0, 512, 0), &ro), Ok(()));
         assert_eq!(validate(&req(CMD_FLUSH, 0, 0, 0), &ro), Ok(()));
+    }
+
+    #[test]
+    fn flush_with_an_offset_or_length_is_einval() {
+        assert_eq!(validate(&req(CMD_FLUSH, 0, 4096, 0), &RW), Err(EINVAL), "length");
+        assert_eq!(validate(&req(CMD_FLUSH, 512, 0, 0), &RW), Err(EINVAL), "offset");
+        assert_eq!(validate(&req(CMD_FLUSH, 512, 512, CMD_FLAG_FUA), &RW), Err(EINVAL), "both");
+        assert_eq!(check(&req(CMD_FLUSH, 0, 4096, 0), &RW), Verdict::Reject { errno: EINVAL, drain: 0 }, "nothing to drain");
+        assert_eq!(validate(&req(CMD_FLUSH, 0, 0, 0), &RW), Ok(()));
     }
 
     #[test]

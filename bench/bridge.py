@@ -35,6 +35,21 @@ sockets), as separate servers interleaved with the rest, so TCP and unix jobs pa
 repeat. TCP targets (cpu regime): passthrough >= 1.0 x nbdkit file over TCP (SEQ1M, RND4K);
 encrypted / passthrough over TCP >= 0.95 x the same ratio over unix sockets, per repeat.
 
+cryptbridge locks a served image as qemu does (one writer at a time), so cryptbridge servers that
+share a backing file are not up at once: each is started for its own fio job and stopped after it
+(checked once at the start of the regime); the other servers stay up, and the order of the jobs
+is the same.
+
+Before/after (--baseline BINARY): every cryptbridge server (cb-enc, cb-pt and their -tcp
+variants) is also started from BINARY with the same arguments and a socket or port of its own,
+named with the suffix "@base" ("cb-enc" -> "cb-enc@base"). Each one sits next to its twin in the
+regime's list of servers and takes part in the same rotation as every other server, so the two
+builds run side by side in one run. The report then gets an "after / before" section: per regime,
+server and profile, the median over repeats of this build's MB/s / the baseline's in the same
+repeat, and each build's server CPU seconds (utime+stime of the server process over the job, ramp
+included) per GiB moved (MB/s x (runtime + ramp)). Targets compare this build's servers only.
+e.g. python3 bench/bridge.py --quick --regimes cpu,device --servers cb-enc,cb-pt --baseline OLD
+
 Ratios (targets, overhead columns) are the median over repeats of the ratio of the two servers'
 jobs in the same repeat: the machine's speed drifts by tens of per cent over a run, and the jobs of
 a pair run close together. The ratio of the two medians is printed and recorded beside it.
@@ -127,23 +142,52 @@ REGIME_SERVERS = {
             "nbdkit-file-tcp"],
 }
 TCP_SUFFIX = "-tcp"
+# --baseline: the same cryptbridge servers started from the baseline binary, "<key>@base".
+BASE_SUFFIX = "@base"
+CB_KEYS = ("cb-enc", "cb-pt", "cb-enc-tcp", "cb-pt-tcp")
 TRANSPORTS = {"unix": ("unix",), "tcp": ("tcp",), "both": ("unix", "tcp")}
+
+
+def build_key(key: str) -> str:
+    """The server key without the baseline's suffix: "cb-enc-tcp@base" -> "cb-enc-tcp"."""
+    return key.removesuffix(BASE_SUFFIX)
+
+
+def is_baseline(key: str) -> bool:
+    return key.endswith(BASE_SUFFIX)
 
 
 def transport_of(key: str) -> str:
     """A server key names its transport: "<server>-tcp" listens on the loopback, the rest on a
     unix socket."""
-    return "tcp" if key.endswith(TCP_SUFFIX) else "unix"
+    return "tcp" if build_key(key).endswith(TCP_SUFFIX) else "unix"
 
 
 def base_key(key: str) -> str:
-    return key.removesuffix(TCP_SUFFIX)
+    return build_key(key).removesuffix(TCP_SUFFIX)
+
+
+def label_of(key: str) -> str:
+    label = SERVER_LABELS[build_key(key)]
+    return label + ", baseline" if is_baseline(key) else label
 
 
 def passthrough_of(key: str) -> str:
     """The passthrough server that `key`'s overhead is measured against: the one on the same
-    transport."""
-    return "cb-pt-tcp" if transport_of(key) == "tcp" else "cb-pt"
+    transport, of the same build."""
+    pt = "cb-pt-tcp" if transport_of(key) == "tcp" else "cb-pt"
+    return pt + BASE_SUFFIX if is_baseline(key) else pt
+
+
+def with_baselines(keys: list[str]) -> list[str]:
+    """`keys` with each cryptbridge server followed by its baseline twin (the two builds' jobs
+    then run next to each other in every rotation)."""
+    out = []
+    for k in keys:
+        out.append(k)
+        if k in CB_KEYS:
+            out.append(k + BASE_SUFFIX)
+    return out
 REGIME_TITLES = {
     "device": "Device-bound (backing on disk, --direct)",
     "ssd": "Device-bound at the issue's disk speed (--direct, disk I/O throttled to 600 MB/s write, 880 MB/s read)",
@@ -367,10 +411,11 @@ class Server:
                  ready_line: bool):
         self.key = key
         self.regime = regime
-        self.label = SERVER_LABELS[key]
+        self.label = label_of(key)
         self.backing = backing
-        self.sock = rundir / f"{regime}-{key}.sock"
-        self.pidfile = rundir / f"{regime}-{key}.pid"
+        fkey = key.replace("@", "_")  # no "@" in a socket path that goes into an nbd+unix URI
+        self.sock = rundir / f"{regime}-{fkey}.sock"
+        self.pidfile = rundir / f"{regime}-{fkey}.pid"
         self.transport = transport_of(key)
         # TCP servers get a free loopback port (nbdkit needs one named; cryptbridge is given it
         # too, and its ready line says where it listens).
@@ -392,6 +437,8 @@ class Server:
             return ""
 
     def start(self, timeout: float = 60.0) -> None:
+        self.exit_code = None
+        self.uri = None
         self.sock.unlink(missing_ok=True)
         self.pidfile.unlink(missing_ok=True)
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
@@ -501,7 +548,14 @@ def fio_job(uri: str, prof: Profile, size: int, runtime: float, ramp: float, out
     if cpu0 and cpu1 and cpu1[1] > cpu0[1]:
         sample["machine_busy"] = round((cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1]), 3)
     if srv0 is not None and srv1 is not None and wall > 0:
-        sample["server_cores"] = round((srv1 - srv0) / os.sysconf("SC_CLK_TCK") / wall, 3)
+        cpu_s = (srv1 - srv0) / os.sysconf("SC_CLK_TCK")
+        sample["server_cores"] = round(cpu_s / wall, 3)
+        # Server CPU over the job (ramp included) per GiB moved over the same time, estimated as
+        # the measured bandwidth x (runtime + ramp).
+        sample["server_cpu_s"] = round(cpu_s, 3)
+        moved_gib = (rbw + wbw) * (runtime + ramp) / GiB
+        if moved_gib > 0:
+            sample["server_cpu_s_per_gib"] = round(cpu_s / moved_gib, 4)
     if not sample["ok"]:
         sample["error"] = f"fio rc={r.returncode} job error={job.get('error')}: {r.stderr.strip()[-300:]}"
     return sample
@@ -565,8 +619,10 @@ def build_servers(regime: str, keys: list[str], args, work: Path, rundir: Path, 
         backing = backing_path(work, regime, key)
 
         if base_key(key) in ("cb-enc", "cb-pt"):
-            def fn(sock, _pid, b=backing, k=key):
-                return cryptbridge_argv(k, args.binary, b, keyfile, sock, args.sector_size, extra_cb)
+            binary = args.baseline if is_baseline(key) else args.binary
+
+            def fn(sock, _pid, b=backing, k=key, binary=binary):
+                return cryptbridge_argv(k, binary, b, keyfile, sock, args.sector_size, extra_cb)
             ready = True
         elif key == "nbdkit-file":
             def fn(sock, pid, b=backing):
@@ -642,15 +698,32 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
             return
     info = state["servers"].setdefault(regime, {})
     all_servers = servers
+    # cryptbridge locks a served image as qemu does (one writer, since 4173291): cryptbridge
+    # servers that share a backing file cannot be up at once. Each of them is started for its
+    # own jobs only (started, one fio job, stopped), the others stay up all the time; the order
+    # of the jobs is unchanged.
+    by_backing: dict[Path, list[str]] = {}
+    for s in servers:
+        if s.key.startswith("cb-"):
+            by_backing.setdefault(s.backing, []).append(s.key)
+    per_job = {k for ks in by_backing.values() if len(ks) > 1 for k in ks}
+    if per_job:
+        log(f"  started per job (they share a backing file, which cryptbridge locks): {', '.join(sorted(per_job))}")
+
+    def start(s: Server) -> None:
+        s.start()
+        if s.export_size is not None and s.export_size < size:
+            raise RuntimeError(f"{s.key}: export size {s.export_size} < {size}")
+        if throttle is not None:
+            throttle.add(s.proc.pid)
+
     try:
         up = []
         for s in all_servers:
             info[s.key] = {"label": s.label, "argv": [str(a) for a in s.argv],
                            "backing": str(s.backing), "log": str(s.stderr_path)}
             try:
-                s.start()
-                if s.export_size is not None and s.export_size < size:
-                    raise RuntimeError(f"{s.key}: export size {s.export_size} < {size}")
+                start(s)
             except RuntimeError as e:
                 # One broken server must not cost the others their measurements.
                 warn(f"{regime}/{s.key} not started, skipped: {e}")
@@ -659,10 +732,11 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
                 continue
             info[s.key].update({"uri": s.uri, "export_size": s.export_size})
             if throttle is not None:
-                throttle.add(s.proc.pid)
                 info[s.key]["throttle"] = throttle.describe()
             up.append(s)
-            log(f"  {s.key:12} up at {s.uri}  (pid {s.proc.pid})")
+            log(f"  {s.key:15} up at {s.uri}  (pid {s.proc.pid})" + ("; stopped until its jobs" if s.key in per_job else ""))
+            if s.key in per_job:
+                s.stop()  # it started once and answered; its jobs start it again
         servers = up
         n = len(servers)
         if n == 0:
@@ -677,6 +751,15 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
             for pi, prof in enumerate(PROFILES):
                 for s in job_order(servers, rep, pi):
                     cell = res.setdefault(s.key, {}).setdefault(prof.key, [])
+                    if s.key in per_job and s.dead_reason is None:
+                        try:
+                            start(s)
+                        except RuntimeError as e:
+                            s.stop()
+                            cell.append({"ok": False, "error": f"start failed: {e}", "repeat": rep + 1})
+                            log(f"  [{regime} {rep + 1}/{repeats_for(args, regime)}] {prof.label:22} {s.key:15}"
+                                f"   FAILED to start: {e}")
+                            continue
                     if not s.alive():
                         if s.dead_reason is None:
                             s.dead_reason = f"server exited with {s.proc.returncode}: {s._tail(300)}"
@@ -688,13 +771,17 @@ def run_regime(regime: str, servers: list[Server], size: int, args, state: dict,
                     sample = fio_job(s.uri, prof, size, runtime, ramp, out, s.proc.pid)
                     sample["repeat"] = rep + 1
                     cell.append(sample)
+                    if s.key in per_job:
+                        s.stop()
+                        if s.exit_code not in (0, None):
+                            warn(f"{regime}/{s.key} exited {s.exit_code} on SIGTERM (contract: 0); see {s.stderr_path}")
                     if prof.writes:
                         sync_file(s.backing)  # every write job starts with a clean page cache
                     if sample["ok"]:
-                        log(f"  [{regime} {rep + 1}/{repeats_for(args, regime)}] {prof.label:22} {s.key:12}"
+                        log(f"  [{regime} {rep + 1}/{repeats_for(args, regime)}] {prof.label:22} {s.key:15}"
                             f" {sample['mbps']:9.1f} MB/s {sample['iops']:9.0f} IOPS")
                     else:
-                        log(f"  [{regime} {rep + 1}/{repeats_for(args, regime)}] {prof.label:22} {s.key:12}"
+                        log(f"  [{regime} {rep + 1}/{repeats_for(args, regime)}] {prof.label:22} {s.key:15}"
                             f"   FAILED: {sample.get('error')}")
             checkpoint()
     finally:
@@ -730,6 +817,8 @@ def summarize(state: dict) -> dict:
                     "median_iops": median([s["iops"] for s in ok]),
                     "median_machine_busy": median([s["machine_busy"] for s in ok if "machine_busy" in s]),
                     "median_server_cores": median([s["server_cores"] for s in ok if "server_cores" in s]),
+                    "median_server_cpu_s_per_gib": median([s["server_cpu_s_per_gib"] for s in ok
+                                                           if "server_cpu_s_per_gib" in s]),
                     "n": len(vals),
                     "failed": len(samples) - len(vals),
                 }
@@ -813,7 +902,70 @@ def overhead(results, regime, key, pkey):
 
 
 def regime_keys(summary, regime):
-    return [k for k in REGIME_SERVERS[regime] if k in summary.get(regime, {})]
+    return [k for k in with_baselines(REGIME_SERVERS[regime]) if k in summary.get(regime, {})]
+
+
+def paired_values(results: dict, regime: str, num: str, den: str, pkey: str, field: str) -> list[float]:
+    """num's `field` / den's, for every repeat in which both jobs succeeded."""
+    per = results.get(regime, {})
+    by_rep = lambda key: {s.get("repeat"): s[field] for s in per.get(key, {}).get(pkey, [])  # noqa: E731
+                          if s.get("ok") and s.get(field)}
+    a, b = by_rep(num), by_rep(den)
+    return [a[r] / b[r] for r in sorted(a.keys() & b.keys())]
+
+
+def compute_after_before(summary: dict, results: dict) -> list[dict]:
+    """--baseline: one row per (regime, cryptbridge server, profile): this build against the
+    baseline's twin, median over repeats of the same-repeat ratio."""
+    rows = []
+    for regime in ("cpu", "device", "ssd"):
+        for key in REGIME_SERVERS[regime]:
+            twin = key + BASE_SUFFIX
+            if key not in CB_KEYS or key not in summary.get(regime, {}) or twin not in summary.get(regime, {}):
+                continue
+            for prof in PROFILES:
+                ratios = paired_values(results, regime, key, twin, prof.key, "mbps")
+                cpu_ratios = paired_values(results, regime, key, twin, prof.key, "server_cpu_s_per_gib")
+                cell = lambda k, f: summary[regime][k].get(prof.key, {}).get(f)  # noqa: E731
+                rows.append({"regime": regime, "server": key, "baseline": twin, "profile": prof.key,
+                             "profile_label": prof.label,
+                             "after_mbps": cell(key, "median_mbps"), "before_mbps": cell(twin, "median_mbps"),
+                             "ratio": median(ratios), "pairs": len(ratios),
+                             "ratio_min": min(ratios) if ratios else None,
+                             "ratio_max": max(ratios) if ratios else None,
+                             "after_cpu_s_per_gib": cell(key, "median_server_cpu_s_per_gib"),
+                             "before_cpu_s_per_gib": cell(twin, "median_server_cpu_s_per_gib"),
+                             "cpu_ratio": median(cpu_ratios)})
+    return rows
+
+
+def after_before_lines(rows: list[dict], state: dict, markdown: bool) -> list[str]:
+    env = state["environment"]
+    intro = (f"after / before: this build ({env.get('cryptbridge') or 'cryptbridge'}, "
+             f"{state['config']['binary']}) against the baseline ({env.get('cryptbridge_baseline') or '?'}, "
+             f"{state['config']['baseline']}); ratio = median over repeats of the MB/s ratio of the two "
+             f"builds' jobs in the same repeat; CPU = server CPU seconds (utime+stime, ramp included) "
+             f"per GiB moved, median; CPU ratio = median of the same-repeat ratios.")
+    head = ["Regime", "Server", "Profile", "after MB/s", "before MB/s", "after / before", "min–max",
+            "pairs", "CPU s/GiB after", "CPU s/GiB before", "CPU after / before"]
+    lines = []
+    if markdown:
+        lines += ["**after / before**", "", intro, "", "| " + " | ".join(head) + " |",
+                  "|---|---|---|" + "---:|" * (len(head) - 3)]
+    else:
+        lines += ["", intro,
+                  f"{'regime':7} {'server':11} {'profile':22} {'after':>8} {'before':>8} {'a/b':>6} "
+                  f"{'min–max':>11} {'pairs':>5} {'cpu s/GiB a':>11} {'b':>6} {'a/b':>6}"]
+    for r in rows:
+        vals = [fmt(r["after_mbps"], 0), fmt(r["before_mbps"], 0), fmt(r["ratio"], 3),
+                f"{fmt(r['ratio_min'], 2)}–{fmt(r['ratio_max'], 2)}", str(r["pairs"]),
+                fmt(r["after_cpu_s_per_gib"], 3), fmt(r["before_cpu_s_per_gib"], 3), fmt(r["cpu_ratio"], 3)]
+        if markdown:
+            lines.append(f"| {r['regime']} | {label_of(r['server'])} | {r['profile_label']} | " + " | ".join(vals) + " |")
+        else:
+            lines.append(f"{r['regime']:7} {r['server']:11} {r['profile_label']:22} {vals[0]:>8} {vals[1]:>8} "
+                         f"{vals[2]:>6} {vals[3]:>11} {vals[4]:>5} {vals[5]:>11} {vals[6]:>6} {vals[7]:>6}")
+    return lines
 
 
 def print_tables(summary, results, targets, args) -> None:
@@ -866,7 +1018,7 @@ def markdown(summary, targets, state, args) -> str:
         size = state["config"]["device_size" if regime in DISK_REGIMES else "cpu_size"]
         lines.append(f"**{REGIME_TITLES[regime]}, {human_size(size)} export**")
         lines.append("")
-        head = ["Profile"] + [SERVER_LABELS[k] for k in keys]
+        head = ["Profile"] + [label_of(k) for k in keys]
         pair = "cb-enc" in keys and "cb-pt" in keys
         tcp_pair = "cb-enc-tcp" in keys and "cb-pt-tcp" in keys
         if pair:
@@ -946,7 +1098,8 @@ def chart(summary, state, args, path: Path) -> None:
                 ys.append(m)
                 lo.append(m - (c.get("min_mbps") or m))
                 hi.append((c.get("max_mbps") or m) - m)
-            bars = ax.bar(xs, ys, width, label=SERVER_LABELS[k], color=colors.get(k),
+            bars = ax.bar(xs, ys, width, label=label_of(k), color=colors.get(build_key(k)),
+                          hatch="//" if is_baseline(k) else None,
                           yerr=[lo, hi] if repeats_for(args, regime) > 1 else None, capsize=2,
                           error_kw={"elinewidth": 0.8})
             for b, y in zip(bars, ys):
@@ -974,7 +1127,7 @@ def chart(summary, state, args, path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def check_tools(keys_needed: set[str], binary: Path) -> list[str]:
+def check_tools(keys_needed: set[str], binary: Path, baseline: Path | None = None) -> list[str]:
     missing = []
     for tool in ["fio", "nbdinfo"]:
         if not shutil.which(tool):
@@ -992,6 +1145,8 @@ def check_tools(keys_needed: set[str], binary: Path) -> list[str]:
             missing.append("nbdkit luks filter")
     if {"cb-enc", "cb-pt", "cb-enc-tcp", "cb-pt-tcp"} & keys_needed and not binary.exists():
         missing.append(f"{binary} (cargo build --release)")
+    if baseline is not None and any(is_baseline(k) for k in keys_needed) and not baseline.exists():
+        missing.append(f"{baseline} (--baseline)")
     if shutil.which("fio"):
         r = run(["fio", "--enghelp=nbd"], timeout=30)
         if "uri" not in r.stdout:
@@ -1003,6 +1158,9 @@ def main() -> int:
     global PROFILES  # --profiles narrows the module-wide list every report walks
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", type=Path, default=DEFAULT_BINARY)
+    ap.add_argument("--baseline", type=Path, default=None, metavar="BINARY",
+                    help="also run every cryptbridge server from BINARY (\"<server>@base\"), in the same "
+                         "rotation, and report after / before (see above)")
     ap.add_argument("--runtime", type=float, default=None, help="seconds per fio job (default 5; quick 2)")
     ap.add_argument("--ramp", type=float, default=None, help="fio ramp_time seconds (default 1; quick 0.5)")
     ap.add_argument("--repeats", type=int, default=None, help="repeats, median reported (default 3; quick 1)")
@@ -1066,9 +1224,11 @@ def main() -> int:
     plan = {r: [k for k in REGIME_SERVERS[r] if base_key(k) in wanted and transport_of(k) in transports]
             for r in regimes}
     plan = {r: ks for r, ks in plan.items() if ks}
+    if args.baseline is not None:
+        plan = {r: with_baselines(ks) for r, ks in plan.items()}
     keys_needed = {k for ks in plan.values() for k in ks}
 
-    missing = check_tools(keys_needed, args.binary)
+    missing = check_tools(keys_needed, args.binary, args.baseline)
     if missing:
         print("error: missing: " + ", ".join(missing) + " (bench/run.sh installs them)", file=sys.stderr)
         return 1
@@ -1122,17 +1282,28 @@ def main() -> int:
         "results": {},
     }
 
+    if args.baseline is not None:
+        state["config"]["binary"] = str(args.binary)
+        state["config"]["baseline"] = str(args.baseline)
+        state["environment"]["cryptbridge_baseline"] = tool_version([args.baseline, "--version"])
+
     def report(final: bool) -> None:
         summary = summarize(state)
         targets = compute_targets(summary, state["results"])
         state["summary"] = summary
         state["targets"] = targets
+        if args.baseline is not None:
+            state["after_before"] = compute_after_before(summary, state["results"])
         state["environment"]["loadavg_end"] = list(os.getloadavg())
         write_json(args.out_json, state)
         if final:
             print_tables(summary, state["results"], targets, args)
+            md = markdown(summary, targets, state, args)
+            if args.baseline is not None:
+                log("\n".join(after_before_lines(state["after_before"], state, markdown=False)))
+                md += "\n\n" + "\n".join(after_before_lines(state["after_before"], state, markdown=True))
             args.out_md.parent.mkdir(parents=True, exist_ok=True)
-            args.out_md.write_text(markdown(summary, targets, state, args) + "\n")
+            args.out_md.write_text(md + "\n")
             chart(summary, state, args, chart_path)
             log(f"wrote {args.out_json}")
             log(f"wrote {args.out_md}")

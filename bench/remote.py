@@ -18,6 +18,13 @@ socket=<upstream>`, no encryption) in front of the same upstream. It is the peer
 extra NBD hop on the same vCPUs, so its ratio to `nbdkit memory` alone says how much of the
 bridge's gap any server that sits between fio and the upstream pays here.
 
+With --baseline BINARY a second bridge, "bridge@base", runs from BINARY with the same arguments
+(its own socket, the same upstream) and joins the rotation next to "bridge": a before/after
+check of two builds in one run. The report gets an "after / before" section: per profile, the
+median over repeats of bridge / bridge@base in the same repeat, and each bridge's CPU seconds
+(utime+stime of the cryptbridge process over the job, ramp included; the upstream's not counted)
+per GiB moved (MB/s x (runtime + ramp)).
+
 Outputs: bench/out/remote.json, bench/out/remote.md (paste into a dated page under docs/bench/),
 per-job fio JSON under bench/out/fio/remote/, server logs under bench/out/logs/.
 """
@@ -60,6 +67,8 @@ PROFILE_KEYS = ["seq1m_q8t1_read", "seq1m_q8t1_write", "rnd4k_q32t1_read", "rnd4
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", type=Path, default=DEFAULT_BINARY)
+    ap.add_argument("--baseline", type=Path, default=None, metavar="BINARY",
+                    help="also run the bridge from BINARY as \"bridge@base\" in the same rotation; report after / before")
     ap.add_argument("--size", default="512M", help="export size (nbdkit memory), default 512M")
     ap.add_argument("--repeats", type=int, default=5, help="alternating pairs per profile (default 5)")
     ap.add_argument("--runtime", type=float, default=5.0, help="seconds per fio job (default 5)")
@@ -79,6 +88,9 @@ def main() -> int:
     if not args.binary.exists():
         warn(f"{args.binary} not found: cargo build --release")
         return 1
+    if args.baseline is not None and not args.baseline.exists():
+        warn(f"{args.baseline} (--baseline) not found")
+        return 1
     profiles = [p for p in PROFILES if p.key in args.profiles.split(",")]
     size_bytes = int(args.size[:-1]) * {"K": 1 << 10, "M": MiB, "G": 1 << 30}[args.size[-1].upper()] if args.size[-1].isalpha() else int(args.size)
 
@@ -88,6 +100,7 @@ def main() -> int:
     fio_dir.mkdir(parents=True, exist_ok=True)
     rundir = Path(tempfile.mkdtemp(prefix="cbremote", dir="/tmp"))
     up_sock, cb_sock, px_sock = rundir / "up.sock", rundir / "cb.sock", rundir / "proxy.sock"
+    base_sock = rundir / "cb-base.sock"
     keyfile = rundir / "key"
     fd = os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -99,17 +112,26 @@ def main() -> int:
     cb_argv = [args.binary, "serve", "--backing", f"nbd+unix:///?socket={up_sock}", "--key-file", keyfile, "--unix", cb_sock]
     if args.backing_connections:
         cb_argv += ["--backing-connections", str(args.backing_connections)]
+    base_argv = None
+    if args.baseline is not None:
+        base_argv = [args.baseline, *cb_argv[1:]]
+        base_argv[base_argv.index(cb_sock)] = base_sock
     px_argv = ["nbdkit", "-f", "-U", px_sock, "nbd", f"socket={up_sock}"]
     uris = {"direct": f"nbd+unix:///?socket={up_sock}", "bridge": f"nbd+unix:///?socket={cb_sock}"}
+    if base_argv:
+        uris["bridge@base"] = f"nbd+unix:///?socket={base_sock}"
     if args.proxy:
         uris["proxy"] = f"nbd+unix:///?socket={px_sock}"
     state = {
         "environment": environment(args.binary),
-        "commands": {"upstream": shjoin(up_argv), "bridge": shjoin(cb_argv)} | ({"proxy": shjoin(px_argv)} if args.proxy else {}),
+        "commands": {"upstream": shjoin(up_argv), "bridge": shjoin(cb_argv)} | ({"proxy": shjoin(px_argv)} if args.proxy else {})
+        | ({"bridge@base": shjoin(base_argv)} if base_argv else {}),
         "config": {"size": args.size, "repeats": args.repeats, "runtime": args.runtime, "ramp": args.ramp},
         "results": {},
     }
-    up = cb = px = None
+    if base_argv:
+        state["environment"]["cryptbridge_baseline"] = tool_version([args.baseline, "--version"])
+    up = cb = px = base = None
     try:
         with open(logdir / "remote-upstream.log", "wb") as err:
             up = spawn(up_argv, stdout=err, stderr=err)
@@ -117,16 +139,20 @@ def main() -> int:
         with open(logdir / "remote-bridge.stdout.log", "wb") as out, open(logdir / "remote-bridge.stderr.log", "wb") as err:
             cb = spawn(cb_argv, stdout=out, stderr=err)
         wait_listening(cb_sock, cb, "cryptbridge serve")
+        if base_argv:
+            with open(logdir / "remote-bridge-base.stdout.log", "wb") as out, open(logdir / "remote-bridge-base.stderr.log", "wb") as err:
+                base = spawn(base_argv, stdout=out, stderr=err)
+            wait_listening(base_sock, base, "cryptbridge serve (--baseline)")
         if args.proxy:
             with open(logdir / "remote-proxy.log", "wb") as err:
                 px = spawn(px_argv, stdout=err, stderr=err)
             wait_listening(px_sock, px, "nbdkit nbd (proxy)")
-        log(f"filling the {args.size} export through the bridge")
+        log(f"filling the {args.size} export through the bridge; rotation: {', '.join(uris)}")
         r = run(["nbdcopy", "--flush", "--", "[", "nbdkit", "-r", "pattern", args.size, "]", uris["bridge"]], timeout=600)
         if r.returncode != 0:
             warn(f"fill failed: {r.stderr.strip()[-400:]}")
             return 1
-        pids = {"direct": up.pid, "bridge": cb.pid} | ({"proxy": px.pid} if px else {})
+        pids = {"direct": up.pid, "bridge": cb.pid} | ({"proxy": px.pid} if px else {}) | ({"bridge@base": base.pid} if base else {})
         servers = list(uris)
         for rep in range(args.repeats):
             for pi, prof in enumerate(profiles):
@@ -135,12 +161,13 @@ def main() -> int:
                 for who in order:
                     sample = fio_job(uris[who], prof, size_bytes, args.runtime, args.ramp, fio_dir / f"{prof.key}-{who}-{rep}.json", pids[who])
                     state["results"].setdefault(prof.key, {}).setdefault(who, []).append(sample)
-                    log(f"  [{rep + 1}/{args.repeats}] {prof.label:20} {who:7} {fmt(sample.get('mbps'))} MB/s"
+                    log(f"  [{rep + 1}/{args.repeats}] {prof.label:20} {who:11} {fmt(sample.get('mbps'))} MB/s"
                         + ("" if sample["ok"] else f"  FAILED: {sample.get('error')}"))
     except BenchInterrupted as e:
         warn(f"interrupted: {e}")
     finally:
         kill_group(px)
+        kill_group(base)
         kill_group(cb)
         kill_group(up)
 
@@ -180,6 +207,40 @@ def main() -> int:
             bridge_px = median([b["mbps"] / x["mbps"] for _, b, x in triples])
             summary[prof.key] |= {"proxy_mbps": median(px), "proxy_ratio": px_direct, "bridge_over_proxy": bridge_px}
             lines.append(f"| {prof.label} | {fmt(median(px), 0)} | {fmt(px_direct, 2)} | {fmt(bridge_px, 2)} |")
+    if base_argv:
+        lines += [
+            "",
+            "**after / before**",
+            "",
+            f"This build (`{args.binary}`, {state['environment'].get('cryptbridge') or '?'}) against the baseline "
+            f"(`{args.baseline}`, {state['environment'].get('cryptbridge_baseline') or '?'}), the same arguments, in the same "
+            "rotation. after / before: median over repeats of the two bridges' MB/s ratio in the same repeat. CPU: the "
+            "cryptbridge process's utime+stime over the job (ramp included) per GiB moved, median.",
+            "",
+            "| Profile | after MB/s | before MB/s | after / before | min–max | pairs | CPU s/GiB after | CPU s/GiB before | CPU after / before | before / direct |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        after_before = []
+        for prof in profiles:
+            res = state["results"].get(prof.key, {})
+            a_s, b_s, d_s = res.get("bridge", []), res.get("bridge@base", []), res.get("direct", [])
+            ok = lambda xs: [x for x in xs if x["ok"]]  # noqa: E731
+            pairs = [a["mbps"] / b["mbps"] for a, b in zip(a_s, b_s) if a["ok"] and b["ok"] and b["mbps"] > 0]
+            cpu_pairs = [a["server_cpu_s_per_gib"] / b["server_cpu_s_per_gib"] for a, b in zip(a_s, b_s)
+                         if a["ok"] and b["ok"] and a.get("server_cpu_s_per_gib") and b.get("server_cpu_s_per_gib")]
+            base_direct = median([b["mbps"] / d["mbps"] for d, b in zip(d_s, b_s) if d["ok"] and b["ok"] and d["mbps"] > 0])
+            row = {"profile": prof.key, "after_mbps": median([x["mbps"] for x in ok(a_s)]),
+                   "before_mbps": median([x["mbps"] for x in ok(b_s)]), "ratio": median(pairs),
+                   "ratio_min": min(pairs) if pairs else None, "ratio_max": max(pairs) if pairs else None,
+                   "pairs": len(pairs),
+                   "after_cpu_s_per_gib": median([x.get("server_cpu_s_per_gib") for x in ok(a_s)]),
+                   "before_cpu_s_per_gib": median([x.get("server_cpu_s_per_gib") for x in ok(b_s)]),
+                   "cpu_ratio": median(cpu_pairs), "before_over_direct": base_direct}
+            after_before.append(row)
+            lines.append(f"| {prof.label} | {fmt(row['after_mbps'], 0)} | {fmt(row['before_mbps'], 0)} | {fmt(row['ratio'], 3)} | "
+                         f"{fmt(row['ratio_min'], 2)}–{fmt(row['ratio_max'], 2)} | {row['pairs']} | {fmt(row['after_cpu_s_per_gib'], 3)} | "
+                         f"{fmt(row['before_cpu_s_per_gib'], 3)} | {fmt(row['cpu_ratio'], 3)} | {fmt(base_direct, 2)} |")
+        state["after_before"] = after_before
     state["summary"] = summary
     write_json(OUT / "remote.json", state)
     (OUT / "remote.md").write_text("\n".join(lines) + "\n")

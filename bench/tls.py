@@ -20,6 +20,14 @@ on the same machine, the peer's figure for the target.
 Per job it also records the CPU time of the server (from /proc) and of fio (its usr+sys), per
 gigabyte moved: on 2 vCPUs client and server share the machine, and this shows where TLS costs.
 
+With --baseline BINARY a second `serve --tls on`, "cryptbridge@base", runs from BINARY with the
+same arguments (its own port, and its own copy of the backing file: cryptbridge locks a served
+image, one writer at a time) and gets the same pairs: a before/after check of two builds in one
+run. The servers' order then rotates every profile and repeat (without --baseline it stays
+fixed, as before), so neither build always goes first. The report gets an "after / before"
+section: per profile and kind of job (nbd://, nbds://), the median over repeats of this build's
+MB/s / the baseline's in the same repeat, and each one's server CPU seconds per GiB.
+
 Outputs: bench/out/tls.json and bench/out/tls.md (paste into a dated page under docs/bench/).
 """
 
@@ -169,6 +177,8 @@ def fio_job(uri: str, prof: Profile, size: int, runtime: float, out_json: Path, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", type=Path, default=DEFAULT_BINARY)
+    ap.add_argument("--baseline", type=Path, default=None, metavar="BINARY",
+                    help="also run the server from BINARY as \"cryptbridge@base\" in the same pairs; report after / before")
     ap.add_argument("--repeats", type=int, default=7, help="pairs per profile (default 7)")
     ap.add_argument("--runtime", type=float, default=3.0, help="seconds per fio job (default 3)")
     ap.add_argument("--size", default="1G", help="export size (default 1G)")
@@ -187,15 +197,20 @@ def main() -> int:
     if not args.binary.exists():
         print(f"{args.binary} not found: cargo build --release", file=sys.stderr)
         return 1
+    if args.baseline is not None and not args.baseline.exists():
+        print(f"{args.baseline} (--baseline) not found", file=sys.stderr)
+        return 1
     size = int(args.size[:-1]) << {"M": 20, "G": 30}[args.size[-1]] if args.size[-1] in "MG" else int(args.size)
     env_info = environment(args.binary)
     env_info["fio"] = tool_version(["fio", "--version"])
     env_info["libnbd"] = tool_version(["nbdinfo", "--version"])
+    if args.baseline is not None:
+        env_info["cryptbridge_baseline"] = tool_version([args.baseline, "--version"])
     OUT.mkdir(parents=True, exist_ok=True)
     fio_dir = OUT / "fio-tls"
     fio_dir.mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="cb-tls-", dir=args.workdir))
-    server = peer = None
+    server = peer = base = None
     try:
         certs, home = make_pki(work)
         key = work / "volume.key"
@@ -210,23 +225,37 @@ def main() -> int:
         with open(backing, "wb") as f:  # random bytes: reads decrypt real data, the file is in the page cache
             for _ in range(size // (64 * MiB)):
                 f.write(os.urandom(64 * MiB))
-        argv = [args.binary, "serve", "--backing", backing, "--key-file", key, "--cipher", "aes-xts-plain64",
-                "--sector-size", "4096", "--listen", "127.0.0.1:0", "--tls", "on", "--tls-certificates", certs]
-        stdout = open(work / "server.stdout", "w+")
-        server = spawn(argv, stdout, open(work / "server.stderr", "w"))
-        deadline = time.monotonic() + 30
-        ready = ""
-        while time.monotonic() < deadline and not ready.endswith("\n"):
-            stdout.seek(0)
-            ready = stdout.read()
-            if server.poll() is not None:
-                raise SystemExit(f"server exited: {(work / 'server.stderr').read_text()[-2000:]}")
-            time.sleep(0.05)
-        tls_uri = ready.split()[1]
-        plain_uri = tls_uri.replace("nbds://", "nbd://", 1)
-        log(f"server {shjoin(argv)}\n  {plain_uri} and {tls_uri}")
+        def serve_argv(binary, backing):
+            return [binary, "serve", "--backing", backing, "--key-file", key, "--cipher", "aes-xts-plain64",
+                    "--sector-size", "4096", "--listen", "127.0.0.1:0", "--tls", "on", "--tls-certificates", certs]
+
+        def start(argv, name):
+            stdout = open(work / f"{name}.stdout", "w+")
+            proc = spawn(argv, stdout, open(work / f"{name}.stderr", "w"))
+            deadline = time.monotonic() + 30
+            ready = ""
+            while time.monotonic() < deadline and not ready.endswith("\n"):
+                stdout.seek(0)
+                ready = stdout.read()
+                if proc.poll() is not None:
+                    raise SystemExit(f"{name} exited: {(work / f'{name}.stderr').read_text()[-2000:]}")
+                time.sleep(0.05)
+            tls_uri = ready.split()[1]
+            plain_uri = tls_uri.replace("nbds://", "nbd://", 1)
+            log(f"{name} {shjoin(argv)}\n  {plain_uri} and {tls_uri}")
+            return proc, plain_uri, tls_uri
+
+        argv = serve_argv(args.binary, backing)
+        server, plain_uri, tls_uri = start(argv, "server")
         # Each server: (its pid, plaintext URI, TLS URI).
         servers = {"cryptbridge": (server.pid, plain_uri, tls_uri)}
+        base_argv = None
+        if args.baseline is not None:
+            base_backing = work / "volume-base.img"  # its own copy: the image lock allows one writer
+            shutil.copyfile(backing, base_backing)
+            base_argv = serve_argv(args.baseline, base_backing)
+            base, base_plain, base_tls = start(base_argv, "baseline")
+            servers["cryptbridge@base"] = (base.pid, base_plain, base_tls)
         peer_argv = None
         if args.peer:
             port = free_port()
@@ -243,7 +272,12 @@ def main() -> int:
             name: {p.key: {"plain": [], "tls": []} for p in profiles} for name in servers}
         for rep in range(args.repeats):
             for i, prof in enumerate(profiles):
-                for name, (pid, plain, tls) in servers.items():
+                names = list(servers)
+                if base_argv:  # rotated, so that neither build always goes first
+                    shift = (rep + i) % len(names)
+                    names = names[shift:] + names[:shift]
+                for name in names:
+                    pid, plain, tls = servers[name]
                     order = [("plain", plain), ("tls", tls)]
                     if (rep + i) % 2:
                         order.reverse()
@@ -254,7 +288,7 @@ def main() -> int:
                             s = fio_job(uri, prof, size, args.runtime,
                                         fio_dir / f"{name}-{prof.rw}-{prof.bs}-{prof.iodepth}-{kind}-{rep}.json", home, pid)
                         samples[name][prof.key][kind].append(s)
-                        log(f"rep {rep + 1}/{args.repeats} {prof.key:18} {name:11} {kind:5} "
+                        log(f"rep {rep + 1}/{args.repeats} {prof.key:18} {name:16} {kind:5} "
                             + (f"{s['mbps']:8.1f} MB/s" if s["ok"] else f"FAILED {s.get('error')}"))
         rows = []
         for name, prof in [(n, p) for n in servers for p in profiles]:
@@ -278,6 +312,44 @@ def main() -> int:
         env_info["loadavg_end"] = list(os.getloadavg())
         result = {"environment": env_info, "server": shjoin(argv), "peer": peer_argv and shjoin(peer_argv), "repeats": args.repeats, "runtime_s": args.runtime,
                   "target": TARGET, "rows": rows, "samples": samples}
+        ab_md = []
+        if base_argv:
+            gib = (1 << 30) / 1e9  # s/GB -> s/GiB
+            after_before = []
+            for prof in profiles:
+                for kind in ("plain", "tls"):
+                    a_s = samples["cryptbridge"][prof.key][kind]
+                    b_s = samples["cryptbridge@base"][prof.key][kind]
+                    pairs = [a["mbps"] / b["mbps"] for a, b in zip(a_s, b_s) if a["ok"] and b["ok"] and b["mbps"] > 0]
+                    cpu = [a["server_cpu_s_per_gb"] / b["server_cpu_s_per_gb"] for a, b in zip(a_s, b_s)
+                           if a["ok"] and b["ok"] and a.get("server_cpu_s_per_gb") and b.get("server_cpu_s_per_gb")]
+                    ok = lambda xs, k: [x.get(k) for x in xs if x["ok"]]  # noqa: E731
+                    a_cpu, b_cpu = median(ok(a_s, "server_cpu_s_per_gb")), median(ok(b_s, "server_cpu_s_per_gb"))
+                    after_before.append({
+                        "profile": prof.key, "kind": kind, "after_mbps": median(ok(a_s, "mbps")),
+                        "before_mbps": median(ok(b_s, "mbps")), "ratio": median(pairs),
+                        "ratio_min": min(pairs) if pairs else None, "ratio_max": max(pairs) if pairs else None,
+                        "pairs": len(pairs),
+                        "after_cpu_s_per_gib": a_cpu and a_cpu * gib, "before_cpu_s_per_gib": b_cpu and b_cpu * gib,
+                        "cpu_ratio": median(cpu)})
+            result["baseline"] = shjoin(base_argv)
+            result["after_before"] = after_before
+            ab_md = [
+                "",
+                "**after / before**",
+                "",
+                f"This build (`{args.binary}`, {env_info.get('cryptbridge') or '?'}) against the baseline (`{args.baseline}`, "
+                f"{env_info.get('cryptbridge_baseline') or '?'}; `{shjoin(base_argv)}`), in the same rotation. after / before: "
+                "median over repeats of the two servers' MB/s ratio in the same repeat. CPU: the server's utime+stime over "
+                "the job per GiB moved, median.",
+                "",
+                "| profile | job | after MB/s | before MB/s | after / before | min–max | pairs | CPU s/GiB after | CPU s/GiB before | CPU after / before |",
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            ]
+            for r in after_before:
+                ab_md.append(f"| {r['profile']} | {'nbds://' if r['kind'] == 'tls' else 'nbd://'} | {fmt(r['after_mbps'])} | "
+                             f"{fmt(r['before_mbps'])} | {fmt(r['ratio'], 3)} | {fmt(r['ratio_min'], 2)}–{fmt(r['ratio_max'], 2)} | "
+                             f"{r['pairs']} | {fmt(r['after_cpu_s_per_gib'], 3)} | {fmt(r['before_cpu_s_per_gib'], 3)} | {fmt(r['cpu_ratio'], 3)} |")
         write_json(OUT / "tls.json", result)
         md = [
             f"cryptbridge `serve --tls on` (AES-256-XTS, 4096-byte sectors, page-cache backing of {args.size}), "
@@ -294,12 +366,14 @@ def main() -> int:
             md.append(f"| {r['server']} | {r['profile']} | {fmt(r['plain_mbps'])} | {fmt(r['tls_mbps'])} | {fmt(r['ratio_median'], 3)} | "
                       f"{fmt(r['ratio_min'], 2)}–{fmt(r['ratio_max'], 2)} | {r['verdict']} | "
                       f"{fmt(sc['plain'], 2)} → {fmt(sc['tls'], 2)} | {fmt(fc['plain'], 2)} → {fmt(fc['tls'], 2)} |")
+        md += ab_md
         text = "\n".join(md) + "\n"
         (OUT / "tls.md").write_text(text)
         print(text)
         return 0
     finally:
         kill_group(peer)
+        kill_group(base)
         kill_group(server)
         shutil.rmtree(work, ignore_errors=True)
 

@@ -221,10 +221,16 @@ def main() -> int:
         with open(src, "wb") as f:
             for _ in range(8):
                 f.write(os.urandom(64 * MiB))
+        def fill(path):
+            # Random bytes: reads decrypt real data, the file is in the page cache. Every backing is
+            # written the same way: how a file's page cache was filled (a copy, or 64 MiB writes)
+            # changed 4 KiB random-write speed on it by 2x here, whichever server wrote to it.
+            with open(path, "wb") as f:
+                for _ in range(size // (64 * MiB)):
+                    f.write(os.urandom(64 * MiB))
+
         backing = work / "volume.img"
-        with open(backing, "wb") as f:  # random bytes: reads decrypt real data, the file is in the page cache
-            for _ in range(size // (64 * MiB)):
-                f.write(os.urandom(64 * MiB))
+        fill(backing)
         def serve_argv(binary, backing):
             return [binary, "serve", "--backing", backing, "--key-file", key, "--cipher", "aes-xts-plain64",
                     "--sector-size", "4096", "--listen", "127.0.0.1:0", "--tls", "on", "--tls-certificates", certs]
@@ -252,7 +258,7 @@ def main() -> int:
         base_argv = None
         if args.baseline is not None:
             base_backing = work / "volume-base.img"  # its own copy: the image lock allows one writer
-            shutil.copyfile(backing, base_backing)
+            fill(base_backing)
             base_argv = serve_argv(args.baseline, base_backing)
             base, base_plain, base_tls = start(base_argv, "baseline")
             servers["cryptbridge@base"] = (base.pid, base_plain, base_tls)

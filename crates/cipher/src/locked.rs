@@ -152,19 +152,6 @@ impl<T> Locked<T> {
         Locked { pages, _owns: PhantomData }
     }
 
-    /// Builds the value in place: `init` must initialise the slot it is given; it may build
-    /// key material straight in the locked pages rather than on the stack.
-    ///
-    /// # Safety
-    /// `init` returns only after fully initialising the slot (a panic in it leaks nothing: the
-    /// pages are wiped, the uninitialised value is not dropped).
-    pub unsafe fn new_in_place(init: impl FnOnce(&mut MaybeUninit<T>)) -> Locked<T> {
-        let pages = Self::pages();
-        // SAFETY: as in `new`; a MaybeUninit<T> has T's layout and needs no initialisation.
-        init(unsafe { &mut *pages.as_ptr().cast::<MaybeUninit<T>>() });
-        Locked { pages, _owns: PhantomData }
-    }
-
     fn pages() -> LockedPages {
         assert!(std::mem::align_of::<T>() <= page_size(), "alignment beyond a page");
         LockedPages::new(std::mem::size_of::<T>().max(1))
@@ -179,7 +166,7 @@ impl<T> Locked<T> {
 impl<T> Deref for Locked<T> {
     type Target = T;
     fn deref(&self) -> &T {
-        // SAFETY: initialised by `new`/`new_in_place`, owned by self until drop.
+        // SAFETY: initialised by `new`, owned by self until drop.
         unsafe { &*self.pages.as_ptr().cast::<T>() }
     }
 }
@@ -260,9 +247,7 @@ mod tests {
         assert_eq!(k.0[..2], [1, 7]);
         drop(k);
         assert_eq!(DROPS.load(Ordering::Relaxed), 1);
-        // SAFETY: the closure writes the whole value.
-        let b = unsafe { Locked::<[u64; 4]>::new_in_place(|slot| { slot.write([9; 4]); }) };
-        assert_eq!(*b, [9; 4]);
         wipe_stack();
+        wipe_kernel_stack();
     }
 }

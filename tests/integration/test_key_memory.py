@@ -8,7 +8,9 @@ What is searched for: each 16-byte quarter of the volume key (an AES-256 key is 
 the first two round keys of an AES-256 key schedule are the key itself, so a copy of the
 schedule, of one half, or of a vector register spilled with a round key broadcast in it, is
 found too), and the third round key (the first one derived by the key expansion) of each AES key,
-so that copies of the expanded schedule count even where the raw words are not kept.
+so that copies of the expanded schedule count even where the raw words are not kept. For LUKS
+the passphrase too. Not searched for: values derived from the key that are not round keys
+(a tweak XORed into the last round key, HMAC pads), which the stack wipes cover without a check.
 
 Each hit is classified by the mapping it is in: locked (``lo`` in the VmFlags of
 /proc/PID/smaps: mlock'ed, never written to swap) and ``dd`` (MADV_DONTDUMP: not in a core dump),
@@ -17,9 +19,12 @@ or neither. The promise holds when every hit is in a locked, don't-dump mapping 
 Three moments are checked: after start-up, right after a load that runs the crypto on the pool
 threads and the I/O threads (large and small requests, both directions), and once the load is
 over and the I/O threads have ended (they end after 5 s idle; what they left on their stacks
-stays in the process unless it was wiped). "After the export stops" the process exits (SIGTERM:
-flush, then exit), so its memory is the kernel's, not readable by anyone; what can be checked
-before that is that no copy is where a core dump would write it, which the classification does.
+stays in the process unless it was wiped; the thread count is in the report). "After the export
+stops" the process exits (SIGTERM: flush, then exit; the test asserts exit status 0), so its
+memory goes back to the kernel, readable by no one; the locked pages are not wiped by the
+process on that path (exit runs no destructors), the kernel frees them. What can be checked
+before that is that no copy is where swap or a core dump would write it, which the
+classification does at each moment.
 
 Needs root (to read another process's memory) and nbdcopy; skipped with the reason otherwise.
 """

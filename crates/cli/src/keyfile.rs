@@ -19,9 +19,9 @@ const READ_LIMIT: usize = 2 * MAX_KEY_BYTES + 2;
 ///
 /// At most [`READ_LIMIT`] + 1 bytes are read, into one locked [`Secret`] allocated up front: the
 /// key goes from the file straight into locked memory, and no reallocation or temporary leaves a
-/// copy behind (the buffer is wiped on drop). A file holding more
-/// is refused at once: a device such as `/dev/zero` or an endless pipe (`<(yes)`) can neither hang
-/// start-up nor fill memory. Pipes and `/dev/stdin` work: they are read to their end.
+/// copy behind (the buffer is wiped on drop). A file holding more is refused at once: a device
+/// such as `/dev/zero` or an endless pipe (`<(yes)`) can neither hang start-up nor fill memory.
+/// Pipes and `/dev/stdin` work: they are read to their end.
 ///
 /// A file that holds hex text (`0123...ef`, with or without a line end) is refused with the
 /// command that converts it: cryptsetup reads a plain key file as raw bytes, so taking the text

@@ -13,6 +13,7 @@ mod error;
 pub mod fast;
 mod gf128;
 pub mod hctr2;
+pub mod locked;
 pub mod registry;
 pub mod tes_common;
 pub mod xcb;
@@ -29,6 +30,17 @@ pub use arch::CpuLevel;
 pub fn clear_vector_registers() {
     #[cfg(target_arch = "x86_64")]
     arch::x86::registers::clear_vector_registers();
+}
+
+/// What a caller that owns a batch of kernel calls (the engine) runs after it, on the thread
+/// that ran it: [`clear_vector_registers`], and the stack the kernels used is zeroed. The kernels
+/// keep round keys in vector registers, and where a level has too few registers for all of them
+/// (15 AES-256 round keys beside the blocks and tweaks in flight) the compiler spills them to the
+/// kernel's stack frame, which outlives the call (and the thread, in the C library's stack
+/// cache). Wiping once per batch, outside the kernels, keeps the kernels as they are.
+pub fn wipe_after_batch() {
+    clear_vector_registers();
+    locked::wipe_kernel_stack();
 }
 pub use registry::{lookup, lookup_volume, new_cipher, CipherSpec, LookupError, TweakKind};
 

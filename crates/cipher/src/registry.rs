@@ -12,6 +12,7 @@ use crate::eme2::Eme2;
 use crate::fast::{Fast, FastHash};
 use crate::hctr2::Hctr2;
 use crate::xcb::Xcb;
+use crate::locked::{wipe_stack, Locked};
 use crate::xts::Xts;
 use crate::{CipherError, SectorCipher};
 
@@ -38,7 +39,7 @@ pub enum TweakKind {
     Ignored,
 }
 
-/// Builds a cipher from a key.
+/// Builds a cipher from a key, in locked memory (see [`locked`]).
 pub type Constructor = fn(&[u8], KeyPolicy) -> Result<Box<dyn SectorCipher>, CipherError>;
 
 /// One catalogue entry.
@@ -85,7 +86,7 @@ const CIPHERS: &[CipherSpec] = &[
         min_data_len: 16,
         volume: true,
         build: |key, policy| {
-            Ok(Box::new(match policy {
+            Ok(locked(match policy {
                 KeyPolicy::Permissive => Xts::new(key)?,
                 KeyPolicy::Volume => Xts::new_strict(key)?,
             }))
@@ -100,7 +101,7 @@ const CIPHERS: &[CipherSpec] = &[
         min_data_len: 16,
         volume: false,
         build: |key, policy| match policy {
-            KeyPolicy::Permissive => Ok(Box::new(Ecb::new(key)?)),
+            KeyPolicy::Permissive => Ok(locked(Ecb::new(key)?)),
             KeyPolicy::Volume => Err(CipherError::NotForVolumes("ecb(aes)", ECB_WHY)),
         },
     },
@@ -112,7 +113,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector16,
         min_data_len: 16,
         volume: true,
-        build: |key, _| Ok(Box::new(Eme2::new(key)?)),
+        build: |key, _| Ok(locked(Eme2::new(key)?)),
     },
     CipherSpec {
         name: "xcb(aes)",
@@ -122,7 +123,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector16,
         min_data_len: 16,
         volume: true,
-        build: |key, _| Ok(Box::new(Xcb::new(key)?)),
+        build: |key, _| Ok(locked(Xcb::new(key)?)),
     },
     CipherSpec {
         name: "fast-horner(aes)",
@@ -132,7 +133,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector16,
         min_data_len: 48,
         volume: true,
-        build: |key, _| Ok(Box::new(Fast::new(key, FastHash::Horner)?)),
+        build: |key, _| Ok(locked(Fast::new(key, FastHash::Horner)?)),
     },
     CipherSpec {
         name: "fast-brw(aes)",
@@ -142,7 +143,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector16,
         min_data_len: 48,
         volume: true,
-        build: |key, _| Ok(Box::new(Fast::new(key, FastHash::Brw)?)),
+        build: |key, _| Ok(locked(Fast::new(key, FastHash::Brw)?)),
     },
     CipherSpec {
         name: "aez",
@@ -152,7 +153,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector16,
         min_data_len: 1,
         volume: true,
-        build: |key, _| Ok(Box::new(Aez::new(key)?)),
+        build: |key, _| Ok(locked(Aez::new(key)?)),
     },
     CipherSpec {
         name: "hctr2(aes)",
@@ -162,7 +163,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector32,
         min_data_len: 16,
         volume: true,
-        build: |key, _| Ok(Box::new(Hctr2::new(key)?)),
+        build: |key, _| Ok(locked(Hctr2::new(key)?)),
     },
     CipherSpec {
         name: "adiantum(xchacha12,aes)",
@@ -172,7 +173,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector32,
         min_data_len: 16,
         volume: true,
-        build: |key, _| Ok(Box::new(Adiantum::new(key, XChaChaRounds::R12)?)),
+        build: |key, _| Ok(locked(Adiantum::new(key, XChaChaRounds::R12)?)),
     },
     CipherSpec {
         name: "adiantum(xchacha20,aes)",
@@ -182,9 +183,55 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector32,
         min_data_len: 16,
         volume: true,
-        build: |key, _| Ok(Box::new(Adiantum::new(key, XChaChaRounds::R20)?)),
+        build: |key, _| Ok(locked(Adiantum::new(key, XChaChaRounds::R20)?)),
     },
 ];
+
+/// `cipher` moved into locked pages. Constructors build by value, on the stack, which
+/// [`new_cipher`] wipes once they return.
+fn locked<C: SectorCipher + 'static>(cipher: C) -> Box<dyn SectorCipher> {
+    Box::new(Locked::new(cipher))
+}
+
+/// A cipher in locked pages is used as the cipher itself: every method is passed on, so a
+/// scheme's own `encrypt_units` (not the trait's default) runs.
+impl<C: SectorCipher> SectorCipher for Locked<C> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+
+    fn key_len(&self) -> usize {
+        (**self).key_len()
+    }
+
+    fn level(&self) -> Option<crate::CpuLevel> {
+        (**self).level()
+    }
+
+    fn encrypt(&self, tweak: &[u8], data: &mut [u8]) -> Result<(), CipherError> {
+        (**self).encrypt(tweak, data)
+    }
+
+    fn decrypt(&self, tweak: &[u8], data: &mut [u8]) -> Result<(), CipherError> {
+        (**self).decrypt(tweak, data)
+    }
+
+    fn encrypt_unit(&self, unit: u64, data: &mut [u8]) -> Result<(), CipherError> {
+        (**self).encrypt_unit(unit, data)
+    }
+
+    fn decrypt_unit(&self, unit: u64, data: &mut [u8]) -> Result<(), CipherError> {
+        (**self).decrypt_unit(unit, data)
+    }
+
+    fn encrypt_units(&self, first: u64, step: u64, unit_len: usize, data: &mut [u8]) -> Result<(), CipherError> {
+        (**self).encrypt_units(first, step, unit_len, data)
+    }
+
+    fn decrypt_units(&self, first: u64, step: u64, unit_len: usize, data: &mut [u8]) -> Result<(), CipherError> {
+        (**self).decrypt_units(first, step, unit_len, data)
+    }
+}
 
 /// Every cipher the registry can build.
 pub fn ciphers() -> &'static [CipherSpec] {
@@ -192,9 +239,16 @@ pub fn ciphers() -> &'static [CipherSpec] {
 }
 
 /// Builds the cipher called `name` (Linux crypto API name, exactly) with `key`.
+///
+/// The cipher, with its expanded keys, lives in locked pages of its own that are wiped when it is
+/// dropped; the copies its constructors left on this thread's stack are wiped before it returns.
 pub fn new_cipher(name: &str, key: &[u8], policy: KeyPolicy) -> Result<Box<dyn SectorCipher>, CipherError> {
     match CIPHERS.iter().find(|c| c.name == name) {
-        Some(c) => (c.build)(key, policy),
+        Some(c) => {
+            let built = (c.build)(key, policy);
+            wipe_stack();
+            built
+        }
         None => Err(CipherError::UnknownCipher(
             name.to_string(),
             CIPHERS.iter().map(|c| c.name).collect::<Vec<_>>().join(", "),

@@ -13,7 +13,6 @@ use cryptbridge_bridge::{raise_open_file_limit, Backing, BackingOptions, Listene
 use cryptbridge_cipher::registry::KeyPolicy;
 use cryptbridge_cipher::{new_cipher, SectorCipher};
 use cryptbridge_engine::{Backend, CpuBackend, Engine, RtlSimBackend, SectorLayout};
-use cryptbridge_volume::Secret;
 
 use crate::{keyfile, names, size, usage};
 
@@ -274,7 +273,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             None => {
                 let cipher_name = names::volume_cipher(&args.cipher)?;
                 let key_path = args.key_file.as_ref().expect("luks::open requires --key-file for --type plain without --passthrough");
-                (cipher_name, Secret::from_slice(&keyfile::read_key(key_path, args.key_size)?), format!("key file {}", key_path.display()))
+                (cipher_name, keyfile::read_key(key_path, args.key_size)?, format!("key file {}", key_path.display()))
             }
         };
         key_bits = key.len() * 8;

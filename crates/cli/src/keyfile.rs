@@ -6,7 +6,7 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use zeroize::Zeroizing;
+use cryptbridge_volume::Secret;
 
 /// The longest key a volume cipher takes: 64 bytes (AES-256-XTS's Key1 || Key2, EME2's largest).
 pub const MAX_KEY_BYTES: usize = 64;
@@ -17,15 +17,16 @@ const READ_LIMIT: usize = 2 * MAX_KEY_BYTES + 2;
 
 /// Reads a key file. With `key_bits`, the file must hold exactly that many bits.
 ///
-/// At most [`READ_LIMIT`] + 1 bytes are read, into one buffer allocated up front (so no copy of
-/// the key is left behind by a reallocation; the buffer is zeroized on drop). A file holding more
-/// is refused at once: a device such as `/dev/zero` or an endless pipe (`<(yes)`) can neither hang
-/// start-up nor fill memory. Pipes and `/dev/stdin` work: they are read to their end.
+/// At most [`READ_LIMIT`] + 1 bytes are read, into one locked [`Secret`] allocated up front: the
+/// key goes from the file straight into locked memory, and no reallocation or temporary leaves a
+/// copy behind (the buffer is wiped on drop). A file holding more is refused at once: a device
+/// such as `/dev/zero` or an endless pipe (`<(yes)`) can neither hang start-up nor fill memory.
+/// Pipes and `/dev/stdin` work: they are read to their end.
 ///
 /// A file that holds hex text (`0123...ef`, with or without a line end) is refused with the
 /// command that converts it: cryptsetup reads a plain key file as raw bytes, so taking the text
 /// as the key would make a volume that no other tool opens with the key its owner wrote down.
-pub fn read_key(path: &Path, key_bits: Option<usize>) -> Result<Zeroizing<Vec<u8>>> {
+pub fn read_key(path: &Path, key_bits: Option<usize>) -> Result<Secret> {
     if let Some(bits) = key_bits {
         if bits == 0 || !bits.is_multiple_of(8) || bits / 8 > MAX_KEY_BYTES {
             bail!("--key-size {bits}: a key size is a whole number of bytes, at most {} bits", MAX_KEY_BYTES * 8);
@@ -36,7 +37,7 @@ pub fn read_key(path: &Path, key_bits: Option<usize>) -> Result<Zeroizing<Vec<u8
     if meta.is_file() && meta.permissions().mode() & 0o077 != 0 {
         tracing::warn!("key file {} is readable by group or others (mode {:o}); chmod 600 it", path.display(), meta.permissions().mode() & 0o777);
     }
-    let mut key = Zeroizing::new(vec![0u8; READ_LIMIT + 1]);
+    let mut key = Secret::new(READ_LIMIT + 1);
     let mut len = 0;
     while len < key.len() {
         match file.read(&mut key[len..]) {
@@ -71,7 +72,7 @@ pub fn read_key(path: &Path, key_bits: Option<usize>) -> Result<Zeroizing<Vec<u8
             path.display()
         );
     }
-    key.truncate(len); // within the allocation: the bytes beyond stay zeroed and are wiped on drop
+    key.truncate(len); // the bytes cut off are wiped now
     let want = match key_bits {
         Some(bits) => vec![bits / 8],
         None => vec![32, 48, 64],

@@ -120,4 +120,11 @@ fn init_logging(verbose: u8) {
         .with_ansi(colour_on_stderr())
         .log_internal_errors(false)
         .init();
+    // Key material is locked where it is allocated (the cipher crate's `locked`); this log is told
+    // of the first refusal.
+    cryptbridge_cipher::locked::on_lock_refused(|e| {
+        tracing::warn!(
+            "cannot lock key material in memory (mlock: {e}); it is still wiped after use, but may be written to swap. Raise the locked-memory limit (ulimit -l) to avoid this"
+        )
+    });
 }

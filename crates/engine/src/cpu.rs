@@ -36,16 +36,16 @@ impl CpuBackend {
         Ok(Self { cipher, pool, threads })
     }
 
-    /// One batch on the calling thread; the vector registers are wiped after it, so no key,
-    /// keystream or plaintext stays in this thread's register file (see
-    /// `cryptbridge_cipher::clear_vector_registers`).
+    /// One batch on the calling thread; the vector registers and the stack the kernels used are
+    /// wiped after it, so no key, keystream or plaintext stays in this thread's register file or
+    /// stack (see `cryptbridge_cipher::wipe_after_batch`).
     fn serial(&self, dir: Direction, run: SectorRun, buf: &mut [u8]) -> Result<(), EngineError> {
         let (first, step, len) = (run.first_tweak, run.tweak_step, run.sector_size);
         let done = match dir {
             Direction::Encrypt => self.cipher.encrypt_units(first, step, len, buf),
             Direction::Decrypt => self.cipher.decrypt_units(first, step, len, buf),
         };
-        cryptbridge_cipher::clear_vector_registers();
+        cryptbridge_cipher::wipe_after_batch();
         Ok(done?)
     }
 }

@@ -2,69 +2,29 @@
 //! zeroed when dropped and, where the system allows, locked in RAM (`mlock`) so they are never
 //! written to swap, and left out of core dumps (`MADV_DONTDUMP`).
 //!
-//! Each buffer has pages of its own: locks do not nest in Linux (one `munlock` unlocks a page for
-//! every buffer on it), so buffers sharing pages could unlock each other. A lock refused by the
-//! system (RLIMIT_MEMLOCK, `ulimit -l`) is a warning, once per process: the secret is still wiped.
+//! The pages come from `cryptbridge_cipher::locked`, where the ciphers' round keys live too: one
+//! place asks the system for locked memory. Each buffer has pages of its own (locks do not nest).
+//! A lock refused by the system (RLIMIT_MEMLOCK, `ulimit -l`) is reported once per process to the
+//! handler the application gives `locked::on_lock_refused`: the secret is still wiped.
 
-use std::alloc::{self, Layout};
 use std::fmt;
 use std::ops::{Deref, DerefMut};
-use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
 
+use cryptbridge_cipher::locked::LockedPages;
 use zeroize::Zeroize;
-
-static WARNED: AtomicBool = AtomicBool::new(false);
-
-fn page_size() -> usize {
-    // SAFETY: sysconf only reads a configuration value.
-    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if n > 0 {
-        n as usize
-    } else {
-        4096
-    }
-}
 
 /// A fixed-capacity byte buffer for secrets. Its length can shrink ([`Secret::truncate`]) but
 /// never grow past the capacity it was made with, so its bytes are never copied by a reallocation.
 pub struct Secret {
-    ptr: NonNull<u8>,
+    /// Whole pages of their own (none for an empty buffer), zeroed at allocation.
+    pages: LockedPages,
     len: usize,
-    /// Bytes allocated: whole pages, 0 for an empty buffer (no allocation).
-    cap: usize,
-    locked: bool,
 }
-
-// SAFETY: a Secret owns its allocation exclusively, like a Vec<u8>; nothing in it is tied to a
-// thread (the memory lock belongs to the process).
-unsafe impl Send for Secret {}
-// SAFETY: shared access only reads the bytes (through Deref), like &Vec<u8>.
-unsafe impl Sync for Secret {}
 
 impl Secret {
     /// `len` zero bytes.
     pub fn new(len: usize) -> Secret {
-        if len == 0 {
-            return Secret { ptr: NonNull::dangling(), len: 0, cap: 0, locked: false };
-        }
-        let page = page_size();
-        let cap = len.next_multiple_of(page);
-        let layout = Layout::from_size_align(cap, page).expect("a page-aligned layout of whole pages");
-        // SAFETY: the layout has a non-zero size.
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let Some(ptr) = NonNull::new(raw) else { alloc::handle_alloc_error(layout) };
-        // SAFETY: [ptr, ptr + cap) is the allocation just made, whole pages.
-        let locked = unsafe { libc::mlock(ptr.as_ptr().cast(), cap) } == 0;
-        if !locked && !WARNED.swap(true, Ordering::Relaxed) {
-            let e = std::io::Error::last_os_error();
-            tracing::warn!(
-                "cannot lock key material in memory (mlock: {e}); it is still wiped after use, but may be written to swap. Raise the locked-memory limit (ulimit -l) to avoid this"
-            );
-        }
-        // SAFETY: as above; advice only, its failure (an old kernel) changes nothing else.
-        unsafe { libc::madvise(ptr.as_ptr().cast(), cap, libc::MADV_DONTDUMP) };
-        Secret { ptr, len, cap, locked }
+        Secret { pages: LockedPages::new(len), len }
     }
 
     /// A copy of `bytes`.
@@ -84,36 +44,24 @@ impl Secret {
 
     /// Whether the system agreed to keep it out of swap.
     pub fn is_locked(&self) -> bool {
-        self.locked
+        self.pages.is_locked()
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr is valid for cap >= len initialised bytes (zeroed at allocation), or
-        // dangling with len 0, which is valid for an empty slice.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: the pages hold capacity >= len initialised bytes (zeroed at allocation), owned
+        // by self.
+        unsafe { std::slice::from_raw_parts(self.pages.as_ptr(), self.len) }
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
         // SAFETY: as in as_slice, and &mut self makes the access exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for Secret {
-    fn drop(&mut self) {
-        if self.cap == 0 {
-            return;
-        }
-        // SAFETY: the whole allocation, initialised, owned by self.
-        let all = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.cap) };
-        all.zeroize();
-        if self.locked {
-            // SAFETY: the range this buffer locked; its pages hold nothing else.
-            unsafe { libc::munlock(self.ptr.as_ptr().cast(), self.cap) };
-        }
-        let layout = Layout::from_size_align(self.cap, page_size()).expect("the layout it was made with");
-        // SAFETY: allocated in `new` with this layout and not freed before.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
+        unsafe { std::slice::from_raw_parts_mut(self.pages.as_ptr(), self.len) }
     }
 }
 
@@ -165,7 +113,7 @@ mod tests {
     fn bytes_truncate_compare_and_redacted_debug() {
         let mut s = Secret::from_slice(b"correct horse");
         assert_eq!(&*s, b"correct horse");
-        assert_eq!(s.as_slice().as_ptr() as usize % page_size(), 0, "page-aligned: no page shared with other data");
+        assert_eq!(s.as_slice().as_ptr() as usize % 4096, 0, "page-aligned: no page shared with other data");
         s.truncate(7);
         assert_eq!(&*s, b"correct");
         assert_eq!(s, Secret::from_slice(b"correct"));

@@ -99,6 +99,9 @@ pub fn open(args: &Args) -> Result<Option<Volume>> {
         .unlock(&file, &pass, args.key_slot)
         .map_err(|e| passphrase::unlock_error(e, &header_path.display().to_string(), args.key_file.as_deref(), &pass))?;
     drop(pass);
+    // The KDF and the keyslot decryption ran below this frame: their stack copies of the
+    // passphrase, derived key and volume key go now, not whenever later calls overwrite them.
+    cryptbridge_cipher::locked::wipe_stack();
     tracing::info!(
         "LUKS{} {} opened with keyslot {} in {} ms: {} {}-bit, {}-byte sectors, data at byte {}{}",
         header.version(),

@@ -1,0 +1,231 @@
+//! Per-thread batching around the upstream connections, both to save system calls and
+//! wake-ups on each side of a burst of small requests.
+//!
+//! - The cork ([`cork`], [`flush_corked`], [`uncork`]): a thread that serves a client reads a
+//!   burst of its requests and, corked, queues the upstream requests they make and sends them in
+//!   one write to one connection, instead of one send (and one wake-up of the upstream) each.
+//! - The after-burst hooks ([`after_burst`]): a continuation run on a reply reader that answers
+//!   a client can put that off until the reader has handled every reply it has received, so
+//!   the answers to a burst of upstream replies go out in one send (and one wake-up of the
+//!   client) instead of one each.
+
+use std::cell::RefCell;
+use std::io::IoSlice;
+use std::sync::Arc;
+
+use super::conn::Live;
+use crate::nbd::transmission::Request;
+use crate::nbd::{CMD_READ, CMD_WRITE};
+
+/// Largest READ or WRITE that a corked thread queues (a WRITE's payload is copied into the
+/// queue). Larger ones go at once, each to the next connection in turn: the replies to a burst
+/// of large reads are then received and decrypted by several reply readers at once.
+const CORK_MAX_LEN: u32 = 64 * 1024;
+
+/// Whether a corked thread queues `request` rather than sending it at once.
+pub(super) fn corks(request: &Request) -> bool {
+    request.length <= CORK_MAX_LEN || !matches!(request.command, CMD_READ | CMD_WRITE)
+}
+/// A cork's queue is sent when it holds this much, whatever follows.
+const CORK_MAX_BYTES: usize = 256 * 1024;
+
+/// Requests queued on a corked thread: all for one connection, in the order they were made.
+#[derive(Default)]
+pub(super) struct Cork {
+    live: Option<Arc<Live>>,
+    queued: Vec<u8>,
+}
+
+thread_local! {
+    /// `Some` while this thread is corked (see [`cork`]).
+    static CORK: RefCell<Option<Cork>> = const { RefCell::new(None) };
+}
+
+impl Cork {
+    /// Queues a request for `live` if this thread is corked (`false`: it is not; send it now).
+    /// Requests queued for another connection are sent first.
+    pub(super) fn queue(live: &Arc<Live>, header: &[u8], payload: &[u8]) -> bool {
+        let (queued, other, full) = CORK.with(|c| {
+            let mut c = c.borrow_mut();
+            let Some(cork) = c.as_mut() else { return (false, None, false) };
+            let other = match &cork.live {
+                Some(l) if !Arc::ptr_eq(l, live) => cork.take(),
+                _ => None,
+            };
+            cork.live = Some(Arc::clone(live));
+            cork.queued.extend_from_slice(header);
+            cork.queued.extend_from_slice(payload);
+            (true, other, cork.queued.len() >= CORK_MAX_BYTES)
+        });
+        // Sent with the thread-local let go: a failed send completes continuations, which may
+        // send requests in turn.
+        if let Some((l, bytes)) = other {
+            l.send_bytes(&mut [IoSlice::new(&bytes)]);
+        }
+        if full {
+            flush_corked();
+        }
+        queued
+    }
+
+    fn take(&mut self) -> Option<(Arc<Live>, Vec<u8>)> {
+        let live = self.live.take()?;
+        Some((live, std::mem::take(&mut self.queued)))
+    }
+
+    /// The connection the queued requests are for: the next request should join them.
+    pub(super) fn connection() -> Option<Arc<Live>> {
+        CORK.with(|c| c.borrow().as_ref().and_then(|cork| cork.live.clone()))
+    }
+}
+
+/// From now on this thread queues the requests it makes instead of sending each at once
+/// (a READ, a small WRITE, ...), and sends them to the upstream together, in one write to one
+/// connection, at [`flush_corked`] or [`uncork`]: the upstream then wakes once for a burst of
+/// requests instead of once for each. The caller must flush before it waits for anything that
+/// a queued request may hold up (an answer, a range another request holds, its client's next
+/// bytes). Requests made by [`Client`](super::Client)'s waiting calls are flushed before they wait.
+pub fn cork() {
+    CORK.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.is_none() {
+            *c = Some(Cork::default());
+        }
+    });
+}
+
+/// Sends what this thread has queued, if anything, and stays corked.
+pub fn flush_corked() {
+    let taken = CORK.with(|c| c.borrow_mut().as_mut().and_then(Cork::take));
+    if let Some((live, mut bytes)) = taken {
+        live.send_bytes(&mut [IoSlice::new(&bytes)]);
+        bytes.clear();
+        // The allocation goes back for the next burst.
+        CORK.with(|c| {
+            if let Some(cork) = c.borrow_mut().as_mut() {
+                if cork.queued.capacity() == 0 {
+                    cork.queued = bytes;
+                }
+            }
+        });
+    }
+}
+
+/// Sends what this thread has queued and stops queueing.
+pub fn uncork() {
+    flush_corked();
+    CORK.with(|c| *c.borrow_mut() = None);
+}
+
+/// Work put off by [`after_burst`].
+type Hook = Box<dyn FnOnce()>;
+
+thread_local! {
+    /// On a reply reader: work to run once every reply received so far is handled (see
+    /// [`after_burst`]). `None` on any other thread.
+    pub(super) static BURST_END: RefCell<Option<Vec<Hook>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` once the reply reader this is called on has handled every reply it has received,
+/// before it next waits on its socket; on any other thread, at once. A continuation that
+/// answers a client can so let the answers to a burst of upstream replies go out together, one
+/// send (and one wake-up of the client) instead of one each.
+pub fn after_burst(f: Hook) {
+    let now = BURST_END.with(|b| match &mut *b.borrow_mut() {
+        Some(hooks) => {
+            hooks.push(f);
+            None
+        }
+        None => Some(f),
+    });
+    if let Some(f) = now {
+        f();
+    }
+}
+
+/// Runs the work [`after_burst`] put off, and whatever that puts off in turn.
+pub(super) fn end_burst() {
+    loop {
+        let hooks = BURST_END.with(|b| b.borrow_mut().as_mut().map(std::mem::take).unwrap_or_default());
+        if hooks.is_empty() {
+            return;
+        }
+        for f in hooks {
+            f();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::export_info;
+    use super::super::{Client, ClientOptions};
+    use super::*;
+    use crate::aligned::BufPool;
+    use crate::nbd::handshake::{negotiate, Outcome};
+    use crate::nbd::transmission::{read_request, write_reply};
+    use crate::nbd::uri::{Address, NbdUri};
+    use crate::nbd::*;
+    use std::os::unix::net::UnixListener;
+    use std::time::Duration;
+
+    /// A corked thread's requests reach the upstream only when it flushes, all on one
+    /// connection; a waiting call made while corked sends its own (and the queued ones) before
+    /// it waits, so it cannot stall on them.
+    #[test]
+    fn corked_requests_go_out_together_at_the_flush() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("up.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let (seen_tx, seen) = std::sync::mpsc::channel();
+        let server = std::thread::spawn(move || {
+            // Two connections, each answered by its own thread; every request is reported.
+            let handlers: Vec<_> = (0..2)
+                .map(|conn| {
+                    let (mut s, _) = listener.accept().unwrap();
+                    let seen_tx = seen_tx.clone();
+                    std::thread::spawn(move || {
+                        assert!(matches!(negotiate(&mut s, &export_info("")).unwrap(), Outcome::Transmission(_)));
+                        while let Some(r) = read_request(&mut s).unwrap() {
+                            if r.command == CMD_DISC {
+                                break;
+                            }
+                            seen_tx.send((conn, r.command, r.offset)).unwrap();
+                            let data = if r.command == CMD_READ { vec![(r.offset / 4096) as u8 + 1; r.length as usize] } else { Vec::new() };
+                            write_reply(&mut s, r.handle, 0, &data).unwrap();
+                        }
+                    })
+                })
+                .collect();
+            for h in handlers {
+                h.join().unwrap();
+            }
+        });
+        let uri = NbdUri { address: Address::Unix(path), export: String::new(), tls: false, tls_certificates: None, tls_hostname: None };
+        let client = Client::connect(&uri, ClientOptions { connections: Some(2), ..ClientOptions::default() }).unwrap();
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let pool = Arc::new(BufPool::new());
+        cork();
+        for i in 0..3u64 {
+            let done_tx = done_tx.clone();
+            client.read_async(i * 4096, pool.get(4096).unwrap(), move |r| done_tx.send((i, r.map(|b| b.to_vec()))).unwrap());
+        }
+        assert!(seen.recv_timeout(Duration::from_millis(200)).is_err(), "a corked request was sent before the flush");
+        flush_corked();
+        let got: Vec<_> = (0..3).map(|_| seen.recv_timeout(Duration::from_secs(10)).unwrap()).collect();
+        assert!(got.iter().all(|&(conn, command, _)| conn == got[0].0 && command == CMD_READ), "one connection for the burst: {got:?}");
+        for _ in 0..3 {
+            let (i, data) = done.recv_timeout(Duration::from_secs(10)).unwrap();
+            assert!(data.unwrap().iter().all(|&b| b == i as u8 + 1), "read {i} got another's data");
+        }
+        // Still corked: a waiting read flushes before it waits.
+        let mut buf = vec![0u8; 4096];
+        client.read(8 * 4096, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 9));
+        uncork();
+        assert_eq!(seen.recv_timeout(Duration::from_secs(10)).unwrap().1, CMD_READ);
+        client.flush().unwrap();
+        drop(client);
+        server.join().unwrap();
+    }
+}

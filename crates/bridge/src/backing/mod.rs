@@ -66,11 +66,14 @@ pub enum BackingError {
     RemoteGeometry { uri: String, why: String },
 }
 
+pub use crate::nbd::client::Burst;
+
 /// Runs when an asynchronous read completes, with the filled buffer, on the thread that
-/// received the answer.
-pub type ReadDone = Box<dyn FnOnce(io::Result<PooledBuf>) + Send>;
-/// Runs when an asynchronous write is acknowledged, on the thread that received the answer.
-pub type WriteDone = Box<dyn FnOnce(io::Result<()>) + Send>;
+/// received the answer, in that thread's [`Burst`].
+pub type ReadDone = Box<dyn FnOnce(io::Result<PooledBuf>, &mut Burst) + Send>;
+/// Runs when an asynchronous write is acknowledged, on the thread that received the answer,
+/// in that thread's [`Burst`].
+pub type WriteDone = Box<dyn FnOnce(io::Result<()>, &mut Burst) + Send>;
 
 fn unsupported() -> io::Error {
     io::Error::from_raw_os_error(libc::EOPNOTSUPP)
@@ -111,7 +114,7 @@ pub trait Store: Send + Sync {
     /// connection; read it again with [`Store::read_at`].
     fn read_async(&self, buf: PooledBuf, offset: u64, done: ReadDone) {
         let _ = (buf, offset);
-        done(Err(unsupported()))
+        done(Err(unsupported()), &mut Burst::default())
     }
 
     /// The largest write [`Store::write_async`] takes, with or without FUA (0: none).
@@ -125,7 +128,7 @@ pub trait Store: Send + Sync {
     /// the store); write it again with [`Store::write_at`].
     fn write_async(&self, buf: &[u8], offset: u64, fua: bool, done: WriteDone) {
         let _ = (buf, offset, fua);
-        done(Err(unsupported()))
+        done(Err(unsupported()), &mut Burst::default())
     }
 
     /// A session for one client (see [`Session`]); `None` where the back end has none to give.

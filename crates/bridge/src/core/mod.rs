@@ -26,6 +26,7 @@ use pool::{Job, Pool, Reading};
 use request::{Body, Op, Outcome, Request};
 
 use crate::aligned::PooledBuf;
+use crate::backing::Burst;
 use crate::mapping::{AsyncWrite, Mapping};
 use crate::range_lock::RangeGuard;
 use session::Session;
@@ -48,9 +49,9 @@ pub(crate) trait Client: Send + Sync + Sized + 'static {
     fn reply(&self, outcome: Outcome) -> Self::Reply;
     /// Sends replies, in order, after any being sent now.
     fn deliver(&self, replies: impl IntoIterator<Item = Self::Reply>);
-    /// Sends a reply made on a back end's completion thread, possibly together with the other
-    /// replies that thread makes from the same burst of answers.
-    fn deliver_soon(self: &Arc<Self>, reply: Self::Reply);
+    /// Sends a reply made on a back end's completion thread, at the end of `burst` (the answers
+    /// that thread has received), together with the other replies it makes from them.
+    fn deliver_soon(self: &Arc<Self>, reply: Self::Reply, burst: &mut Burst);
 }
 
 /// Where a front end reads a request's payload from.
@@ -126,7 +127,7 @@ impl Core {
     /// and starts it: answered here, sent to the back end, put on `session`, or handed back
     /// to run apart.
     pub(crate) fn intake<C: Client>(
-        &self,
+        self: &Arc<Self>,
         client: &Arc<C>,
         request: Request,
         admit: Admit<'_>,
@@ -198,7 +199,7 @@ impl Core {
 
     /// Runs a request handed back by [`Core::intake`] to its end, on this thread: a write sent
     /// without waiting once its sectors are free, anything else waited for and answered.
-    pub(crate) fn run_apart<C: Client>(&self, client: &Arc<C>, apart: Apart) {
+    pub(crate) fn run_apart<C: Client>(self: &Arc<Self>, client: &Arc<C>, apart: Apart) {
         let Apart { request, plan, payload, permit, held } = apart;
         match (plan.route, payload, held) {
             (Route::AsyncWrite { .. }, Some(buf), Some(g)) => {
@@ -265,7 +266,7 @@ impl Core {
         let conn = Arc::clone(client);
         let mapping = Arc::clone(&self.mapping);
         let pool = Arc::clone(&self.pool);
-        self.mapping.read_sealed_async(request.offset, request.len as usize, move |result| {
+        self.mapping.read_sealed_async(request.offset, request.len as usize, move |result, burst| {
             let result = match result {
                 Ok(sealed) if plan.crypto == Crypto::Streamed => Ok(Body::Sealed(sealed)),
                 Ok(sealed) => mapping.open(sealed).map(Body::Data),
@@ -293,7 +294,7 @@ impl Core {
                 tracing::error!(conn = conn.id(), ?request, "I/O error: {e}");
             }
             let reply = conn.reply(Outcome { request, result, permit: Some(permit) });
-            conn.deliver_soon(reply);
+            conn.deliver_soon(reply, burst);
         });
     }
 
@@ -305,38 +306,43 @@ impl Core {
     fn write_async<C: Client>(&self, client: &Arc<C>, request: Request, plan: Plan, payload: PooledBuf, held: RangeGuard, permit: Permit) {
         let conn = Arc::clone(client);
         let mapping = Arc::clone(&self.mapping);
-        self.mapping.write_async(held, request.offset, payload, request.fua, plan.crypto, move |end| {
+        self.mapping.write_async(held, request.offset, payload, request.fua, plan.crypto, move |end, burst| {
             let result = match end {
                 AsyncWrite::Done(result) => result,
                 AsyncWrite::Lost(lost) => {
                     let again = Arc::clone(&conn);
-                    let resend = move || {
+                    on_a_thread_of_its_own(move || {
                         let result = mapping.resend(lost);
                         let reply = answer(&*again, request, result, permit);
                         again.deliver(Some(reply));
-                    };
-                    // The closure waits in a slot so that it survives a failed start.
-                    let slot = Arc::new(Mutex::new(Some(resend)));
-                    let theirs = Arc::clone(&slot);
-                    let spawned = std::thread::Builder::new().name("nbd-resend".into()).spawn(move || {
-                        let f = theirs.lock().unwrap_or_else(|e| e.into_inner()).take();
-                        if let Some(f) = f {
-                            f();
-                        }
                     });
-                    if spawned.is_err() {
-                        // No thread to be had: resend on this one.
-                        let f = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
-                        if let Some(f) = f {
-                            f();
-                        }
-                    }
                     return;
                 }
             };
             let reply = answer(&*conn, request, result, permit);
-            conn.deliver_soon(reply);
+            conn.deliver_soon(reply, burst);
         });
+    }
+}
+
+/// Runs `f` on a thread of its own ("nbd-resend"), or on this one should none start: for a
+/// write lost with its upstream connection, resent (with the back end's retries) while it still
+/// holds its sectors, which the I/O threads may all be waiting for.
+pub(crate) fn on_a_thread_of_its_own(f: impl FnOnce() + Send + 'static) {
+    // The closure waits in a slot so that it survives a failed start.
+    let slot = Arc::new(Mutex::new(Some(f)));
+    let theirs = Arc::clone(&slot);
+    let spawned = std::thread::Builder::new().name("nbd-resend".into()).spawn(move || {
+        let f = theirs.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(f) = f {
+            f();
+        }
+    });
+    if spawned.is_err() {
+        let f = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(f) = f {
+            f();
+        }
     }
 }
 

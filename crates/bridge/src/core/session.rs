@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 
 use super::budget::Permit;
 use super::request::{Body, Outcome, Request};
-use super::{answer, Apart, Client, Core};
+use super::pool::{Job, Reading};
+use super::{answer, on_a_thread_of_its_own, Apart, Client, Core};
 use crate::aligned::PooledBuf;
 use crate::backing::{Done, Session as BackendSession};
 use crate::range_lock::RangeGuard;
@@ -56,7 +57,7 @@ pub(crate) struct Session<C: Client> {
 impl<C: Client> Session<C> {
     /// A session for `client`; `None` where the back end has none to give (not an upstream
     /// export, one without multi-conn, TLS to it) or none can be had now (logged).
-    pub(crate) fn open(core: &Core, client: &C) -> Option<Self> {
+    pub(crate) fn open(core: &Arc<Core>, client: &C) -> Option<Self> {
         let up = match core.mapping().own_session()? {
             Ok(up) => up,
             Err(e) => {
@@ -83,21 +84,21 @@ impl<C: Client> Session<C> {
     }
 
     /// Sends queued requests as far as the socket takes them.
-    pub(crate) fn send(&mut self, core: &Core, client: &Arc<C>) {
+    pub(crate) fn send(&mut self, core: &Arc<Core>, client: &Arc<C>) {
         if let Some(Err(e)) = self.up.as_mut().map(|up| up.send()) {
             self.lose(core, client, &format!("sending a request failed: {e}"));
         }
     }
 
     /// Ends the connection if the upstream has answered nothing within the reply timeout.
-    pub(crate) fn check_timeout(&mut self, core: &Core, client: &Arc<C>) {
+    pub(crate) fn check_timeout(&mut self, core: &Arc<Core>, client: &Arc<C>) {
         if self.up.as_ref().is_some_and(|up| up.timed_out()) {
             self.lose(core, client, "no reply from the upstream within the reply timeout");
         }
     }
 
     /// A connection of its own again, once `OWN_RETRY` has passed since the last was lost.
-    pub(crate) fn reopen(&mut self, core: &Core) {
+    pub(crate) fn reopen(&mut self, core: &Arc<Core>) {
         if self.up.is_some() || self.retry_at.is_none_or(|at| Instant::now() < at) {
             return;
         }
@@ -115,7 +116,7 @@ impl<C: Client> Session<C> {
     }
 
     /// Queues a READ (the plan put it here, so the connection is open).
-    pub(super) fn read(&mut self, core: &Core, client: &Arc<C>, request: Request, permit: Permit) {
+    pub(super) fn read(&mut self, core: &Arc<Core>, client: &Arc<C>, request: Request, permit: Permit) {
         let Some(up) = self.up.as_mut() else {
             let reply = core.execute(&**client, request, read_plan(), None, permit, None);
             self.replies.push_back(reply);
@@ -134,7 +135,7 @@ impl<C: Client> Session<C> {
     }
 
     /// Encrypts a WRITE on this thread and queues it, once its sectors are free.
-    pub(super) fn write(&mut self, core: &Core, client: &Arc<C>, request: Request, mut buf: PooledBuf, held: RangeGuard, permit: Permit) {
+    pub(super) fn write(&mut self, core: &Arc<Core>, client: &Arc<C>, request: Request, mut buf: PooledBuf, held: RangeGuard, permit: Permit) {
         if !held.is_held() {
             // Sectors an earlier write holds: ours in flight first (this thread answers them),
             // then whatever another connection holds.
@@ -164,7 +165,7 @@ impl<C: Client> Session<C> {
 
     /// Runs a request that is not for the session, on this thread, once the requests in flight
     /// here are answered: it may need sectors they hold, and a FLUSH must cover them.
-    pub(crate) fn run_apart(&mut self, core: &Core, client: &Arc<C>, apart: Apart) {
+    pub(crate) fn run_apart(&mut self, core: &Arc<Core>, client: &Arc<C>, apart: Apart) {
         self.settle(core, client);
         let point = self.up.as_ref().map(|up| up.flush_point());
         let Apart { request, plan, payload, permit, held } = apart;
@@ -182,7 +183,7 @@ impl<C: Client> Session<C> {
     }
 
     /// Waits until the upstream has answered every request in flight here.
-    pub(crate) fn settle(&mut self, core: &Core, client: &Arc<C>) {
+    pub(crate) fn settle(&mut self, core: &Arc<Core>, client: &Arc<C>) {
         while let Some(up) = self.up.as_mut() {
             if up.in_flight() == 0 {
                 return;
@@ -203,7 +204,7 @@ impl<C: Client> Session<C> {
     }
 
     /// Takes the upstream's answers received so far and makes the client's replies.
-    pub(crate) fn collect(&mut self, core: &Core, client: &Arc<C>) {
+    pub(crate) fn collect(&mut self, core: &Arc<Core>, client: &Arc<C>) {
         let Some(up) = self.up.as_mut() else { return };
         let received = up.receive(&mut self.done);
         let done = std::mem::take(&mut self.done);
@@ -215,7 +216,7 @@ impl<C: Client> Session<C> {
         }
     }
 
-    fn complete(&mut self, core: &Core, client: &Arc<C>, d: Done<u64>) {
+    fn complete(&mut self, core: &Arc<Core>, client: &Arc<C>, d: Done<u64>) {
         let Some(Flight { request, permit, kind }) = self.flights.remove(&d.tag) else {
             tracing::error!(conn = self.conn, tag = d.tag, "the back-end session answered a request it was not given");
             return;
@@ -239,7 +240,7 @@ impl<C: Client> Session<C> {
     }
 
     /// Ends the connection of its own: what was in flight on it takes the shared path.
-    fn lose(&mut self, core: &Core, client: &Arc<C>, why: &str) {
+    fn lose(&mut self, core: &Arc<Core>, client: &Arc<C>, why: &str) {
         let Some(mut up) = self.up.take() else { return };
         let lost = up.take_lost(why);
         drop(up);
@@ -252,18 +253,31 @@ impl<C: Client> Session<C> {
     }
 
     /// A request lost with the connection of its own, through the shared connections (which
-    /// retry with their back-off); a write still holds its sectors meanwhile.
-    fn resend(&mut self, core: &Core, client: &Arc<C>, flight: Flight) {
+    /// retry with their back-off), apart from this thread: each waits out the retries on its
+    /// own, so a dead upstream fails them all within the retries' time, and this thread goes
+    /// on serving the client meanwhile. A write still holds its sectors.
+    fn resend(&mut self, core: &Arc<Core>, client: &Arc<C>, flight: Flight) {
         let Flight { request, permit, kind } = flight;
-        let reply = match kind {
-            Kind::Read => core.execute(&**client, request, read_plan(), None, permit, None),
-            Kind::Write { held, sealed } => {
+        let (core, client) = (Arc::clone(core), Arc::clone(client));
+        match kind {
+            Kind::Read => {
+                let pool = Arc::clone(core.pool());
+                let job: Job = Box::new(move |reading| {
+                    drop(reading);
+                    let reply = core.execute(&*client, request, read_plan(), None, permit, None);
+                    client.deliver(Some(reply));
+                });
+                if let Err(job) = pool.submit(job) {
+                    job(Reading::outside());
+                }
+            }
+            Kind::Write { held, sealed } => on_a_thread_of_its_own(move || {
                 let result = core.mapping().write_sealed(&sealed, request.offset, request.fua);
                 drop(held);
-                answer(&**client, request, result, permit)
-            }
-        };
-        self.replies.push_back(reply);
+                let reply = answer(&*client, request, result, permit);
+                client.deliver(Some(reply));
+            }),
+        }
     }
 }
 

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::backing::Burst;
 use crate::core::budget::{Flow, Permit};
 use crate::core::pool::{Job, Reading};
 use crate::core::request::{Body, Op, Outcome, Request};
@@ -67,9 +68,9 @@ pub(crate) struct Connection {
     /// Held by the thread whose turn it is to read.
     read_side: Mutex<ReadSide>,
     /// Replies made by upstream connections' reply readers, held until the reader has handled
-    /// the burst of answers it received (see `deliver_soon`), with the last reader that
-    /// arranged to send them.
-    soon: Mutex<(Vec<Reply>, Option<std::thread::ThreadId>)>,
+    /// the burst of answers it received (see `deliver_soon`), with the last burst that will
+    /// send them.
+    soon: Mutex<(Vec<Reply>, Option<u64>)>,
     /// This connection's place under --max-connections, given back on drop.
     _slot: Box<dyn Send + Sync>,
     /// The server's rules with what this client negotiated.
@@ -276,12 +277,11 @@ impl Client for Connection {
         Connection::deliver(self, replies)
     }
 
-    /// Sends `reply`, or, on an upstream connection's reply reader, holds it until that thread
-    /// has handled the replies it has already received (`client::after_burst`), so that the
-    /// answers to a burst go to each client in one send.
-    fn deliver_soon(self: &Arc<Self>, reply: Reply) {
-        // Each reader arranges its own send: one reader's burst never waits for another's.
-        let me = std::thread::current().id();
+    /// Holds `reply` until the end of `burst`, so that the answers to a burst go to this client
+    /// in one send.
+    fn deliver_soon(self: &Arc<Self>, reply: Reply, burst: &mut Burst) {
+        // Each burst arranges its own send: one reader's burst never waits for another's.
+        let me = burst.id();
         let arrange = {
             let mut soon = self.soon.lock().unwrap_or_else(|e| e.into_inner());
             soon.0.push(reply);
@@ -291,7 +291,7 @@ impl Client for Connection {
         };
         if arrange {
             let conn = Arc::clone(self);
-            client::after_burst(Box::new(move || {
+            burst.at_end(Box::new(move || {
                 let replies = std::mem::take(&mut conn.soon.lock().unwrap_or_else(|e| e.into_inner()).0);
                 conn.deliver(replies);
             }));

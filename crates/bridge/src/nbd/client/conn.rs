@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::cork::{corks, end_burst, Cork, BURST_END};
+use super::cork::{corks, Burst, Cork};
 use super::protocol_error;
 use crate::nbd::transmission::{encode_request, parse_reply_header, write_all_vectored, Request, REPLY_HEADER_LEN};
 use crate::nbd::*;
@@ -71,12 +71,13 @@ pub(super) struct Slot {
     sent: Instant,
 }
 
-pub(super) type Then = Box<dyn FnOnce(Outcome) + Send>;
+pub(super) type Then = Box<dyn FnOnce(Outcome, &mut Burst) + Send>;
 
 impl Slot {
-    fn complete(&self, outcome: Outcome) {
+    /// Completes the slot: runs its continuation in `burst`, or wakes its caller.
+    fn complete(&self, outcome: Outcome, burst: &mut Burst) {
         if let Some(then) = self.then.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            then(outcome);
+            then(outcome, burst);
             return;
         }
         *self.outcome.lock().unwrap_or_else(|e| e.into_inner()) = Some(outcome);
@@ -98,9 +99,9 @@ impl Slot {
 struct Completion(Option<Arc<Slot>>);
 
 impl Completion {
-    fn finish(mut self, outcome: Outcome) {
+    fn finish(mut self, outcome: Outcome, burst: &mut Burst) {
         if let Some(slot) = self.0.take() {
-            slot.complete(outcome);
+            slot.complete(outcome, burst);
         }
     }
 }
@@ -108,7 +109,7 @@ impl Completion {
 impl Drop for Completion {
     fn drop(&mut self) {
         if let Some(slot) = self.0.take() {
-            slot.complete(Outcome::Lost);
+            slot.complete(Outcome::Lost, &mut Burst::default());
         }
     }
 }
@@ -172,33 +173,33 @@ impl Live {
                 if unflushed { " (with writes not yet flushed: the next FLUSH reports EIO)" } else { "" }
             );
         }
+        let mut burst = Burst::default();
         for slot in slots.into_values() {
-            slot.complete(outcome);
+            slot.complete(outcome, &mut burst);
         }
     }
 
     /// The reader thread: replies to slots, until the connection fails.
     pub(super) fn read_replies(self: Arc<Self>, sock: Stream, reply_timeout: Duration) {
-        BURST_END.with(|b| *b.borrow_mut() = Some(Vec::new()));
-        let (why, outcome) = match self.reply_loop(&sock, reply_timeout) {
+        let mut burst = Burst::default();
+        let (why, outcome) = match self.reply_loop(&sock, reply_timeout, &mut burst) {
             Ok(()) => ("closed".to_string(), Outcome::Lost),
             // Silent for the whole reply timeout (ours, or the kernel's ETIMEDOUT): every request
             // on it fails, so that none waits longer than that in all.
             Err(e) if e.kind() == io::ErrorKind::TimedOut => (format!("{e}; failing its requests with EIO, not resending them"), Outcome::TimedOut),
             Err(e) => (e.to_string(), Outcome::Lost),
         };
+        burst.end();
         self.die_with(&why, outcome);
-        end_burst();
-        BURST_END.with(|b| *b.borrow_mut() = None);
     }
 
-    fn reply_loop(&self, sock: &Stream, reply_timeout: Duration) -> io::Result<()> {
+    fn reply_loop(&self, sock: &Stream, reply_timeout: Duration, burst: &mut Burst) -> io::Result<()> {
         // Reads wake at least this often to check for requests waiting too long.
         sock.set_read_timeout(Some(reply_timeout.clamp(Duration::from_millis(10), Duration::from_secs(1))))?;
         let mut inbox = Inbox { sock, buf: vec![0u8; INBOX_LEN], start: 0, end: 0, progress: Instant::now(), reply_timeout };
         loop {
             let mut h = [0u8; REPLY_HEADER_LEN];
-            if !inbox.read_full(self, &mut h, true)? {
+            if !inbox.read_full(self, &mut h, true, burst)? {
                 return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the upstream closed the connection"));
             }
             let (handle, error) = parse_reply_header(&h)?;
@@ -212,7 +213,7 @@ impl Live {
                 // SAFETY: see `Slot`: the caller lent this buffer exclusively and waits for the
                 // completion, which happens only after this write (or when `completion` drops).
                 let buf = unsafe { std::slice::from_raw_parts_mut(into.ptr, into.len) };
-                if !inbox.read_full(self, buf, false)? {
+                if !inbox.read_full(self, buf, false, burst)? {
                     return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the upstream closed the connection inside a read reply"));
                 }
             }
@@ -220,7 +221,7 @@ impl Live {
                 // Counted before the caller hears of it, for the lost-writes check in `die`.
                 self.acked_writes.fetch_add(1, Ordering::SeqCst);
             }
-            completion.finish(if error == 0 { Outcome::Done } else { Outcome::Errno(error) });
+            completion.finish(if error == 0 { Outcome::Done } else { Outcome::Errno(error) }, burst);
         }
     }
 
@@ -239,7 +240,7 @@ impl Live {
         {
             let mut p = self.lock_pending();
             if p.dead {
-                slot.complete(Outcome::Lost);
+                slot.complete(Outcome::Lost, &mut Burst::default());
                 return slot;
             }
             p.slots.insert(request.handle, Arc::clone(&slot));
@@ -285,7 +286,7 @@ struct Inbox<'a> {
 impl Inbox<'_> {
     /// Fills `dest`. `Ok(false)`: a clean end of stream before its first byte, when
     /// `between_replies`. Fails when requests have waited `reply_timeout` without a byte.
-    fn read_full(&mut self, live: &Live, dest: &mut [u8], between_replies: bool) -> io::Result<bool> {
+    fn read_full(&mut self, live: &Live, dest: &mut [u8], between_replies: bool, burst: &mut Burst) -> io::Result<bool> {
         let mut got = 0;
         while got < dest.len() {
             if self.start < self.end {
@@ -297,7 +298,7 @@ impl Inbox<'_> {
             }
             // Nothing received is left unhandled: what waits for that goes now, before this
             // thread may wait on the socket.
-            end_burst();
+            burst.end();
             let direct = dest.len() - got >= self.buf.len();
             let r = if direct { (&*self.sock).read(&mut dest[got..]) } else { (&*self.sock).read(&mut self.buf) };
             match r {

@@ -4,10 +4,10 @@
 //! - The cork ([`cork`], [`flush_corked`], [`uncork`]): a thread that serves a client reads a
 //!   burst of its requests and, corked, queues the upstream requests they make and sends them in
 //!   one write to one connection, instead of one send (and one wake-up of the upstream) each.
-//! - The after-burst hooks ([`after_burst`]): a continuation run on a reply reader that answers
-//!   a client can put that off until the reader has handled every reply it has received, so
-//!   the answers to a burst of upstream replies go out in one send (and one wake-up of the
-//!   client) instead of one each.
+//! - The burst ([`Burst`], not per thread: an object the reply reader hands to every
+//!   continuation it runs): a continuation that answers a client can put that off until the
+//!   reader has handled every reply it has received, so the answers to a burst of upstream
+//!   replies go out in one send (and one wake-up of the client) instead of one each.
 
 use std::cell::RefCell;
 use std::io::IoSlice;
@@ -117,42 +117,53 @@ pub fn uncork() {
     CORK.with(|c| *c.borrow_mut() = None);
 }
 
-/// Work put off by [`after_burst`].
-type Hook = Box<dyn FnOnce()>;
+/// Work put off until the end of a burst ([`Burst::at_end`]).
+pub type Hook = Box<dyn FnOnce()>;
 
-thread_local! {
-    /// On a reply reader: work to run once every reply received so far is handled (see
-    /// [`after_burst`]). `None` on any other thread.
-    pub(super) static BURST_END: RefCell<Option<Vec<Hook>>> = const { RefCell::new(None) };
+/// A reply reader's burst: the answers it has received and not yet handled. A continuation that
+/// answers a client ([`Client::read_async`](super::Client::read_async),
+/// [`Client::write_async`](super::Client::write_async)) gets the burst it runs in, and can put
+/// work off to its end ([`Burst::at_end`]): the reader runs it once it has handled every answer
+/// it has received, before it next waits on its socket, so the answers to a burst of upstream
+/// replies go to each client in one send (and one wake-up of the client) instead of one each.
+/// A continuation run anywhere else (a request that never went out, a connection that died)
+/// gets a burst of its own, which ends as soon as the continuation returns.
+pub struct Burst {
+    hooks: Vec<Hook>,
+    id: u64,
 }
 
-/// Runs `f` once the reply reader this is called on has handled every reply it has received,
-/// before it next waits on its socket; on any other thread, at once. A continuation that
-/// answers a client can so let the answers to a burst of upstream replies go out together, one
-/// send (and one wake-up of the client) instead of one each.
-pub fn after_burst(f: Hook) {
-    let now = BURST_END.with(|b| match &mut *b.borrow_mut() {
-        Some(hooks) => {
-            hooks.push(f);
-            None
-        }
-        None => Some(f),
-    });
-    if let Some(f) = now {
-        f();
+impl Default for Burst {
+    fn default() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        Self { hooks: Vec::new(), id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) }
     }
 }
 
-/// Runs the work [`after_burst`] put off, and whatever that puts off in turn.
-pub(super) fn end_burst() {
-    loop {
-        let hooks = BURST_END.with(|b| b.borrow_mut().as_mut().map(std::mem::take).unwrap_or_default());
-        if hooks.is_empty() {
-            return;
+impl Burst {
+    /// Tells bursts apart: no two alive at once share one.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Runs `f` at the end of this burst.
+    pub fn at_end(&mut self, f: Hook) {
+        self.hooks.push(f);
+    }
+
+    /// Runs the work put off so far, and whatever that puts off in turn.
+    pub(super) fn end(&mut self) {
+        while !self.hooks.is_empty() {
+            for f in std::mem::take(&mut self.hooks) {
+                f();
+            }
         }
-        for f in hooks {
-            f();
-        }
+    }
+}
+
+impl Drop for Burst {
+    fn drop(&mut self) {
+        self.end();
     }
 }
 
@@ -208,7 +219,7 @@ mod tests {
         cork();
         for i in 0..3u64 {
             let done_tx = done_tx.clone();
-            client.read_async(i * 4096, pool.get(4096).unwrap(), move |r| done_tx.send((i, r.map(|b| b.to_vec()))).unwrap());
+            client.read_async(i * 4096, pool.get(4096).unwrap(), move |r, _| done_tx.send((i, r.map(|b| b.to_vec()))).unwrap());
         }
         assert!(seen.recv_timeout(Duration::from_millis(200)).is_err(), "a corked request was sent before the flush");
         flush_corked();

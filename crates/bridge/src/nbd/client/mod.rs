@@ -7,7 +7,7 @@
 //! handle, in whatever order they come, and reads a READ's data straight into the caller's
 //! buffer. [`Client::read_async`] and [`Client::write_async`] return once the request is sent
 //! and run a continuation on the reader thread instead of waking a caller; continuations that
-//! answer clients can put that off to the end of the reader's burst ([`after_burst`]), so that
+//! answer clients can put that off to the end of the reader's burst ([`Burst`]), so that
 //! one burst of upstream replies makes one send to each client. A thread can also [`cork`](fn@cork) its
 //! requests, so that a burst of them goes to the upstream in one send. Several connections are opened
 //! when the upstream advertises NBD_FLAG_CAN_MULTI_CONN (its caches are then coherent across
@@ -53,7 +53,7 @@ use crate::aligned::PooledBuf;
 use crate::transport::Stream;
 use super::*;
 
-pub use self::cork::{after_burst, cork, flush_corked, uncork};
+pub use self::cork::{cork, flush_corked, uncork, Burst};
 pub use self::handshake::{handshake, handshake_tls, Export, TlsClient, DEFAULT_MAX_REQUEST};
 
 /// Connections to an upstream that allows several, unless told otherwise: at most this many,
@@ -362,26 +362,27 @@ impl Client {
     /// reader (or on this thread, should the request not go out). A request lost with its
     /// connection is not resent here: `done` gets an `Interrupted` error, and the caller resends
     /// it with [`Client::read`], which retries.
-    pub fn read_async(&self, offset: u64, mut buf: PooledBuf, done: impl FnOnce(io::Result<PooledBuf>) + Send + 'static) {
+    pub fn read_async(&self, offset: u64, mut buf: PooledBuf, done: impl FnOnce(io::Result<PooledBuf>, &mut Burst) + Send + 'static) {
         let len = buf.len();
         debug_assert!(len <= self.export.max_request() as usize);
         let into = ReadInto { ptr: buf.as_mut_ptr(), len };
         // The continuation owns the buffer: a PooledBuf's bytes are on the heap, so `into` stays
         // valid while it moves, and nothing else touches them until the continuation runs.
-        let then: Then = Box::new(move |outcome| {
-            done(match outcome {
+        let then: Then = Box::new(move |outcome, burst| {
+            let result = match outcome {
                 Outcome::Done => Ok(buf),
                 Outcome::Errno(ESHUTDOWN) | Outcome::Lost => Err(io::Error::new(io::ErrorKind::Interrupted, "upstream connection lost")),
                 Outcome::Errno(e) => Err(io_error_of(e)),
                 Outcome::TimedOut => Err(timed_out_error()),
-            })
+            };
+            done(result, burst)
         });
         let mut request = Request { flags: 0, command: CMD_READ, handle: 0, offset, length: len as u32 };
         match self.next_live(&request) {
             Some(live) => {
                 live.send(&mut request, &[], Some(into), Some(then));
             }
-            None => then(Outcome::Lost),
+            None => then(Outcome::Lost, &mut Burst::default()),
         }
     }
 
@@ -391,15 +392,16 @@ impl Client {
     /// out). A write lost with its connection is not resent here: `done` gets an `Interrupted`
     /// error, and the caller resends it with [`Client::write`] while it still keeps other
     /// writes off those bytes. `payload` is only read while this runs.
-    pub fn write_async(&self, offset: u64, payload: &[u8], fua: bool, done: impl FnOnce(io::Result<()>) + Send + 'static) {
+    pub fn write_async(&self, offset: u64, payload: &[u8], fua: bool, done: impl FnOnce(io::Result<()>, &mut Burst) + Send + 'static) {
         debug_assert!(payload.len() <= self.export.max_request() as usize && (!fua || self.export.can_fua()));
-        let then: Then = Box::new(move |outcome| {
-            done(match outcome {
+        let then: Then = Box::new(move |outcome, burst| {
+            let result = match outcome {
                 Outcome::Done => Ok(()),
                 Outcome::Errno(ESHUTDOWN) | Outcome::Lost => Err(io::Error::new(io::ErrorKind::Interrupted, "upstream connection lost")),
                 Outcome::Errno(e) => Err(io_error_of(e)),
                 Outcome::TimedOut => Err(timed_out_error()),
-            })
+            };
+            done(result, burst)
         });
         let flags = if fua { CMD_FLAG_FUA } else { 0 };
         let mut request = Request { flags, command: CMD_WRITE, handle: 0, offset, length: payload.len() as u32 };
@@ -407,7 +409,7 @@ impl Client {
             Some(live) => {
                 live.send(&mut request, payload, None, Some(then));
             }
-            None => then(Outcome::Lost),
+            None => then(Outcome::Lost, &mut Burst::default()),
         }
     }
 

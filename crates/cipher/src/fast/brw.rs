@@ -166,27 +166,16 @@ pub(super) mod x86 {
     }
 
     /// The state of one group between the phases of [`BrwQuarters::group`].
-    pub(in crate::fast) struct GroupState {
+    struct GroupState {
         z: Wide4,
         v: __m512i,
         x4: __m512i,
     }
 
-    impl GroupState {
-        #[inline(always)]
-        pub(in crate::fast) unsafe fn zero() -> Self {
-            // SAFETY: inlined into a function of level `vaes512`.
-            unsafe {
-                GroupState { z: Wide4::zero(), v: _mm512_setzero_si512(), x4: _mm512_setzero_si512() }
-            }
-        }
-    }
-
     /// The BRW of [`brw_le_wide`] for k = 16Q - 1 in steps: `group(q)` for q = 0, 1, ..., Q - 1
     /// (level 1, four 64-byte loads each), then `finish` (the two levels across the lanes). The
-    /// steps let a caller interleave the hash with other work: FAST runs one sector's counter
-    /// mode beside other sectors' hashes, so that the AES and carry-less multiply units work
-    /// together.
+    /// phases of a group (load, reduce, store) are separate so that the work of neighbouring
+    /// groups can overlap.
     ///
     /// The levels inside the quarters are evaluated as the groups arrive, like a binary counter:
     /// group q's value is a right child at every level l where bit l of q is set, and then just
@@ -194,7 +183,7 @@ pub(super) mod x86 {
     /// l it is a left child: it is reduced, and its product with tau^(2^(l+2)) ^ x4 (x4 of group
     /// q is the block that follows it) waits in `pending[l]` for the sibling. Group Q - 1 ends the
     /// quarter trees.
-    pub(in crate::fast) struct BrwQuarters<'a, const Q: usize> {
+    struct BrwQuarters<'a, const Q: usize> {
         body: &'a [u8],
         p: &'a [u128; 17],
         last: __m128i,

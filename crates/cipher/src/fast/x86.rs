@@ -1,17 +1,13 @@
-//! FAST-BRW's fused counter-mode + BRW kernel for 4096-byte units: at `vaes512` the
-//! four-lane BRW (with the assembly step loop for AES-256, `asm256`), at `vaes256` an assembly
-//! step loop on ymm registers for AES-256 with both hashes (`asm_ymm`), and otherwise (`aesni`,
-//! AES-128, the units with one hash) the same loop written once over the vector trait
-//! (`fused_v`).
-
-use core::arch::x86_64::*;
+//! FAST-BRW's fused counter-mode + BRW kernel for 4096-byte units: for AES-256 with both hashes
+//! an assembly step loop per register width (`asm256` on zmm at `vaes512`, `asm_ymm` on ymm at
+//! `vaes256`), and for everything else (`aesni`, AES-128, the units with one hash) the same loop
+//! written once over the vector trait (`fused_v`), on ymm at both VAES levels.
 
 use crate::arch::x86::aes::RoundKeys;
 use crate::arch::x86::simd::{splat_keys, AesVec, Xmm, Ymm};
-use crate::arch::x86::{kernel_aesni, kernel_vaes256, kernel_vaes512};
-use super::brw::x86::{BrwParts, BrwQuarters, GroupState};
-use crate::gf128::x86::{from_u128, mul as gmul, mul_le, to_u128};
-use crate::gf128::Field;
+use crate::arch::x86::{kernel_aesni, kernel_vaes256};
+use super::brw::x86::BrwParts;
+use crate::gf128::x86::mul_le;
 use crate::tes_common::x86::Counters;
 use crate::CpuLevel;
 
@@ -95,7 +91,15 @@ pub(super) unsafe fn ctr_brw255(
     }
     match level {
         // SAFETY: the caller guarantees `vaes512`.
-        CpuLevel::Vaes512 => unsafe { ctr_brw255_zmm(rk, data, s, scratch, p, [a, b], head, link) },
+        // The hot case has its zmm kernel; the others run the ymm loop, which VAES executes at
+        // the same AES rate on 512-bit parts (Intel's two 256-bit AES ports against one 512-bit
+        // one, Zen 4's 512-bit operations split into two 256-bit halves).
+        CpuLevel::Vaes512 => match (rk.rounds, a, b) {
+            // SAFETY: the caller guarantees `vaes512`; `asm256::fused` checks the lengths it
+            // touches.
+            (14, Some(a), Some(b)) => unsafe { asm256::fused(rk, data, s, scratch, [a, b], head, link) },
+            _ => generic!(fused_vaes256),
+        },
         CpuLevel::Vaes256 => match (rk.rounds, a, b) {
             // SAFETY: the caller guarantees `vaes256`; `asm_ymm::fused` checks the lengths it
             // touches.
@@ -106,49 +110,6 @@ pub(super) unsafe fn ctr_brw255(
     }
 }
 
-
-kernel_vaes512! {
-#[allow(clippy::too_many_arguments)]
-unsafe fn ctr_brw255_zmm(
-    rk: &RoundKeys,
-    data: &mut [u8],
-    s: u128,
-    scratch: &mut asm256::Scratch,
-    p: &[u128; 17],
-    hashes: [Option<(&[u8], u128)>; 2],
-    head: Option<Head>,
-    link: Link,
-) -> (Linked, Option<[u128; 3]>) {
-    // SAFETY: compiled for `vaes512`, which the caller guarantees; `asm256::fused` and `fused`
-    // check the lengths they touch.
-    unsafe {
-        let [a, b] = hashes;
-        let (present_a, present_b) = (a.is_some(), b.is_some());
-        let (hs, head_out) = match (rk.rounds, a, b) {
-            (14, Some(a), Some(b)) => return asm256::fused(rk, data, s, scratch, [a, b], head, link),
-            (14, Some(a), None) => fused::<14, true, false>(rk, data, s, p, a, NONE, head),
-            (14, None, Some(b)) => fused::<14, false, true>(rk, data, s, p, NONE, b, head),
-            (14, None, None) => fused::<14, false, false>(rk, data, s, p, NONE, NONE, head),
-            (10, Some(a), Some(b)) => fused::<10, true, true>(rk, data, s, p, a, b, head),
-            (10, Some(a), None) => fused::<10, true, false>(rk, data, s, p, a, NONE, head),
-            (10, None, Some(b)) => fused::<10, false, true>(rk, data, s, p, NONE, b, head),
-            (10, None, None) => fused::<10, false, false>(rk, data, s, p, NONE, NONE, head),
-            (nr, _, _) => unreachable!("ctr_brw255: {nr} AES rounds"),
-        };
-        // The same products as the assembly kernel's finish, one at a time.
-        let m = scratch.mult();
-        let mut out = Linked { tail: [0; 2], head: [0; 2] };
-        if present_a {
-            out.tail = [gmul(Field::Le, m[0], hs[0]), gmul(Field::Le, m[3], link.s)];
-        }
-        if present_b {
-            let y = link.second ^ gmul(Field::Le, m[1], hs[1]);
-            out.head = [y, link.first ^ gmul(Field::Le, p[0], y)];
-        }
-        (out, head_out)
-    }
-}
-}
 
 /// The start of a unit's FAST rounds, y and z: w = y ^ E(z), v = z ^ E(w) (encryption: y, z,
 /// w, v = a1, f1, f2, b2; decryption: b2, f2, f1, a1). See `Link` for y and z.
@@ -182,132 +143,6 @@ pub(super) struct Linked {
 /// Stands in for an absent hash (never read).
 static ZERO_BODY: [u8; 16 * 254] = [0; 16 * 254];
 const NONE: (&[u8], u128) = (&ZERO_BODY, 0);
-
-#[inline(always)]
-unsafe fn fused<const NR: usize, const HA: bool, const HB: bool>(
-    rk: &RoundKeys,
-    data: &mut [u8],
-    s: u128,
-    p: &[u128; 17],
-    a: (&[u8], u128),
-    b: (&[u8], u128),
-    head: Option<Head>,
-) -> ([u128; 2], Option<[u128; 3]>) {
-    // SAFETY: inlined into a function of level `vaes512`; the stores stay inside `data` (checked at
-    // its top and noted at them).
-    unsafe {
-        assert!(data.len() == 16 * 254, "ctr_brw255: not the body of a 4096-byte sector");
-        let mut ha = BrwQuarters::<Q>::new(p, a.0, a.1);
-        let mut hb = BrwQuarters::<Q>::new(p, b.0, b.1);
-        let mut k = [_mm512_setzero_si512(); 15];
-        for (r, key) in k.iter_mut().zip(rk.enc.iter()).take(NR + 1) {
-            *r = _mm512_broadcast_i32x4(_mm_loadu_si128(key.as_ptr().cast()));
-        }
-        let base = _mm512_broadcast_i32x4(_mm_set_epi64x((s >> 64) as i64, s as i64));
-        let mut cnt = _mm512_set_epi64(0, 4, 0, 3, 0, 2, 0, 1);
-        let step = _mm512_set_epi64(0, 4, 0, 4, 0, 4, 0, 4);
-        let ptr = data.as_mut_ptr();
-        // One step: 16 counter blocks (4 registers) and group q of each hash.
-        macro_rules! step {
-            ($q:expr, $fb:expr) => {{
-                let q: usize = $q;
-                let fb: Option<&mut __m128i> = $fb;
-                let mut x = [_mm512_setzero_si512(); 4];
-                for v in x.iter_mut() {
-                    *v = _mm512_xor_si512(_mm512_xor_si512(base, cnt), k[0]);
-                    cnt = _mm512_add_epi64(cnt, step);
-                }
-                // The head's single block (`fb`), when given, runs its rounds beside the counter's.
-                let mut f = _mm_setzero_si128();
-                if let Some(fb) = &fb {
-                    f = _mm_xor_si128(**fb, _mm512_castsi512_si128(k[0]));
-                }
-                macro_rules! round {
-                    ($r:expr) => {
-                        for v in x.iter_mut() {
-                            *v = _mm512_aesenc_epi128(*v, k[$r]);
-                        }
-                        if fb.is_some() {
-                            f = _mm_aesenc_si128(f, _mm512_castsi512_si128(k[$r]));
-                        }
-                    };
-                }
-                // The three phases of each hash's group between the rounds.
-                let (mut sa, mut sb) = (GroupState::zero(), GroupState::zero());
-                round!(1);
-                if HA {
-                    sa = ha.group_load(q);
-                }
-                round!(2);
-                round!(3);
-                if HB {
-                    sb = hb.group_load(q);
-                }
-                round!(4);
-                round!(5);
-                if HA {
-                    sa = ha.group_reduce(q, sa);
-                }
-                round!(6);
-                round!(7);
-                if HB {
-                    sb = hb.group_reduce(q, sb);
-                }
-                round!(8);
-                if HA {
-                    ha.group_store(q, sa);
-                }
-                round!(9);
-                if HB {
-                    hb.group_store(q, sb);
-                }
-                for r in 10..NR {
-                    round!(r);
-                }
-                for v in x.iter_mut() {
-                    *v = _mm512_aesenclast_epi128(*v, k[NR]);
-                }
-                if let Some(fb) = fb {
-                    *fb = _mm_aesenclast_si128(f, _mm512_castsi512_si128(k[NR]));
-                }
-                for (r, v) in x.iter().enumerate() {
-                    let off = 256 * q + 64 * r;
-                    // SAFETY: data is 4064 bytes; every register but the last one of the last step
-                    // (bytes 4032..4096) is whole, and that one is masked to its 32 bytes.
-                    let dst = ptr.add(off);
-                    if off + 64 <= 4064 {
-                        _mm512_storeu_si512(dst.cast(), _mm512_xor_si512(_mm512_loadu_si512(dst.cast()), *v));
-                    } else {
-                        let d = _mm512_maskz_loadu_epi64(0x0f, dst.cast());
-                        _mm512_mask_storeu_epi64(dst.cast(), 0x0f, _mm512_xor_si512(d, *v));
-                    }
-                }
-            }};
-        }
-        // Steps 0 and 1 also run the head of the next unit (see `Head`): its two serial AES
-        // calls ride along with the counter blocks instead of stalling the pipeline.
-        let mut head_out = None;
-        if let Some(Head { y, z }) = head {
-            let mut fb = from_u128(z);
-            step!(0, Some(&mut fb));
-            let w = y ^ to_u128(fb);
-            let mut fb = from_u128(w);
-            step!(1, Some(&mut fb));
-            let v = z ^ to_u128(fb);
-            head_out = Some([z, w, v]);
-        } else {
-            step!(0, None);
-            step!(1, None);
-        }
-        for q in 2..Q {
-            step!(q, None);
-        }
-        let out = [if HA { ha.finish(p) } else { 0 }, if HB { hb.finish(p) } else { 0 }];
-        k = [_mm512_setzero_si512(); 15];
-        core::hint::black_box(&k);
-        (out, head_out)
-    }
-}
 
 kernel_vaes256! {
     #[allow(clippy::too_many_arguments)]

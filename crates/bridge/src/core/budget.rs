@@ -3,20 +3,45 @@
 //! at a limit stops reading that socket until replies drain (back pressure), so memory stays
 //! bounded whatever the clients send.
 //!
+//! The server-wide budget is shared fairly: a connection that already holds a large share (a
+//! client that pipelines large READs and does not read the replies holds up to its per-connection
+//! limit) cannot take the last part of the budget, [`RESERVE_DIVISOR`]'s share, which stays for
+//! connections that hold little; and those do not queue behind the large holders. So however
+//! many clients stop reading, one that reads its replies still gets its requests admitted.
+//!
 //! Counting uses atomics, and a mutex and condition variable only when someone waits: the quick
 //! path (a 4 KiB page-cache read) takes and releases a permit per request.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-/// Server-wide limit on request bytes in flight. Waiters are served first come, first served, so
-/// a large request is not overtaken forever by small ones.
+/// The part of the server-wide budget (1 / this) that only connections holding little may take.
+pub(crate) const RESERVE_DIVISOR: u64 = 8;
+/// A connection holds little while its bytes in flight, with the request's, are at most this
+/// part of the reserve (1 / this): several reading clients can be served from the reserve at
+/// once.
+const SMALL_DIVISOR: u64 = 4;
+
+/// Server-wide limit on request bytes in flight. Waiters are served first come, first served
+/// within their class (see [`Class`]), so a large request is not overtaken forever by small
+/// ones of its class; the classes do not wait for each other.
 pub(crate) struct Budget {
     limit: u64,
+    /// What `Class::Large` may not take (`limit / RESERVE_DIVISOR`).
+    reserve: u64,
     used: AtomicU64,
-    waiters: AtomicUsize,
-    queue: Mutex<Tickets>,
+    waiters: [AtomicUsize; 2],
+    queue: Mutex<[Tickets; 2]>,
     changed: Condvar,
+}
+
+/// Which part of the budget a request may take, by what its connection holds with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Class {
+    /// The connection holds little: the whole budget.
+    Small = 0,
+    /// The budget less the reserve.
+    Large = 1,
 }
 
 #[derive(Default)]
@@ -27,33 +52,57 @@ struct Tickets {
 
 impl Budget {
     pub(crate) fn new(limit: u64) -> Self {
-        Self { limit, used: AtomicU64::new(0), waiters: AtomicUsize::new(0), queue: Mutex::default(), changed: Condvar::new() }
+        Self {
+            limit,
+            reserve: limit / RESERVE_DIVISOR,
+            used: AtomicU64::new(0),
+            waiters: Default::default(),
+            queue: Mutex::default(),
+            changed: Condvar::new(),
+        }
     }
 
-    /// Takes `n` bytes if they fit now (anything fits while nothing is in use, so one request
-    /// larger than the limit still runs, alone).
-    fn try_take(&self, n: u64) -> bool {
-        self.used
-            .fetch_update(SeqCst, SeqCst, |used| (used == 0 || used + n <= self.limit).then_some(used + n))
-            .is_ok()
+    /// The class of a request of `n` bytes from a connection that holds `held` bytes.
+    pub(crate) fn class(&self, held: u64, n: u64) -> Class {
+        if held.saturating_add(n) <= self.reserve / SMALL_DIVISOR {
+            Class::Small
+        } else {
+            Class::Large
+        }
+    }
+
+    /// Takes `n` bytes if they fit now in what `class` may take (anything fits while nothing
+    /// is in use, so one request larger than the limit still runs, alone).
+    fn try_take(&self, n: u64, class: Class) -> bool {
+        let cap = match class {
+            Class::Small => self.limit,
+            Class::Large => self.limit - self.reserve,
+        };
+        self.used.fetch_update(SeqCst, SeqCst, |used| (used == 0 || used + n <= cap).then_some(used + n)).is_ok()
+    }
+
+    /// Takes `n` bytes now, unless others of `class` wait (they are first).
+    fn try_take_now(&self, n: u64, class: Class) -> bool {
+        n == 0 || (self.waiters[class as usize].load(SeqCst) == 0 && self.try_take(n, class))
     }
 
     /// Takes `n` bytes, waiting for them; `before_wait` runs (without any lock held) once before
     /// the first wait.
-    pub(crate) fn take(&self, n: u64, before_wait: impl FnOnce()) {
-        if n == 0 || (self.waiters.load(SeqCst) == 0 && self.try_take(n)) {
+    pub(crate) fn take(&self, n: u64, class: Class, before_wait: impl FnOnce()) {
+        if self.try_take_now(n, class) {
             return;
         }
         before_wait();
+        let c = class as usize;
         let mut q = self.lock();
-        let ticket = q.next;
-        q.next += 1;
-        self.waiters.fetch_add(1, SeqCst);
-        while !(q.serving == ticket && self.try_take(n)) {
+        let ticket = q[c].next;
+        q[c].next += 1;
+        self.waiters[c].fetch_add(1, SeqCst);
+        while !(q[c].serving == ticket && self.try_take(n, class)) {
             q = self.changed.wait(q).unwrap_or_else(|e| e.into_inner());
         }
-        q.serving += 1;
-        self.waiters.fetch_sub(1, SeqCst);
+        q[c].serving += 1;
+        self.waiters[c].fetch_sub(1, SeqCst);
         drop(q);
         // The next ticket may fit too.
         self.changed.notify_all();
@@ -64,7 +113,7 @@ impl Budget {
             return;
         }
         self.used.fetch_sub(n, SeqCst);
-        if self.waiters.load(SeqCst) > 0 {
+        if self.waiters.iter().any(|w| w.load(SeqCst) > 0) {
             // Taking the lock orders this with a waiter between its check and its wait.
             drop(self.lock());
             self.changed.notify_all();
@@ -76,7 +125,7 @@ impl Budget {
         self.used.load(SeqCst)
     }
 
-    fn lock(&self) -> MutexGuard<'_, Tickets> {
+    fn lock(&self) -> MutexGuard<'_, [Tickets; 2]> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -156,14 +205,14 @@ impl Flow {
             }
         }
         // Only this connection's reader adds, so what fitted still fits.
-        self.bytes.fetch_add(bytes, SeqCst);
+        let class = global.class(self.bytes.fetch_add(bytes, SeqCst), bytes);
         if task {
             self.tasks.fetch_add(1, SeqCst);
         }
         // Counted here before the server-wide wait, so the connection's share is never exceeded
         // while this request waits for the server's.
         let permit = Permit { flow: Arc::clone(self), global: Arc::clone(global), bytes, task };
-        global.take(bytes, before_wait);
+        global.take(bytes, class, before_wait);
         Some(permit)
     }
 
@@ -174,7 +223,7 @@ impl Flow {
         if !self.fits(limits, bytes, false) {
             return None;
         }
-        if bytes > 0 && !(global.waiters.load(SeqCst) == 0 && global.try_take(bytes)) {
+        if !global.try_take_now(bytes, global.class(self.bytes.load(SeqCst), bytes)) {
             return None;
         }
         self.bytes.fetch_add(bytes, SeqCst);
@@ -284,7 +333,7 @@ mod tests {
                 got.fetch_add(1, SeqCst);
                 p
             });
-            while global.waiters.load(SeqCst) == 0 {
+            while global.waiters[Class::Large as usize].load(SeqCst) == 0 {
                 std::thread::sleep(Duration::from_millis(1));
             }
             let small = s.spawn(|| {
@@ -299,6 +348,31 @@ mod tests {
             let (p1, p2) = (big.join().unwrap(), small.join().unwrap());
             assert_eq!(global.used(), 55);
             drop((p1, p2));
+        });
+        assert_eq!(global.used(), 0);
+    }
+
+    #[test]
+    fn connections_holding_little_are_served_from_the_reserve() {
+        // Reserve 100 of 800; holding at most 25 with the request is small.
+        let global = Arc::new(Budget::new(800));
+        let limits = FlowLimits { max_tasks: 10, max_bytes: 1000 };
+        let (hog, waiting, reader) = (Arc::new(Flow::default()), Arc::new(Flow::default()), Arc::new(Flow::default()));
+        let _hog = hog.admit(&global, limits, 700, false, || {}, || false).unwrap();
+        std::thread::scope(|s| {
+            let t = s.spawn(|| waiting.admit(&global, limits, 50, false, || {}, || false).unwrap());
+            while global.waiters[Class::Large as usize].load(SeqCst) == 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // Past a large waiter, into the reserve, without waiting.
+            let small = admit_now(&reader, &global, 20, false).unwrap();
+            assert_eq!(global.used(), 720);
+            assert!(reader.try_admit(&global, limits, 5).is_some(), "20 + 5 is still small");
+            assert!(reader.try_admit(&global, limits, 6).is_none(), "20 + 6 is large: behind the waiter");
+            assert!(!t.is_finished(), "700 + 50 > 800 - 100: the large request waits");
+            drop(small);
+            drop(_hog);
+            drop(t.join().unwrap());
         });
         assert_eq!(global.used(), 0);
     }

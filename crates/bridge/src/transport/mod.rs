@@ -114,6 +114,16 @@ impl Stream {
         }
     }
 
+    /// About how many bytes of replies a send takes now without waiting (see
+    /// [`Socket::send_room`]); under TLS, less each record's overhead.
+    pub(crate) fn send_room(&self) -> usize {
+        let room = self.socket().send_room();
+        match self {
+            Stream::Plain(_) => room,
+            Stream::Tls(_) => room - room / 64,
+        }
+    }
+
     /// Whether the stream is under TLS.
     pub(crate) fn is_tls(&self) -> bool {
         matches!(self, Stream::Tls(_))

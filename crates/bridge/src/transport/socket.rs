@@ -119,23 +119,30 @@ impl Socket {
         }
     }
 
-    /// Writes every byte of `bufs`; `more` as in `Stream::write_all_more` (MSG_MORE on TCP, a
-    /// plain writev otherwise or for the last piece).
-    pub(crate) fn write_all_more(&self, bufs: &mut [IoSlice<'_>], more: bool) -> io::Result<()> {
-        let Socket::Tcp(s) = self else {
-            return write_all_vectored(&mut &*self, bufs);
-        };
-        if !more {
-            return write_all_vectored(&mut &*s, bufs);
-        }
-        let fd = s.as_raw_fd();
-        let mut bufs = bufs;
+    /// Writes every byte of `bufs`; `more` as in `Stream::write_all_more` (MSG_MORE on TCP; Unix
+    /// sockets have no such flag).
+    ///
+    /// The send timeout (SO_SNDTIMEO) limits each sendmsg, and a call that times out after
+    /// taking part of the bytes returns that part: retried, a client that stopped reading would
+    /// get the timeout twice over. So a call that comes back short after waiting the whole
+    /// timeout ends the write, as the error the next call would give.
+    pub(crate) fn write_all_more(&self, mut bufs: &mut [IoSlice<'_>], more: bool) -> io::Result<()> {
+        let flags = libc::MSG_NOSIGNAL | if more && matches!(self, Socket::Tcp(_)) { libc::MSG_MORE } else { 0 };
+        let fd = self.fd();
         IoSlice::advance_slices(&mut bufs, 0);
         while !bufs.is_empty() {
-            let n = sendmsg(fd, bufs, libc::MSG_MORE | libc::MSG_NOSIGNAL);
+            let asked: usize = bufs.iter().take(IOV_MAX).map(|b| b.len()).sum();
+            let started = Instant::now();
+            let n = sendmsg(fd, bufs, flags);
             match n {
                 0 => return Err(io::Error::new(io::ErrorKind::WriteZero, "socket closed while replying")),
-                n if n > 0 => IoSlice::advance_slices(&mut bufs, n as usize),
+                n if n > 0 => {
+                    let n = n as usize;
+                    if n < asked && self.send_timed_out(started.elapsed()) {
+                        return Err(io::Error::new(io::ErrorKind::TimedOut, "the send timeout ran out with the reply half sent"));
+                    }
+                    IoSlice::advance_slices(&mut bufs, n)
+                }
                 _ => {
                     let e = io::Error::last_os_error();
                     if e.kind() != io::ErrorKind::Interrupted {
@@ -146,7 +153,46 @@ impl Socket {
         }
         Ok(())
     }
+
+    /// Whether a send that took `waited` ran into the send timeout.
+    fn send_timed_out(&self, waited: Duration) -> bool {
+        // Only slow calls ask the kernel for the timeout.
+        if waited < Duration::from_millis(100) {
+            return false;
+        }
+        let timeout = match self {
+            Socket::Tcp(s) => s.write_timeout(),
+            Socket::Unix(s) => s.write_timeout(),
+        };
+        // SO_SNDTIMEO is kept in jiffies: allow a few of them less.
+        matches!(timeout, Ok(Some(t)) if waited + Duration::from_millis(20) >= t)
+    }
+
+    /// About how many bytes a send takes now without waiting: the send buffer less what waits
+    /// in it. The kernel charges its own bookkeeping against the send buffer as well (up to
+    /// about as much again as the data, for small segments), so this counts half the buffer.
+    /// Zero when the kernel does not say.
+    pub(crate) fn send_room(&self) -> usize {
+        let fd = self.fd();
+        let mut queued: libc::c_int = 0;
+        let mut sndbuf: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one int to the pointer given; getsockopt writes at
+        // most `len` bytes to `sndbuf`, an int, and the new length to `len`. `fd` is this
+        // socket's, open while `self` is borrowed.
+        let ok = unsafe {
+            libc::ioctl(fd, libc::TIOCOUTQ, &mut queued) == 0
+                && libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, (&raw mut sndbuf).cast(), &mut len) == 0
+        };
+        if !ok || queued < 0 || sndbuf <= 0 {
+            return 0;
+        }
+        (sndbuf as usize / 2).saturating_sub(queued as usize)
+    }
 }
+
+/// The most slices one sendmsg takes (Linux's IOV_MAX).
+const IOV_MAX: usize = 1024;
 
 impl SocketTimeouts for Socket {
     fn set_timeouts(&self, timeout: Option<Duration>) -> io::Result<()> {
@@ -213,7 +259,7 @@ pub(crate) fn sendmsg(fd: RawFd, bufs: &[IoSlice<'_>], flags: libc::c_int) -> is
     unsafe {
         let mut msg: libc::msghdr = std::mem::zeroed();
         msg.msg_iov = bufs.as_ptr().cast_mut().cast();
-        msg.msg_iovlen = bufs.len().min(1024) as _; // IOV_MAX
+        msg.msg_iovlen = bufs.len().min(IOV_MAX) as _;
         libc::sendmsg(fd, &msg, flags)
     }
 }

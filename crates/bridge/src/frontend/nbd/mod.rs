@@ -10,10 +10,12 @@
 //! connection's own thread, which ran the handshake, is its first reader; on an upstream back end
 //! with sessions it instead serves the connection whole in the session loop (`own_loop.rs`).
 //!
-//! A thread that has a reply sends it, after waiting its turn while another writes; past a few
-//! waiting threads it leaves the reply to the writer and goes on, so a client that does not read
-//! holds a bounded number of threads. The socket closes when the last thread lets go of the
-//! connection.
+//! A thread that has a reply sends it, after waiting its turn while another writes, but only
+//! while the socket has room for it: a send never waits on the client in a thread that other
+//! clients need (a pool thread, an upstream connection's reply reader). When the socket is full
+//! (the client is slow to read, or does not read at all) the replies queue for the connection's
+//! own writer thread, started then, which waits on the socket up to the send timeout and ends
+//! once the queue is empty. The socket closes when the last thread lets go of the connection.
 
 mod inbound;
 mod own_loop;
@@ -21,7 +23,7 @@ mod own_loop;
 use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use crate::backing::Burst;
@@ -49,12 +51,17 @@ const BATCH_MAX_REPLIES: usize = 256;
 /// ...and at most this many data bytes.
 const BATCH_MAX_BYTES: usize = 1 << 20;
 /// Threads of one connection that wait to send their own replies while another writes; more
-/// queue theirs and go on (see `Connection::deliver`). So a client that never reads its replies
-/// holds at most this many threads and the writer.
+/// queue theirs and go on (see `Connection::deliver`).
 const MAX_WRITE_WAITERS: usize = 4;
+/// How long the connection's own writer waits for more replies once its queue is empty before
+/// it ends: a client slow to read usually stays slow, and queueing to a running writer costs
+/// less than starting one.
+const WRITER_LINGER: Duration = Duration::from_millis(50);
 
 pub(crate) struct Connection {
     pub(crate) id: u64,
+    /// This connection, for the writer thread it may start.
+    me: Weak<Connection>,
     core: Arc<Core>,
     /// How long a reader that just ran a quick request polls for the next before it sleeps.
     poll_max: Duration,
@@ -63,7 +70,8 @@ pub(crate) struct Connection {
     broken: AtomicBool,
     flow: Arc<Flow>,
     outbox: Mutex<Outbox>,
-    /// Signalled when the writer lets go (or the connection breaks).
+    /// Signalled when the writer lets go (or the connection breaks), and for the connection's
+    /// own writer when replies are queued.
     write_turn: Condvar,
     /// Held by the thread whose turn it is to read.
     read_side: Mutex<ReadSide>,
@@ -94,6 +102,9 @@ struct Outbox {
     writing: bool,
     /// Threads waiting to write their own replies.
     waiters: usize,
+    /// The writer is the connection's own writer thread (see `Connection::deliver`): the socket
+    /// was full, so no one else writes or waits to write until it ends.
+    own_writer: bool,
 }
 
 /// An NBD reply, holding the request's permit until it is sent or dropped.
@@ -119,6 +130,15 @@ enum Payload {
 }
 
 impl Reply {
+    /// The reply's bytes on the wire (the head's length bounded by its largest).
+    fn wire_len(&self) -> usize {
+        let data = match &self.body {
+            Payload::Sealed(s) if self.error == 0 => s.len(),
+            _ => self.data().len(),
+        };
+        ReplyHead::MAX + data
+    }
+
     fn data_len(&self) -> usize {
         match &self.body {
             Payload::Data(d) => d.len(),
@@ -321,8 +341,9 @@ impl Connection {
         };
         let read_side = ReadSide { inbound, batch: Batch::default(), after_quick: false, ended: false };
         let rules = Rules { negotiated, ..*rules };
-        Some(Arc::new(Self {
+        Some(Arc::new_cyclic(|me| Self {
             id,
+            me: me.clone(),
             core,
             poll_max,
             stream,
@@ -466,6 +487,11 @@ impl Connection {
     /// writes (as under a writer lock: a READ's data is still in this CPU's cache); if
     /// `MAX_WRITE_WAITERS` threads already wait, it queues them for the writer instead and goes
     /// on. The writer also sends whatever was queued meanwhile before it lets go.
+    ///
+    /// Only what the socket has room for is written here. The rest waits for the connection's
+    /// own writer thread ([`Connection::own_writer`]), and while that thread runs every reply
+    /// queues for it: a client that does not read its replies holds that one thread, up to the
+    /// send timeout, and never a thread that serves others.
     pub(crate) fn deliver(&self, replies: impl IntoIterator<Item = Reply>) {
         let mut replies = replies.into_iter().peekable();
         if replies.peek().is_none() {
@@ -473,15 +499,23 @@ impl Connection {
         }
         let mut out = self.lock_outbox();
         if out.writing {
-            if out.waiters >= MAX_WRITE_WAITERS {
+            if out.own_writer || out.waiters >= MAX_WRITE_WAITERS {
                 out.queue.extend(replies);
+                drop(out);
+                self.write_turn.notify_all();
                 return;
             }
             out.waiters += 1;
-            while out.writing && !self.is_broken() {
+            while out.writing && !out.own_writer && !self.is_broken() {
                 out = self.write_turn.wait(out).unwrap_or_else(|e| e.into_inner());
             }
             out.waiters -= 1;
+            if out.own_writer {
+                out.queue.extend(replies);
+                drop(out);
+                self.write_turn.notify_all();
+                return;
+            }
         }
         out.queue.extend(replies);
         if self.is_broken() {
@@ -491,8 +525,23 @@ impl Connection {
             return;
         }
         out.writing = true;
+        self.write_queued(out, false);
+    }
+
+    /// Writes what is queued, and what is queued meanwhile, as the writer (`writing` is set in
+    /// `out`), then lets go. As the connection's own writer (`own`) it waits on the socket;
+    /// otherwise, when the socket has no room for what is queued, it hands the queue to a new
+    /// own writer and returns.
+    fn write_queued<'a>(&'a self, mut out: MutexGuard<'a, Outbox>, own: bool) {
         let mut sending = VecDeque::new();
         loop {
+            if !own && out.queue.iter().map(Reply::wire_len).sum::<usize>() > self.stream.send_room() {
+                out.own_writer = true;
+                drop(out);
+                self.write_turn.notify_all(); // waiters queue theirs for the new writer
+                self.start_own_writer();
+                return;
+            }
             std::mem::swap(&mut sending, &mut out.queue);
             drop(out);
             let result = self.write_replies(self.core.mapping(), &mut sending);
@@ -510,21 +559,40 @@ impl Connection {
                 self.stream.shutdown();
                 let dropped = std::mem::take(&mut out.queue);
                 out.writing = false;
+                out.own_writer = false;
                 drop(out);
                 drop(dropped);
                 self.write_turn.notify_all();
                 self.flow.wake();
                 return;
             }
+            if out.queue.is_empty() && own {
+                out = self.write_turn.wait_timeout(out, WRITER_LINGER).unwrap_or_else(|e| e.into_inner()).0;
+            }
             if out.queue.is_empty() {
                 out.writing = false;
+                out.own_writer = false;
                 if out.queue.capacity() == 0 {
                     out.queue = sending; // keep the allocation
                 }
                 drop(out);
-                self.write_turn.notify_one();
+                self.write_turn.notify_all();
                 return;
             }
+        }
+    }
+
+    /// Starts the connection's own writer, which sends what is queued (see
+    /// [`Connection::deliver`]). Should no thread start, this one writes instead.
+    fn start_own_writer(&self) {
+        let Some(conn) = self.me.upgrade() else { return };
+        let started = std::thread::Builder::new().name(format!("cb-reply-{}", self.id)).spawn({
+            let conn = Arc::clone(&conn);
+            move || conn.write_queued(conn.lock_outbox(), true)
+        });
+        if let Err(e) = started {
+            tracing::debug!(conn = self.id, "cannot start a writer thread ({e}); writing here");
+            conn.write_queued(conn.lock_outbox(), true);
         }
     }
 

@@ -63,8 +63,8 @@ pub struct Args {
     /// docs/network.md).
     #[arg(long)]
     backing_shared: bool,
-    /// With an NBD URI as --backing: seconds requests may wait for the upstream's reply before
-    /// the connection is taken as lost (and reconnected; requests resent, then EIO).
+    /// With an NBD URI as --backing: seconds requests may wait on an upstream that sends nothing
+    /// (nor answers a liveness probe) before they fail with EIO.
     #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     backing_timeout: u64,
     /// Size of a new backing file: bytes, or a number with K/M/G/T (binary units).

@@ -167,8 +167,9 @@ pub trait Session: Send {
     /// Takes the answers received so far into `done`; an error leaves the session useless
     /// ([`Session::take_lost`]).
     fn receive(&mut self, done: &mut Vec<Done<u64>>) -> io::Result<()>;
-    /// Whether requests have waited the reply timeout without a byte from the back end.
-    fn timed_out(&self) -> bool;
+    /// Whether requests have waited the reply timeout without a byte from the back end (a back
+    /// end may queue a liveness probe here, for the next [`Session::send`]).
+    fn timed_out(&mut self) -> bool;
     /// How long the owner's poll may sleep before [`Session::timed_out`] should be asked again.
     fn timeout_check(&self) -> Duration;
     /// The writes acknowledged so far, for a FLUSH taken now ([`Session::flushed`]).

@@ -155,7 +155,7 @@ impl Session for OwnConn<u64> {
     fn receive(&mut self, done: &mut Vec<Done<u64>>) -> io::Result<()> {
         OwnConn::receive(self, done)
     }
-    fn timed_out(&self) -> bool {
+    fn timed_out(&mut self) -> bool {
         OwnConn::timed_out(self)
     }
     fn timeout_check(&self) -> Duration {

@@ -92,7 +92,7 @@ impl<C: Client> Session<C> {
 
     /// Ends the connection if the upstream has answered nothing within the reply timeout.
     pub(crate) fn check_timeout(&mut self, core: &Arc<Core>, client: &Arc<C>) {
-        if self.up.as_ref().is_some_and(|up| up.timed_out()) {
+        if self.up.as_mut().is_some_and(|up| up.timed_out()) {
             self.lose(core, client, "no reply from the upstream within the reply timeout");
         }
     }

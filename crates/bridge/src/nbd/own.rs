@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use super::transmission::{encode_request, parse_reply_header, Request, REPLY_HEADER_LEN, REQUEST_HEADER_LEN};
 use super::request::io_error_of;
-use super::{CMD_DISC, CMD_FLAG_FUA, CMD_READ, CMD_WRITE};
+use super::{CMD_DISC, CMD_FLAG_FUA, CMD_FLUSH, CMD_READ, CMD_WRITE};
 use crate::aligned::PooledBuf;
 use crate::transport::{recv_now, send_now, Stream};
 
@@ -96,10 +96,18 @@ pub struct OwnConn<T> {
     flushed_writes: u64,
     /// The client's "writes may have been lost" flag, reported by its next FLUSH.
     maybe_lost: Arc<AtomicBool>,
+    /// Whether the export takes NBD_CMD_FLUSH, the liveness probe (see [`OwnConn::timed_out`]).
+    can_probe: bool,
+    /// The handle of the probe in flight, if any (its reply completes no request).
+    probe: Option<u64>,
 }
 
+/// Silence with requests waiting, before a liveness probe goes out: this part of the reply
+/// timeout (1 / this), so that the probe's answer has the rest to come.
+const PROBE_AFTER_DIVISOR: u32 = 3;
+
 impl<T> OwnConn<T> {
-    pub(super) fn new(sock: Stream, reply_timeout: Duration, maybe_lost: Arc<AtomicBool>) -> io::Result<Self> {
+    pub(super) fn new(sock: Stream, reply_timeout: Duration, maybe_lost: Arc<AtomicBool>, can_probe: bool) -> io::Result<Self> {
         let fd = sock.plain_fd().ok_or_else(|| io::Error::new(io::ErrorKind::Unsupported, "a connection of one's own is not for TLS"))?;
         Ok(Self {
             sock,
@@ -117,6 +125,8 @@ impl<T> OwnConn<T> {
             acked_writes: 0,
             flushed_writes: 0,
             maybe_lost,
+            can_probe,
+            probe: None,
         })
     }
 
@@ -261,6 +271,11 @@ impl<T> OwnConn<T> {
             let h: &[u8; REPLY_HEADER_LEN] = self.inbox[self.start..self.start + REPLY_HEADER_LEN].try_into().expect("16 bytes");
             let (handle, error) = parse_reply_header(h)?;
             self.start += REPLY_HEADER_LEN;
+            if self.probe == Some(handle) {
+                // The upstream is alive; whether it could flush does not matter here.
+                self.probe = None;
+                continue;
+            }
             let Some(f) = self.flights.get(&handle) else {
                 return Err(io::Error::new(io::ErrorKind::InvalidData, format!("reply for handle {handle:#x}, which is not in flight")));
             };
@@ -277,14 +292,32 @@ impl<T> OwnConn<T> {
     }
 
     /// Whether requests have waited the reply timeout without a byte from the upstream.
-    pub fn timed_out(&self) -> bool {
+    ///
+    /// A request may take the upstream longer than the timeout while the upstream is well (a
+    /// slow disk, a delay filter): after a third of the timeout without a byte, a FLUSH goes
+    /// out as a probe (queued here, sent by the owner's next [`OwnConn::send`]), and its answer
+    /// (any byte) starts the wait again. So a slow upstream that answers is waited for, and one
+    /// that answers nothing fails within the timeout.
+    pub fn timed_out(&mut self) -> bool {
         let Some(oldest) = self.flights.values().map(|f| f.sent).min() else { return false };
-        self.progress.max(oldest).elapsed() >= self.reply_timeout
+        let silent = self.progress.max(oldest).elapsed();
+        if silent >= self.reply_timeout {
+            return true;
+        }
+        if self.can_probe && self.probe.is_none() && silent >= self.reply_timeout / PROBE_AFTER_DIVISOR {
+            tracing::debug!("no reply for {silent:?}; probing the upstream with a FLUSH");
+            let handle = self.next_handle;
+            self.next_handle += 1;
+            let header = encode_request(&Request { flags: 0, command: CMD_FLUSH, handle, offset: 0, length: 0 });
+            self.out.push_back(Out { header, payload: None });
+            self.probe = Some(handle);
+        }
+        false
     }
 
     /// How long the owner's poll may sleep before [`OwnConn::timed_out`] should be asked again.
     pub fn timeout_check(&self) -> Duration {
-        self.reply_timeout.clamp(Duration::from_millis(10), Duration::from_secs(1))
+        (self.reply_timeout / (2 * PROBE_AFTER_DIVISOR)).clamp(Duration::from_millis(10), Duration::from_secs(1))
     }
 
     /// The writes acknowledged so far: a FLUSH that succeeds after this is taken covers them
@@ -356,7 +389,7 @@ mod tests {
         let (mine, mut theirs) = UnixStream::pair().unwrap();
         let pool = Arc::new(BufPool::new());
         let lost_flag = Arc::new(AtomicBool::new(false));
-        let mut conn: OwnConn<u32> = OwnConn::new(Stream::Plain(Socket::Unix(mine)), Duration::from_secs(30), Arc::clone(&lost_flag)).unwrap();
+        let mut conn: OwnConn<u32> = OwnConn::new(Stream::Plain(Socket::Unix(mine)), Duration::from_secs(30), Arc::clone(&lost_flag), true).unwrap();
         let server = std::thread::spawn(move || {
             let requests: Vec<Request> = (0..4).map(|_| read_request(&mut theirs).unwrap().unwrap()).collect();
             let mut written = Vec::new();
@@ -410,7 +443,7 @@ mod tests {
     fn a_reply_for_no_request_is_an_error_and_requests_come_back_lost() {
         let (mine, mut theirs) = UnixStream::pair().unwrap();
         let pool = Arc::new(BufPool::new());
-        let mut conn: OwnConn<u32> = OwnConn::new(Stream::Plain(Socket::Unix(mine)), Duration::from_secs(30), Arc::default()).unwrap();
+        let mut conn: OwnConn<u32> = OwnConn::new(Stream::Plain(Socket::Unix(mine)), Duration::from_secs(30), Arc::default(), true).unwrap();
         conn.read(0, pool.get(4096).unwrap(), 7);
         conn.send().unwrap();
         write_reply(&mut theirs, 0xdead, 0, &[]).unwrap();

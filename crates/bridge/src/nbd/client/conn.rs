@@ -134,6 +134,8 @@ pub(super) struct Live {
     pub(super) closing: AtomicBool,
     /// The client's "writes may have been lost" flag, reported by the next FLUSH.
     pub(super) maybe_lost: Arc<AtomicBool>,
+    /// Whether the export takes NBD_CMD_FLUSH, the liveness probe (see `Inbox::read_full`).
+    pub(super) can_probe: bool,
 }
 
 impl Live {
@@ -193,10 +195,12 @@ impl Live {
         self.die_with(&why, outcome);
     }
 
-    fn reply_loop(&self, sock: &Stream, reply_timeout: Duration, burst: &mut Burst) -> io::Result<()> {
-        // Reads wake at least this often to check for requests waiting too long.
-        sock.set_read_timeout(Some(reply_timeout.clamp(Duration::from_millis(10), Duration::from_secs(1))))?;
-        let mut inbox = Inbox { sock, buf: vec![0u8; INBOX_LEN], start: 0, end: 0, progress: Instant::now(), reply_timeout };
+    fn reply_loop(self: &Arc<Self>, sock: &Stream, reply_timeout: Duration, burst: &mut Burst) -> io::Result<()> {
+        // Reads wake at least this often to check for requests waiting too long (often enough
+        // to probe, and to hear the probe's answer, within the timeout).
+        let wake = (reply_timeout / (2 * PROBE_AFTER_DIVISOR)).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        sock.set_read_timeout(Some(wake))?;
+        let mut inbox = Inbox { sock, buf: vec![0u8; INBOX_LEN], start: 0, end: 0, progress: Instant::now(), reply_timeout, probe: None };
         loop {
             let mut h = [0u8; REPLY_HEADER_LEN];
             if !inbox.read_full(self, &mut h, true, burst)? {
@@ -234,6 +238,11 @@ impl Live {
     /// [`cork`](super::cork::cork())); the returned slot completes with its outcome (`Lost` if the connection is or
     /// goes down).
     pub(super) fn send(self: &Arc<Self>, request: &mut Request, payload: &[u8], read: Option<ReadInto>, then: Option<Then>) -> Arc<Slot> {
+        self.issue(request, payload, read, then, true)
+    }
+
+    /// [`Live::send`], queued on this thread's cork if `may_cork` and the thread is corked.
+    fn issue(self: &Arc<Self>, request: &mut Request, payload: &[u8], read: Option<ReadInto>, then: Option<Then>, may_cork: bool) -> Arc<Slot> {
         let write = matches!(request.command, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
         let slot = Arc::new(Slot { outcome: Mutex::new(None), ready: Condvar::new(), then: Mutex::new(then), read, write, sent: Instant::now() });
         request.handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
@@ -246,7 +255,7 @@ impl Live {
             p.slots.insert(request.handle, Arc::clone(&slot));
         }
         let header = encode_request(request);
-        if corks(request) && Cork::queue(self, &header, payload) {
+        if may_cork && corks(request) && Cork::queue(self, &header, payload) {
             return slot;
         }
         self.send_bytes(&mut [IoSlice::new(&header), IoSlice::new(payload)]);
@@ -281,12 +290,24 @@ struct Inbox<'a> {
     /// When the last byte came.
     progress: Instant,
     reply_timeout: Duration,
+    /// The liveness probe sent in this silence, if any.
+    probe: Option<Arc<Slot>>,
 }
+
+/// Silence on a connection with requests waiting, before a liveness probe goes out: this part
+/// of the reply timeout (1 / this), so that the probe's answer has the rest to come.
+const PROBE_AFTER_DIVISOR: u32 = 3;
 
 impl Inbox<'_> {
     /// Fills `dest`. `Ok(false)`: a clean end of stream before its first byte, when
     /// `between_replies`. Fails when requests have waited `reply_timeout` without a byte.
-    fn read_full(&mut self, live: &Live, dest: &mut [u8], between_replies: bool, burst: &mut Burst) -> io::Result<bool> {
+    ///
+    /// A request may take the upstream longer than the timeout while the upstream is well (a
+    /// slow disk, a delay filter): after a third of the timeout without a byte, a FLUSH goes out
+    /// on the connection as a probe, and its answer (any byte) starts the wait again. So a slow
+    /// upstream that answers is waited for, as nbdkit's and qemu's clients do, and one that
+    /// answers nothing fails its requests within the timeout.
+    fn read_full(&mut self, live: &Arc<Live>, dest: &mut [u8], between_replies: bool, burst: &mut Burst) -> io::Result<bool> {
         let mut got = 0;
         while got < dest.len() {
             if self.start < self.end {
@@ -316,8 +337,15 @@ impl Inbox<'_> {
                 Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
                     // Waiting since the later of the last byte and the oldest request in flight.
                     let waiting = if got == 0 && between_replies { live.oldest_sent() } else { Some(self.progress) };
-                    if waiting.is_some_and(|sent| self.progress.max(sent).elapsed() >= self.reply_timeout) {
+                    let silent = waiting.map(|sent| self.progress.max(sent).elapsed());
+                    if silent.is_some_and(|t| t >= self.reply_timeout) {
                         return Err(io::Error::new(io::ErrorKind::TimedOut, format!("no reply from the upstream for {:?}", self.reply_timeout)));
+                    }
+                    let probe_due = silent.is_some_and(|t| t >= self.reply_timeout / PROBE_AFTER_DIVISOR);
+                    if probe_due && live.can_probe && self.probe.as_ref().is_none_or(|p| p.sent < self.progress) {
+                        tracing::debug!(upstream_conn = live.index, "no reply for {:?}; probing the upstream with a FLUSH", silent.unwrap_or_default());
+                        let mut flush = Request { flags: 0, command: CMD_FLUSH, handle: 0, offset: 0, length: 0 };
+                        self.probe = Some(live.issue(&mut flush, &[], None, None, false));
                     }
                 }
                 Err(e) => return Err(e),
@@ -426,5 +454,51 @@ mod tests {
         let reads = seen.try_iter().filter(|&c| c == CMD_READ).count();
         assert_eq!(reads, 1, "the read was resent");
         assert_eq!(server.join().unwrap(), 1, "one connection, no reconnection for the timed-out read");
+    }
+
+    /// An upstream that takes longer than the reply timeout over a READ but answers the probe
+    /// (FLUSH) at once is waited for: the read returns its data, with no reconnection.
+    #[test]
+    fn a_slow_upstream_that_answers_probes_is_waited_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("up.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            assert!(matches!(negotiate(&mut s, &export_info("")).unwrap(), Outcome::Transmission(_)));
+            let w = std::sync::Arc::new(std::sync::Mutex::new(s.try_clone().unwrap()));
+            let mut flushes = 0;
+            let mut slow = Vec::new();
+            while let Some(r) = read_request(&mut s).unwrap() {
+                match r.command {
+                    CMD_DISC => break,
+                    CMD_FLUSH => {
+                        flushes += 1;
+                        write_reply(&mut *w.lock().unwrap(), r.handle, 0, &[]).unwrap();
+                    }
+                    CMD_READ => {
+                        let w = std::sync::Arc::clone(&w);
+                        slow.push(std::thread::spawn(move || {
+                            std::thread::sleep(Duration::from_millis(1200));
+                            write_reply(&mut *w.lock().unwrap(), r.handle, 0, &vec![7u8; r.length as usize]).unwrap();
+                        }));
+                    }
+                    c => panic!("unexpected command {c}"),
+                }
+            }
+            for t in slow {
+                t.join().unwrap();
+            }
+            flushes
+        });
+        let uri = NbdUri { address: Address::Unix(path), export: String::new(), tls: false, tls_certificates: None, tls_hostname: None };
+        let opts = ClientOptions { connections: Some(1), reply_timeout: Duration::from_millis(400), ..ClientOptions::default() };
+        let client = Client::connect(&uri, opts).unwrap();
+        let mut buf = vec![0u8; 4096];
+        client.read(0, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 7));
+        drop(client);
+        let flushes = server.join().unwrap();
+        assert!(flushes >= 2, "{flushes} probes in 1.2 s at one per 133 ms of silence");
     }
 }

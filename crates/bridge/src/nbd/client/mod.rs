@@ -195,6 +195,7 @@ impl Client {
             flushed_writes: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             maybe_lost: Arc::clone(&self.maybe_lost),
+            can_probe: self.export.can_flush(),
         });
         let for_reader = Arc::clone(&live);
         let timeout = self.opts.reply_timeout;
@@ -229,7 +230,7 @@ impl Client {
         if !self.opts.own_connections || self.tls.is_some() || !self.export.can_multi_conn() {
             return None;
         }
-        let opened = self.open_same().and_then(|sock| OwnConn::new(sock, self.opts.reply_timeout, Arc::clone(&self.maybe_lost)));
+        let opened = self.open_same().and_then(|sock| OwnConn::new(sock, self.opts.reply_timeout, Arc::clone(&self.maybe_lost), self.export.can_flush()));
         Some(opened.map_err(|e| annotate(&self.uri, e)))
     }
 

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use cryptbridge_engine::{Direction, Engine, Spread};
 
 use crate::aligned::{BufPool, PooledBuf, ALIGN};
-use crate::backing::{Backing, Burst, Session};
+use crate::backing::{Backing, Burst, Cork, Session};
 use crate::range_lock::{RangeGuard, RangeLocks};
 
 /// A sealed read is decrypted and handed on in pieces of this size (see [`Mapping::open_into`]).
@@ -240,14 +240,14 @@ impl Mapping {
     /// [`Mapping::read_sealed`] without waiting: `done` gets the ciphertext when the upstream
     /// answers, on the thread that received the reply, in its [`Burst`]. `Interrupted`: lost
     /// with its connection, to be resent with [`Mapping::read_sealed`].
-    pub fn read_sealed_async(&self, offset: u64, len: usize, done: impl FnOnce(io::Result<SealedRead>, &mut Burst) + Send + 'static) {
+    pub fn read_sealed_async(&self, offset: u64, len: usize, cork: &mut Cork, done: impl FnOnce(io::Result<SealedRead>, &mut Burst) + Send + 'static) {
         let (start, end) = self.span(offset, len as u64);
         let buf = match self.pool.get((end - start) as usize) {
             Ok(buf) => buf,
             Err(e) => return done(Err(e), &mut Burst::default()),
         };
         let (first_sector, at) = (start / self.sector_size, (offset - start) as usize);
-        self.backing.read_async(buf, self.at(start), Box::new(move |r, burst| done(r.map(|buf| SealedRead { buf, first_sector, start: at, len }), burst)));
+        self.backing.read_async(buf, self.at(start), cork, Box::new(move |r, burst| done(r.map(|buf| SealedRead { buf, first_sector, start: at, len }), burst)));
     }
 
     /// Decrypts `sealed` whole, on this thread: for a read small enough that decrypting it
@@ -326,7 +326,17 @@ impl Mapping {
     /// (or on this one should the request not go out). A write lost with its upstream
     /// connection keeps its range and its ciphertext: [`AsyncWrite::Lost`], for
     /// [`Mapping::resend`] on a thread that may wait.
-    pub(crate) fn write_async(&self, held: RangeGuard, offset: u64, mut data: PooledBuf, fua: bool, crypto: Crypto, done: impl FnOnce(AsyncWrite, &mut Burst) + Send + 'static) {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn write_async(
+        &self,
+        held: RangeGuard,
+        offset: u64,
+        mut data: PooledBuf,
+        fua: bool,
+        crypto: Crypto,
+        cork: &mut Cork,
+        done: impl FnOnce(AsyncWrite, &mut Burst) + Send + 'static,
+    ) {
         debug_assert!(held.is_held());
         if let Err(e) = self.engine.process(Direction::Encrypt, offset / self.sector_size, &mut data, spread(crypto)) {
             return done(AsyncWrite::Done(Err(io::Error::other(e))), &mut Burst::default());
@@ -334,7 +344,7 @@ impl Mapping {
         let sealed = Arc::new(data);
         let keep = Arc::clone(&sealed);
         // `sealed` outlives the send (the upstream may answer, and `done` run, before it returns).
-        self.backing.write_async(&sealed, self.at(offset), fua, Box::new(move |result, burst| match result {
+        self.backing.write_async(&sealed, self.at(offset), fua, cork, Box::new(move |result, burst| match result {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => done(AsyncWrite::Lost(LostWrite { _held: held, sealed: keep, offset, fua }), burst),
             result => {
                 drop(held);

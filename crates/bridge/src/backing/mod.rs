@@ -66,7 +66,7 @@ pub enum BackingError {
     RemoteGeometry { uri: String, why: String },
 }
 
-pub use crate::nbd::client::Burst;
+pub use crate::nbd::client::{Burst, Cork};
 
 /// Runs when an asynchronous read completes, with the filled buffer, on the thread that
 /// received the answer, in that thread's [`Burst`].
@@ -112,8 +112,10 @@ pub trait Store: Send + Sync {
     /// Starts a read of `buf.len()` bytes at `offset`; `done` runs with the filled buffer when
     /// it completes, on the thread that received the answer. `Interrupted`: lost with its
     /// connection; read it again with [`Store::read_at`].
-    fn read_async(&self, buf: PooledBuf, offset: u64, done: ReadDone) {
-        let _ = (buf, offset);
+    /// With `cork`, a back end may queue the request there, to go with the others queued
+    /// when it is flushed (see [`Cork`]).
+    fn read_async(&self, buf: PooledBuf, offset: u64, cork: &mut Cork, done: ReadDone) {
+        let _ = (buf, offset, cork);
         done(Err(unsupported()), &mut Burst::default())
     }
 
@@ -126,8 +128,9 @@ pub trait Store: Send + Sync {
     /// Sends a write of `buf` at `offset` and returns once it is sent; `done` runs when it is
     /// acknowledged. `Interrupted`: lost with its connection (it may or may not have reached
     /// the store); write it again with [`Store::write_at`].
-    fn write_async(&self, buf: &[u8], offset: u64, fua: bool, done: WriteDone) {
-        let _ = (buf, offset, fua);
+    /// `cork` as for [`Store::read_async`].
+    fn write_async(&self, buf: &[u8], offset: u64, fua: bool, cork: &mut Cork, done: WriteDone) {
+        let _ = (buf, offset, fua, cork);
         done(Err(unsupported()), &mut Burst::default())
     }
 

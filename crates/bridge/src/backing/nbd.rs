@@ -7,7 +7,7 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{BackingError, BackingOptions, Done, Lost, ReadDone, RemoteOptions, Session, Store, WriteDone};
+use super::{BackingError, BackingOptions, Cork, Done, Lost, ReadDone, RemoteOptions, Session, Store, WriteDone};
 use crate::aligned::PooledBuf;
 use crate::nbd::client::{Client, Export};
 use crate::nbd::own::OwnConn;
@@ -102,8 +102,8 @@ impl Store for NbdBacking {
         self.client.export().max_request() as usize
     }
 
-    fn read_async(&self, buf: PooledBuf, offset: u64, done: ReadDone) {
-        self.client.read_async(offset, buf, done)
+    fn read_async(&self, buf: PooledBuf, offset: u64, cork: &mut Cork, done: ReadDone) {
+        self.client.read_async(offset, buf, Some(cork), done)
     }
 
     fn max_async_write(&self, fua: bool) -> usize {
@@ -115,8 +115,8 @@ impl Store for NbdBacking {
         }
     }
 
-    fn write_async(&self, buf: &[u8], offset: u64, fua: bool, done: WriteDone) {
-        self.client.write_async(offset, buf, fua, done)
+    fn write_async(&self, buf: &[u8], offset: u64, fua: bool, cork: &mut Cork, done: WriteDone) {
+        self.client.write_async(offset, buf, fua, Some(cork), done)
     }
 
     /// The upstream's allocation (see [`Client::allocation`]): at most `max` runs of

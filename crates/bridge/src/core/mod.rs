@@ -26,7 +26,7 @@ use pool::{Job, Pool, Reading};
 use request::{Body, Op, Outcome, Request};
 
 use crate::aligned::PooledBuf;
-use crate::backing::Burst;
+use crate::backing::{Burst, Cork};
 use crate::mapping::{AsyncWrite, Mapping};
 use crate::range_lock::RangeGuard;
 use session::Session;
@@ -125,7 +125,9 @@ impl Core {
 
     /// The one intake: plans `request`, admits it, takes its payload off `source`, orders it,
     /// and starts it: answered here, sent to the back end, put on `session`, or handed back
-    /// to run apart.
+    /// to run apart. A request sent without waiting may be queued on `cork`, which the caller
+    /// flushes before it waits (intake flushes it before any wait of its own).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn intake<C: Client>(
         self: &Arc<Self>,
         client: &Arc<C>,
@@ -133,6 +135,7 @@ impl Core {
         admit: Admit<'_>,
         source: &mut dyn Source,
         mut session: Option<&mut Session<C>>,
+        cork: &mut Cork,
     ) -> Intake<C::Reply> {
         let ctx = Context { tls: client.tls(), session: session.as_ref().is_some_and(|s| s.is_open()) };
         let plan = plan::plan(&request, &self.caps(), ctx);
@@ -140,6 +143,10 @@ impl Core {
         let permit = match admit {
             Admit::Wait { before_wait } => {
                 let task = plan.route != Route::Inline;
+                let before_wait = || {
+                    cork.flush();
+                    before_wait()
+                };
                 client.flow().admit(&self.budget, self.limits, bytes, task, before_wait, || client.is_broken())
             }
             Admit::Try => match client.flow().try_admit(&self.budget, self.limits, bytes) {
@@ -150,7 +157,7 @@ impl Core {
         let Some(permit) = permit else { return Intake::Ended };
         source.accept();
         if plan.route == Route::AsyncRead {
-            self.read_async(client, request, plan, permit);
+            self.read_async(client, request, plan, permit, cork);
             return Intake::Started;
         }
         if plan.route == Route::Session {
@@ -189,10 +196,14 @@ impl Core {
                 None => Intake::Apart(Apart { request, plan, payload: Some(buf), permit, held: Some(held) }),
             },
             (Route::AsyncWrite { inline: true }, Some(buf), Some(held)) if held.is_held() => {
-                self.write_async(client, request, plan, buf, held, permit);
+                self.write_async(client, request, plan, buf, held, permit, cork);
                 Intake::Started
             }
-            (Route::Inline, payload, held) => Intake::Answered(self.execute(&**client, request, plan, payload, permit, held)),
+            (Route::Inline, payload, held) => {
+                // It may wait (on the back end, or for sectors a queued write holds).
+                cork.flush();
+                Intake::Answered(self.execute(&**client, request, plan, payload, permit, held))
+            }
             (_, payload, held) => Intake::Apart(Apart { request, plan, payload, permit, held }),
         }
     }
@@ -204,7 +215,7 @@ impl Core {
         match (plan.route, payload, held) {
             (Route::AsyncWrite { .. }, Some(buf), Some(g)) => {
                 g.wait();
-                self.write_async(client, request, plan, buf, g, permit);
+                self.write_async(client, request, plan, buf, g, permit, &mut Cork::default());
             }
             (_, payload, held) => {
                 let reply = self.execute(&**client, request, plan, payload, permit, held);
@@ -262,11 +273,11 @@ impl Core {
     /// A READ sent to the back end without waiting: the thread that receives the answer makes
     /// and sends the reply (decrypting as it sends, when the plan streams it), so no I/O thread
     /// sleeps on the network and the reading thread goes on reading.
-    fn read_async<C: Client>(&self, client: &Arc<C>, request: Request, plan: Plan, permit: Permit) {
+    fn read_async<C: Client>(&self, client: &Arc<C>, request: Request, plan: Plan, permit: Permit, cork: &mut Cork) {
         let conn = Arc::clone(client);
         let mapping = Arc::clone(&self.mapping);
         let pool = Arc::clone(&self.pool);
-        self.mapping.read_sealed_async(request.offset, request.len as usize, move |result, burst| {
+        self.mapping.read_sealed_async(request.offset, request.len as usize, cork, move |result, burst| {
             let result = match result {
                 Ok(sealed) if plan.crypto == Crypto::Streamed => Ok(Body::Sealed(sealed)),
                 Ok(sealed) => mapping.open(sealed).map(Body::Data),
@@ -303,10 +314,11 @@ impl Core {
     /// sectors until that acknowledgement. A write lost with its upstream connection is resent,
     /// still holding them, on a thread of its own: the I/O threads may all be waiting for
     /// sectors it holds.
-    fn write_async<C: Client>(&self, client: &Arc<C>, request: Request, plan: Plan, payload: PooledBuf, held: RangeGuard, permit: Permit) {
+    #[allow(clippy::too_many_arguments)]
+    fn write_async<C: Client>(&self, client: &Arc<C>, request: Request, plan: Plan, payload: PooledBuf, held: RangeGuard, permit: Permit, cork: &mut Cork) {
         let conn = Arc::clone(client);
         let mapping = Arc::clone(&self.mapping);
-        self.mapping.write_async(held, request.offset, payload, request.fua, plan.crypto, move |end, burst| {
+        self.mapping.write_async(held, request.offset, payload, request.fua, plan.crypto, cork, move |end, burst| {
             let result = match end {
                 AsyncWrite::Done(result) => result,
                 AsyncWrite::Lost(lost) => {

@@ -26,13 +26,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use crate::backing::Burst;
+use crate::backing::{Burst, Cork};
 use crate::core::budget::{Flow, Permit};
 use crate::core::pool::{Job, Reading};
 use crate::core::request::{Body, Op, Outcome, Request};
 use crate::core::{Admit, Apart, Client, Core, Intake, Source};
 use crate::mapping::{Extent, Mapping, ReadData, SealedRead};
-use crate::nbd::client;
 use crate::nbd::request::{check, errno_of, Rules, Verdict};
 use crate::nbd::transmission::{self, block_status_payload, holds_whole_request, parse_request, ReplyHead};
 use crate::nbd::{
@@ -192,23 +191,6 @@ impl Batch {
     fn drain(&mut self) -> std::vec::Drain<'_, Reply> {
         self.data_bytes = 0;
         self.replies.drain(..)
-    }
-}
-
-/// Keeps the reading thread corked (`client::cork`) while alive; uncorks, sending what is
-/// queued, when dropped.
-struct Corked;
-
-impl Corked {
-    fn new() -> Self {
-        client::cork();
-        Self
-    }
-}
-
-impl Drop for Corked {
-    fn drop(&mut self) {
-        client::uncork();
     }
 }
 
@@ -399,13 +381,13 @@ impl Connection {
         }
         let poll_max = self.poll_max;
         // Upstream requests made for the requests of one receive go out together (see
-        // `client::cork`); sent before this thread could wait, and when it lets go.
-        let _corked = Corked::new();
+        // `Cork`); sent before this thread could wait, and when it lets go (the drop).
+        let mut cork = Cork::default();
         loop {
             // Held-back replies go out before anything could wait on the socket, so a client
             // that waits for them before sending more is never stuck.
             if !holds_whole_request(inbound.buffered()) {
-                client::flush_corked();
+                cork.flush();
             }
             if batch.is_full() || !holds_whole_request(inbound.buffered()) {
                 self.deliver(batch.drain());
@@ -452,14 +434,11 @@ impl Connection {
                 }
             }
             // Back pressure: at the connection's or the server's limit, the core stops this
-            // thread until replies drain (after it sends its own held-back ones).
-            let mut before_wait = || {
-                client::flush_corked();
-                self.deliver(batch.drain())
-            };
+            // thread until replies drain (after it sends its own held-back ones, and the cork).
+            let mut before_wait = || self.deliver(batch.drain());
             let admit = Admit::Wait { before_wait: &mut before_wait };
             let mut input = Input { inbound, stream: &self.stream };
-            match self.core.intake(self, to_core(&request), admit, &mut input, None) {
+            match self.core.intake(self, to_core(&request), admit, &mut input, None, &mut cork) {
                 Intake::Answered(reply) => {
                     batch.push(reply);
                     *after_quick = true;

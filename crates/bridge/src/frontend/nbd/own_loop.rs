@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use super::inbound::Inbound;
 use super::{to_core, Connection, Reply};
+use crate::backing::Cork;
 use crate::core::plan::{self, Route};
 use crate::core::session::Session;
 use crate::core::{Admit, Client, Intake, Source};
@@ -150,6 +151,9 @@ impl Connection {
     /// Gives the core every whole request buffered (reading the rest of a WRITE's payload if
     /// need be).
     fn take_requests(self: &Arc<Self>, inbound: &mut Inbound, session: &mut Session<Self>) -> Step {
+        // Requests the core sends to shared connections (while this one has no connection of
+        // its own) go out together, when this returns.
+        let mut cork = Cork::default();
         loop {
             let Some(header) = inbound.buffered().get(..REQUEST_HEADER_LEN) else { return Step::More };
             let header: [u8; REQUEST_HEADER_LEN] = header.try_into().expect("28 bytes");
@@ -183,7 +187,7 @@ impl Connection {
             }
             session.reopen(&self.core);
             let mut input = Peeked { inbound, conn: self };
-            let reply: Reply = match self.core.intake(self, to_core(&request), Admit::Try, &mut input, Some(session)) {
+            let reply: Reply = match self.core.intake(self, to_core(&request), Admit::Try, &mut input, Some(session), &mut cork) {
                 Intake::Answered(reply) => reply,
                 Intake::Started => continue,
                 Intake::Apart(apart) if matches!(apart.plan.route, Route::AsyncWrite { .. }) => {

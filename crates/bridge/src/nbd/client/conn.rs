@@ -234,15 +234,21 @@ impl Live {
         self.lock_pending().slots.values().map(|s| s.sent).min()
     }
 
-    /// Sends one request (or, on a corked thread, queues it for one send with the others: see
-    /// [`cork`](super::cork::cork())); the returned slot completes with its outcome (`Lost` if the connection is or
+    /// Sends one request; the returned slot completes with its outcome (`Lost` if the connection is or
     /// goes down).
     pub(super) fn send(self: &Arc<Self>, request: &mut Request, payload: &[u8], read: Option<ReadInto>, then: Option<Then>) -> Arc<Slot> {
-        self.issue(request, payload, read, then, true)
+        self.issue(request, payload, read, then, None)
     }
 
-    /// [`Live::send`], queued on this thread's cork if `may_cork` and the thread is corked.
-    fn issue(self: &Arc<Self>, request: &mut Request, payload: &[u8], read: Option<ReadInto>, then: Option<Then>, may_cork: bool) -> Arc<Slot> {
+    /// [`Live::send`], queued on `cork` where given and the request is one to queue.
+    pub(super) fn issue(
+        self: &Arc<Self>,
+        request: &mut Request,
+        payload: &[u8],
+        read: Option<ReadInto>,
+        then: Option<Then>,
+        cork: Option<&mut Cork>,
+    ) -> Arc<Slot> {
         let write = matches!(request.command, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
         let slot = Arc::new(Slot { outcome: Mutex::new(None), ready: Condvar::new(), then: Mutex::new(then), read, write, sent: Instant::now() });
         request.handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
@@ -255,7 +261,8 @@ impl Live {
             p.slots.insert(request.handle, Arc::clone(&slot));
         }
         let header = encode_request(request);
-        if may_cork && corks(request) && Cork::queue(self, &header, payload) {
+        if let Some(cork) = cork.filter(|_| corks(request)) {
+            cork.queue(self, &header, payload);
             return slot;
         }
         self.send_bytes(&mut [IoSlice::new(&header), IoSlice::new(payload)]);
@@ -345,7 +352,7 @@ impl Inbox<'_> {
                     if probe_due && live.can_probe && self.probe.as_ref().is_none_or(|p| p.sent < self.progress) {
                         tracing::debug!(upstream_conn = live.index, "no reply for {:?}; probing the upstream with a FLUSH", silent.unwrap_or_default());
                         let mut flush = Request { flags: 0, command: CMD_FLUSH, handle: 0, offset: 0, length: 0 };
-                        self.probe = Some(live.issue(&mut flush, &[], None, None, false));
+                        self.probe = Some(live.send(&mut flush, &[], None, None));
                     }
                 }
                 Err(e) => return Err(e),

@@ -1,15 +1,15 @@
-//! Per-thread batching around the upstream connections, both to save system calls and
-//! wake-ups on each side of a burst of small requests.
+//! Batching around the upstream connections, both to save system calls and wake-ups on each side
+//! of a burst of small requests. Both are objects handed down explicitly, not thread state.
 //!
-//! - The cork ([`cork`], [`flush_corked`], [`uncork`]): a thread that serves a client reads a
-//!   burst of its requests and, corked, queues the upstream requests they make and sends them in
-//!   one write to one connection, instead of one send (and one wake-up of the upstream) each.
-//! - The burst ([`Burst`], not per thread: an object the reply reader hands to every
-//!   continuation it runs): a continuation that answers a client can put that off until the
-//!   reader has handled every reply it has received, so the answers to a burst of upstream
-//!   replies go out in one send (and one wake-up of the client) instead of one each.
+//! - The cork ([`Cork`]): the thread that serves a client reads a burst of its requests and
+//!   passes its cork down with each asynchronous request they make; the cork queues them and
+//!   sends them in one write to one connection ([`Cork::flush`], or when dropped), instead of
+//!   one send (and one wake-up of the upstream) each.
+//! - The burst ([`Burst`]): an object the reply reader hands to every continuation it runs; a
+//!   continuation that answers a client can put that off until the reader has handled every
+//!   reply it has received, so the answers to a burst of upstream replies go out in one send
+//!   (and one wake-up of the client) instead of one each.
 
-use std::cell::RefCell;
 use std::io::IoSlice;
 use std::sync::Arc;
 
@@ -17,104 +17,61 @@ use super::conn::Live;
 use crate::nbd::transmission::Request;
 use crate::nbd::{CMD_READ, CMD_WRITE};
 
-/// Largest READ or WRITE that a corked thread queues (a WRITE's payload is copied into the
-/// queue). Larger ones go at once, each to the next connection in turn: the replies to a burst
-/// of large reads are then received and decrypted by several reply readers at once.
+/// Largest READ or WRITE that a cork queues (a WRITE's payload is copied into the queue).
+/// Larger ones go at once, each to the next connection in turn: the replies to a burst of large
+/// reads are then received and decrypted by several reply readers at once.
 const CORK_MAX_LEN: u32 = 64 * 1024;
 
-/// Whether a corked thread queues `request` rather than sending it at once.
+/// Whether a cork queues `request` rather than sending it at once.
 pub(super) fn corks(request: &Request) -> bool {
     request.length <= CORK_MAX_LEN || !matches!(request.command, CMD_READ | CMD_WRITE)
 }
 /// A cork's queue is sent when it holds this much, whatever follows.
 const CORK_MAX_BYTES: usize = 256 * 1024;
 
-/// Requests queued on a corked thread: all for one connection, in the order they were made.
+/// Requests queued to go to the upstream together: all for one connection, in the order they
+/// were made. Whoever holds a cork must flush it before waiting for anything that a queued
+/// request may hold up (an answer, a range another request holds, its client's next bytes);
+/// dropping it flushes it.
 #[derive(Default)]
-pub(super) struct Cork {
+pub struct Cork {
     live: Option<Arc<Live>>,
     queued: Vec<u8>,
 }
 
-thread_local! {
-    /// `Some` while this thread is corked (see [`cork`]).
-    static CORK: RefCell<Option<Cork>> = const { RefCell::new(None) };
-}
-
 impl Cork {
-    /// Queues a request for `live` if this thread is corked (`false`: it is not; send it now).
-    /// Requests queued for another connection are sent first.
-    pub(super) fn queue(live: &Arc<Live>, header: &[u8], payload: &[u8]) -> bool {
-        let (queued, other, full) = CORK.with(|c| {
-            let mut c = c.borrow_mut();
-            let Some(cork) = c.as_mut() else { return (false, None, false) };
-            let other = match &cork.live {
-                Some(l) if !Arc::ptr_eq(l, live) => cork.take(),
-                _ => None,
-            };
-            cork.live = Some(Arc::clone(live));
-            cork.queued.extend_from_slice(header);
-            cork.queued.extend_from_slice(payload);
-            (true, other, cork.queued.len() >= CORK_MAX_BYTES)
-        });
-        // Sent with the thread-local let go: a failed send completes continuations, which may
-        // send requests in turn.
-        if let Some((l, bytes)) = other {
-            l.send_bytes(&mut [IoSlice::new(&bytes)]);
+    /// Queues a request for `live`. Requests queued for another connection are sent first.
+    pub(super) fn queue(&mut self, live: &Arc<Live>, header: &[u8], payload: &[u8]) {
+        if self.live.as_ref().is_some_and(|l| !Arc::ptr_eq(l, live)) {
+            self.flush();
         }
-        if full {
-            flush_corked();
+        self.live = Some(Arc::clone(live));
+        self.queued.extend_from_slice(header);
+        self.queued.extend_from_slice(payload);
+        if self.queued.len() >= CORK_MAX_BYTES {
+            self.flush();
         }
-        queued
-    }
-
-    fn take(&mut self) -> Option<(Arc<Live>, Vec<u8>)> {
-        let live = self.live.take()?;
-        Some((live, std::mem::take(&mut self.queued)))
     }
 
     /// The connection the queued requests are for: the next request should join them.
-    pub(super) fn connection() -> Option<Arc<Live>> {
-        CORK.with(|c| c.borrow().as_ref().and_then(|cork| cork.live.clone()))
+    pub(super) fn connection(&self) -> Option<&Arc<Live>> {
+        self.live.as_ref()
+    }
+
+    /// Sends what is queued, if anything (the allocation stays for the next burst).
+    pub fn flush(&mut self) {
+        let Some(live) = self.live.take() else { return };
+        // A failed send completes continuations, which may make requests in turn: on other
+        // corks, since this one is borrowed here.
+        live.send_bytes(&mut [IoSlice::new(&self.queued)]);
+        self.queued.clear();
     }
 }
 
-/// From now on this thread queues the requests it makes instead of sending each at once
-/// (a READ, a small WRITE, ...), and sends them to the upstream together, in one write to one
-/// connection, at [`flush_corked`] or [`uncork`]: the upstream then wakes once for a burst of
-/// requests instead of once for each. The caller must flush before it waits for anything that
-/// a queued request may hold up (an answer, a range another request holds, its client's next
-/// bytes). Requests made by [`Client`](super::Client)'s waiting calls are flushed before they wait.
-pub fn cork() {
-    CORK.with(|c| {
-        let mut c = c.borrow_mut();
-        if c.is_none() {
-            *c = Some(Cork::default());
-        }
-    });
-}
-
-/// Sends what this thread has queued, if anything, and stays corked.
-pub fn flush_corked() {
-    let taken = CORK.with(|c| c.borrow_mut().as_mut().and_then(Cork::take));
-    if let Some((live, mut bytes)) = taken {
-        live.send_bytes(&mut [IoSlice::new(&bytes)]);
-        bytes.clear();
-        // The allocation goes back for the next burst.
-        CORK.with(|c| {
-            if let Some(cork) = c.borrow_mut().as_mut() {
-                if cork.queued.capacity() == 0 {
-                    cork.queued = bytes;
-                }
-            }
-        });
+impl Drop for Cork {
+    fn drop(&mut self) {
+        self.flush();
     }
-}
-
-/// Sends what this thread has queued and stops queueing.
-pub fn uncork() {
-    flush_corked();
-    CORK.with(|c| *c.borrow_mut() = None);
 }
 
 /// Work put off until the end of a burst ([`Burst::at_end`]).
@@ -180,9 +137,8 @@ mod tests {
     use std::os::unix::net::UnixListener;
     use std::time::Duration;
 
-    /// A corked thread's requests reach the upstream only when it flushes, all on one
-    /// connection; a waiting call made while corked sends its own (and the queued ones) before
-    /// it waits, so it cannot stall on them.
+    /// Requests queued on a cork reach the upstream only when it is flushed (or dropped), all on
+    /// one connection.
     #[test]
     fn corked_requests_go_out_together_at_the_flush() {
         let dir = tempfile::tempdir().unwrap();
@@ -216,25 +172,26 @@ mod tests {
         let client = Client::connect(&uri, ClientOptions { connections: Some(2), ..ClientOptions::default() }).unwrap();
         let (done_tx, done) = std::sync::mpsc::channel();
         let pool = Arc::new(BufPool::new());
-        cork();
+        let mut cork = Cork::default();
         for i in 0..3u64 {
             let done_tx = done_tx.clone();
-            client.read_async(i * 4096, pool.get(4096).unwrap(), move |r, _| done_tx.send((i, r.map(|b| b.to_vec()))).unwrap());
+            client.read_async(i * 4096, pool.get(4096).unwrap(), Some(&mut cork), move |r, _| done_tx.send((i, r.map(|b| b.to_vec()))).unwrap());
         }
         assert!(seen.recv_timeout(Duration::from_millis(200)).is_err(), "a corked request was sent before the flush");
-        flush_corked();
+        cork.flush();
         let got: Vec<_> = (0..3).map(|_| seen.recv_timeout(Duration::from_secs(10)).unwrap()).collect();
         assert!(got.iter().all(|&(conn, command, _)| conn == got[0].0 && command == CMD_READ), "one connection for the burst: {got:?}");
         for _ in 0..3 {
             let (i, data) = done.recv_timeout(Duration::from_secs(10)).unwrap();
             assert!(data.unwrap().iter().all(|&b| b == i as u8 + 1), "read {i} got another's data");
         }
-        // Still corked: a waiting read flushes before it waits.
-        let mut buf = vec![0u8; 4096];
-        client.read(8 * 4096, &mut buf).unwrap();
-        assert!(buf.iter().all(|&b| b == 9));
-        uncork();
+        // A request queued and the cork dropped: it goes then.
+        let (tx, rx) = std::sync::mpsc::channel();
+        client.read_async(8 * 4096, pool.get(4096).unwrap(), Some(&mut cork), move |r, _| tx.send(r.map(|b| b.to_vec())).unwrap());
+        assert!(seen.recv_timeout(Duration::from_millis(200)).is_err(), "a corked request was sent before the drop");
+        drop(cork);
         assert_eq!(seen.recv_timeout(Duration::from_secs(10)).unwrap().1, CMD_READ);
+        assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().unwrap().iter().all(|&b| b == 9));
         client.flush().unwrap();
         drop(client);
         server.join().unwrap();

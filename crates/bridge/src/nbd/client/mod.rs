@@ -8,8 +8,8 @@
 //! buffer. [`Client::read_async`] and [`Client::write_async`] return once the request is sent
 //! and run a continuation on the reader thread instead of waking a caller; continuations that
 //! answer clients can put that off to the end of the reader's burst ([`Burst`]), so that
-//! one burst of upstream replies makes one send to each client. A thread can also [`cork`](fn@cork) its
-//! requests, so that a burst of them goes to the upstream in one send. Several connections are opened
+//! one burst of upstream replies makes one send to each client. Asynchronous requests can also be
+//! queued on a [`Cork`], so that a burst of them goes to the upstream in one send. Several connections are opened
 //! when the upstream advertises NBD_FLAG_CAN_MULTI_CONN (its caches are then coherent across
 //! connections and a FLUSH on any one covers them all).
 //!
@@ -27,8 +27,8 @@
 //! fails with EIO, once, so that a client that relies on FLUSH learns of it.
 //!
 //! The parts (private modules): `handshake` is the client side of the handshake and
-//! connecting; `conn` one shared connection and its reply reader; `cork` the per-thread cork and
-//! after-burst hooks; `status` block status (`base:allocation`); here, [`Client`]: the
+//! connecting; `conn` one shared connection and its reply reader; `cork` the cork and the
+//! burst; `status` block status (`base:allocation`); here, [`Client`]: the
 //! connections, retries and reconnects, and the public API.
 
 mod conn;
@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use self::conn::{timed_out_error, Live, Outcome, ReadInto, Then};
-use self::cork::{corks, Cork};
+use self::cork::corks;
 use self::handshake::open_socket;
 use self::status::Allocation;
 use super::request::io_error_of;
@@ -53,7 +53,7 @@ use crate::aligned::PooledBuf;
 use crate::transport::Stream;
 use super::*;
 
-pub use self::cork::{cork, flush_corked, uncork, Burst};
+pub use self::cork::{Burst, Cork};
 pub use self::handshake::{handshake, handshake_tls, Export, TlsClient, DEFAULT_MAX_REQUEST};
 
 /// Connections to an upstream that allows several, unless told otherwise: at most this many,
@@ -280,8 +280,6 @@ impl Client {
                     None => lost.push(op),
                 }
             }
-            // This thread may be corked: what it queued must go before it waits for the answers.
-            flush_corked();
             let mut errno = None;
             let mut timed_out = false;
             for (op, slot, live, flushed_upto) in waiting {
@@ -318,13 +316,13 @@ impl Client {
         unreachable!("the retry loop returns")
     }
 
-    /// The connection for the next asynchronous request: the one this thread's corked requests
-    /// are queued for (so that a burst goes out in one send), else the next in turn.
-    fn next_live(&self, request: &Request) -> Option<Arc<Live>> {
-        if let Some(live) = Cork::connection().filter(|_| corks(request)) {
+    /// The connection for the next asynchronous request: the one the requests queued on `cork`
+    /// are for (so that a burst goes out in one send), else the next in turn.
+    fn next_live(&self, request: &Request, cork: Option<&Cork>) -> Option<Arc<Live>> {
+        if let Some(live) = cork.and_then(Cork::connection).filter(|_| corks(request)) {
             // The queue may be another client's (`maybe_lost` is this client's own).
             if Arc::ptr_eq(&live.maybe_lost, &self.maybe_lost) && !live.is_dead() {
-                return Some(live);
+                return Some(Arc::clone(live));
             }
         }
         let index = self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
@@ -363,7 +361,7 @@ impl Client {
     /// reader (or on this thread, should the request not go out). A request lost with its
     /// connection is not resent here: `done` gets an `Interrupted` error, and the caller resends
     /// it with [`Client::read`], which retries.
-    pub fn read_async(&self, offset: u64, mut buf: PooledBuf, done: impl FnOnce(io::Result<PooledBuf>, &mut Burst) + Send + 'static) {
+    pub fn read_async(&self, offset: u64, mut buf: PooledBuf, cork: Option<&mut Cork>, done: impl FnOnce(io::Result<PooledBuf>, &mut Burst) + Send + 'static) {
         let len = buf.len();
         debug_assert!(len <= self.export.max_request() as usize);
         let into = ReadInto { ptr: buf.as_mut_ptr(), len };
@@ -379,9 +377,9 @@ impl Client {
             done(result, burst)
         });
         let mut request = Request { flags: 0, command: CMD_READ, handle: 0, offset, length: len as u32 };
-        match self.next_live(&request) {
+        match self.next_live(&request, cork.as_deref()) {
             Some(live) => {
-                live.send(&mut request, &[], Some(into), Some(then));
+                live.issue(&mut request, &[], Some(into), Some(then), cork);
             }
             None => then(Outcome::Lost, &mut Burst::default()),
         }
@@ -393,7 +391,7 @@ impl Client {
     /// out). A write lost with its connection is not resent here: `done` gets an `Interrupted`
     /// error, and the caller resends it with [`Client::write`] while it still keeps other
     /// writes off those bytes. `payload` is only read while this runs.
-    pub fn write_async(&self, offset: u64, payload: &[u8], fua: bool, done: impl FnOnce(io::Result<()>, &mut Burst) + Send + 'static) {
+    pub fn write_async(&self, offset: u64, payload: &[u8], fua: bool, cork: Option<&mut Cork>, done: impl FnOnce(io::Result<()>, &mut Burst) + Send + 'static) {
         debug_assert!(payload.len() <= self.export.max_request() as usize && (!fua || self.export.can_fua()));
         let then: Then = Box::new(move |outcome, burst| {
             let result = match outcome {
@@ -406,9 +404,9 @@ impl Client {
         });
         let flags = if fua { CMD_FLAG_FUA } else { 0 };
         let mut request = Request { flags, command: CMD_WRITE, handle: 0, offset, length: payload.len() as u32 };
-        match self.next_live(&request) {
+        match self.next_live(&request, cork.as_deref()) {
             Some(live) => {
-                live.send(&mut request, payload, None, Some(then));
+                live.issue(&mut request, payload, None, Some(then), cork);
             }
             None => then(Outcome::Lost, &mut Burst::default()),
         }

@@ -132,7 +132,9 @@ impl Store for NbdBacking {
     }
 }
 
-/// The session interface over an upstream connection of one's own.
+/// The session interface over an upstream connection of one's own. Here rather than in
+/// `nbd/own.rs`: the protocol layer knows nothing of the back-end traits above it, so the
+/// dependency points one way (backing -> nbd), at the cost of these forwarding lines.
 impl Session for OwnConn<u64> {
     fn fd(&self) -> RawFd {
         OwnConn::fd(self)

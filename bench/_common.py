@@ -285,7 +285,7 @@ def paired_cpu_overhead(enc: list[dict], pt: list[dict], field: str = "server_cp
     position. Returns the median difference, the medians of each side and the number of pairs."""
     def usable(s):
         return s.get("ok") and s.get(field) is not None
-    if all("repeat" in s for s in enc + pt):
+    if all("repeat" in s for s in enc + pt if usable(s)):
         e = {s["repeat"]: s[field] for s in enc if usable(s)}
         p = {s["repeat"]: s[field] for s in pt if usable(s)}
         diffs = [e[r] - p[r] for r in sorted(e.keys() & p.keys())]

@@ -40,6 +40,16 @@ share a backing file are not up at once: each is started for its own fio job and
 (checked once at the start of the regime); the other servers stay up, and the order of the jobs
 is the same.
 
+CPU per byte (every regime): beside each MB/s table, every server's CPU seconds per GiB moved
+(utime+stime of the server process from /proc/PID/stat over the job, ramp included, per GiB moved
+over the same time, MB/s x (runtime + ramp); median over repeats). The "encryption overhead"
+table gives, per regime, transport and profile, cryptbridge XTS minus cryptbridge passthrough CPU
+s/GiB in the same repeat (median over repeats), next to the cipher's own cost per GiB from
+`cryptbridge bench cipher --json` (one thread; AES-256-XTS with the served --sector-size; the CPU
+level the servers run, since they inherit this environment's CRYPTBRIDGE_CPU), measured once per
+run (--cipher-seconds): decrypt for reads, encrypt for writes, by bytes for the mixed profile.
+The report header names the CPU model and the CPU level.
+
 Before/after (--baseline BINARY): every cryptbridge server (cb-enc, cb-pt and their -tcp
 variants) is also started from BINARY with the same arguments and a socket or port of its own,
 named with the suffix "@base" ("cb-enc" -> "cb-enc@base"). Each one sits next to its twin in the

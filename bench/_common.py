@@ -10,6 +10,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import statistics
@@ -197,6 +198,11 @@ def environment(binary: Path | None = None) -> dict:
     }
     if binary is not None and Path(binary).exists():
         env["cryptbridge"] = tool_version([binary, "--version"])
+        m = re.search(r"CPU level (\S+) detected", env["cryptbridge"] or "")
+        if m:
+            # What the binary detects; CRYPTBRIDGE_CPU (inherited by the servers) selects a lower one.
+            env["cpu_level_detected"] = m.group(1)
+            env["cpu_level"] = os.environ.get("CRYPTBRIDGE_CPU") or m.group(1)
     return env
 
 
@@ -221,3 +227,112 @@ def verdict(ratio, target) -> str:
     if ratio is None or target is None:
         return ""
     return "PASS" if ratio >= target else "MISS"
+
+
+# --------------------------------------------------------------------------------------------
+# CPU per byte (issue 30): the server's CPU seconds per GiB moved, and the cipher's own cost.
+
+GIB = 1 << 30
+# `serve --cipher` (dm-crypt names) -> `bench cipher --cipher` (Linux crypto API names).
+CIPHER_CAPI = {"aes-xts-plain64": "xts(aes)", "capi:xts(aes)-plain64": "xts(aes)"}
+
+
+def process_cpu_seconds(pid: int | None) -> float | None:
+    """utime + stime of every thread of `pid` (from /proc/PID/stat), in seconds."""
+    ticks = process_cpu_ticks(pid)
+    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s_per_gib(cpu0: float | None, cpu1: float | None, moved_bytes: float) -> float | None:
+    """CPU seconds spent between two process_cpu_seconds() readings, per GiB moved."""
+    if cpu0 is None or cpu1 is None or not moved_bytes or moved_bytes <= 0:
+        return None
+    return round((cpu1 - cpu0) / (moved_bytes / GIB), 4)
+
+
+def cipher_cost(binary, cipher: str = "xts(aes)", key_size: int = 512, sector_size: int = 4096,
+                seconds: float = 2.0) -> dict:
+    """`cryptbridge bench cipher --json` on one thread, at the CPU level a server started from the
+    same environment runs (CRYPTBRIDGE_CPU is inherited): the cipher's own CPU seconds per GiB,
+    1 GiB / (GB/s of one thread), for encrypt (what a write costs) and decrypt (a read).
+    On failure: {"error": ...}."""
+    cipher = CIPHER_CAPI.get(cipher, cipher)
+    argv = [binary, "bench", "cipher", "--cipher", cipher, "--key-size", str(key_size),
+            "--sector-size", str(sector_size), "--threads", "1", "--seconds", f"{seconds:g}", "--json"]
+    try:
+        r = run(argv, timeout=60 + 4 * seconds)
+        data = json.loads(r.stdout)
+    except Exception as e:  # noqa: BLE001 - a benchmark reports, it does not stop here
+        return {"error": f"{shjoin(argv)}: {e}"}
+    out = {"command": shjoin(argv), **data}
+    for op in ("encrypt", "decrypt"):
+        gbps = data.get(f"{op}_gbps")
+        out[f"{op}_s_per_gib"] = round(GIB / 1e9 / gbps, 4) if gbps else None
+    return out
+
+
+def cipher_cost_for(cost: dict | None, writes: float) -> float | None:
+    """The cipher's s/GiB for a job whose share of bytes written is `writes` (0 = reads only,
+    1 = writes only, 0.3 for a 70/30 mix): decrypt for reads, encrypt for writes."""
+    if not cost or cost.get("encrypt_s_per_gib") is None or cost.get("decrypt_s_per_gib") is None:
+        return None
+    return writes * cost["encrypt_s_per_gib"] + (1 - writes) * cost["decrypt_s_per_gib"]
+
+
+def paired_cpu_overhead(enc: list[dict], pt: list[dict], field: str = "server_cpu_s_per_gib") -> dict:
+    """Encrypted minus passthrough server CPU s/GiB in the same repeat: `enc` and `pt` are the two
+    servers' samples of one profile, paired by their "repeat" key when both have one, else by
+    position. Returns the median difference, the medians of each side and the number of pairs."""
+    def usable(s):
+        return s.get("ok") and s.get(field) is not None
+    if all("repeat" in s for s in enc + pt if usable(s)):
+        e = {s["repeat"]: s[field] for s in enc if usable(s)}
+        p = {s["repeat"]: s[field] for s in pt if usable(s)}
+        diffs = [e[r] - p[r] for r in sorted(e.keys() & p.keys())]
+    else:
+        diffs = [a[field] - b[field] for a, b in zip(enc, pt) if usable(a) and usable(b)]
+    return {"enc_cpu_s_per_gib": median([s[field] for s in enc if usable(s)]),
+            "pt_cpu_s_per_gib": median([s[field] for s in pt if usable(s)]),
+            "overhead_cpu_s_per_gib": median(diffs), "pairs": len(diffs)}
+
+
+def overhead_row(label: str, enc: list[dict], pt: list[dict], cost: dict | None, writes: float, **extra) -> dict:
+    """One row of the "encryption overhead" table (see overhead_md)."""
+    row = {"profile": label, **extra, **paired_cpu_overhead(enc, pt)}
+    row["cipher_s_per_gib"] = cipher_cost_for(cost, writes)
+    o, c = row["overhead_cpu_s_per_gib"], row["cipher_s_per_gib"]
+    row["overhead_over_cipher"] = round(o / c, 3) if o is not None and c else None
+    return row
+
+
+def overhead_md(rows: list[dict], cost: dict | None, enc_name: str, pt_name: str, extra_cols=()) -> list[str]:
+    """Markdown lines of the "encryption overhead" table: per profile, encrypted minus passthrough
+    server CPU s/GiB (median over repeats of the same-repeat difference), next to the cipher's own
+    cost from `bench cipher` (one thread, same cipher, key and sector size, same CPU level)."""
+    if cost and "error" not in cost:
+        src = (f"cipher alone: `{cost['command']}` → encrypt {fmt(cost.get('encrypt_gbps'), 2)} GB/s "
+               f"({fmt(cost.get('encrypt_s_per_gib'), 3)} s/GiB), decrypt {fmt(cost.get('decrypt_gbps'), 2)} GB/s "
+               f"({fmt(cost.get('decrypt_s_per_gib'), 3)} s/GiB), CPU level {cost.get('cpu_level')}; "
+               "reads are charged decrypt, writes encrypt, a mix by its share of bytes")
+    else:
+        src = f"cipher alone: not measured ({(cost or {}).get('error', 'no bench cipher run')})"
+    head = ["Profile", *(c for c, _ in extra_cols), f"{enc_name} CPU s/GiB", f"{pt_name} CPU s/GiB",
+            "overhead s/GiB (enc − pt, paired)", "pairs", "cipher alone s/GiB", "overhead / cipher"]
+    lines = ["**Encryption overhead (server CPU per GiB)**", "",
+             f"Server CPU = utime+stime of the server process from /proc over the job, per GiB moved; "
+             f"overhead = {enc_name} minus {pt_name} in the same repeat, median over repeats; {src}.", "",
+             "| " + " | ".join(head) + " |", "|---|" + "---|" * len(extra_cols) + "---:|" * (len(head) - 1 - len(extra_cols))]
+    for r in rows:
+        lines.append("| " + " | ".join([r["profile"], *(str(r.get(k, "")) for _, k in extra_cols),
+                                        fmt(r["enc_cpu_s_per_gib"], 3), fmt(r["pt_cpu_s_per_gib"], 3),
+                                        fmt(r["overhead_cpu_s_per_gib"], 3), str(r["pairs"]),
+                                        fmt(r["cipher_s_per_gib"], 3), fmt(r["overhead_over_cipher"], 2)]) + " |")
+    return lines
+
+
+def cpu_header(env: dict, cost: dict | None = None) -> str:
+    """One header line: the CPU model and the CPU level cryptbridge runs at."""
+    level = (cost or {}).get("cpu_level") or env.get("cpu_level") or "?"
+    detected = env.get("cpu_level_detected")
+    extra = f" (detected {detected})" if detected and detected != level else ""
+    return f"CPU: {env.get('cpu')} ({env.get('nproc')} vCPUs); cryptbridge CPU level: {level}{extra}."

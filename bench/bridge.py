@@ -40,6 +40,16 @@ share a backing file are not up at once: each is started for its own fio job and
 (checked once at the start of the regime); the other servers stay up, and the order of the jobs
 is the same.
 
+CPU per byte (every regime): beside each MB/s table, every server's CPU seconds per GiB moved
+(utime+stime of the server process from /proc/PID/stat over the job, ramp included, per GiB moved
+over the same time, MB/s x (runtime + ramp); median over repeats). The "encryption overhead"
+table gives, per regime, transport and profile, cryptbridge XTS minus cryptbridge passthrough CPU
+s/GiB in the same repeat (median over repeats), next to the cipher's own cost per GiB from
+`cryptbridge bench cipher --json` (one thread; AES-256-XTS with the served --sector-size; the CPU
+level the servers run, since they inherit this environment's CRYPTBRIDGE_CPU), measured once per
+run (--cipher-seconds): decrypt for reads, encrypt for writes, by bytes for the mixed profile.
+The report header names the CPU model and the CPU level.
+
 Before/after (--baseline BINARY): every cryptbridge server (cb-enc, cb-pt and their -tcp
 variants) is also started from BINARY with the same arguments and a socket or port of its own,
 named with the suffix "@base" ("cb-enc" -> "cb-enc@base"). Each one sits next to its twin in the
@@ -78,6 +88,9 @@ from _common import (  # noqa: E402
     OUT,
     REPO,
     BenchInterrupted,
+    cipher_cost,
+    cpu_header,
+    cpu_s_per_gib,
     environment,
     fmt,
     free_port,
@@ -85,7 +98,9 @@ from _common import (  # noqa: E402
     kill_group,
     log,
     median,
-    process_cpu_ticks,
+    overhead_md,
+    overhead_row,
+    process_cpu_seconds,
     run,
     shjoin,
     spawn,
@@ -113,6 +128,13 @@ class Profile:
     @property
     def writes(self) -> bool:
         return self.rw in ("write", "randwrite", "randrw", "rw")
+
+    @property
+    def write_share(self) -> float:
+        """The share of the bytes moved that are written (which cipher direction a job costs)."""
+        if self.rwmixread is not None:
+            return (100 - self.rwmixread) / 100
+        return 1.0 if self.writes else 0.0
 
 
 PROFILES = [
@@ -519,14 +541,14 @@ def fio_job(uri: str, prof: Profile, size: int, runtime: float, ramp: float, out
     out_json.unlink(missing_ok=True)
     # Where the CPU went during the job (ramp included): whether a profile is limited by the
     # device or by the 2 vCPUs decides what its ratio means.
-    cpu0, srv0 = machine_cpu_ticks(), process_cpu_ticks(server_pid)
+    cpu0, srv0 = machine_cpu_ticks(), process_cpu_seconds(server_pid)
     t0 = time.monotonic()
     try:
         r = run(argv, timeout=runtime + ramp + 60)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": "fio timed out", "argv": argv}
     wall = time.monotonic() - t0
-    cpu1, srv1 = machine_cpu_ticks(), process_cpu_ticks(server_pid)
+    cpu1, srv1 = machine_cpu_ticks(), process_cpu_seconds(server_pid)
     try:
         data = json.loads(out_json.read_text())
         job = data["jobs"][0]
@@ -548,14 +570,14 @@ def fio_job(uri: str, prof: Profile, size: int, runtime: float, ramp: float, out
     if cpu0 and cpu1 and cpu1[1] > cpu0[1]:
         sample["machine_busy"] = round((cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1]), 3)
     if srv0 is not None and srv1 is not None and wall > 0:
-        cpu_s = (srv1 - srv0) / os.sysconf("SC_CLK_TCK")
+        cpu_s = srv1 - srv0
         sample["server_cores"] = round(cpu_s / wall, 3)
         # Server CPU over the job (ramp included) per GiB moved over the same time, estimated as
         # the measured bandwidth x (runtime + ramp).
         sample["server_cpu_s"] = round(cpu_s, 3)
-        moved_gib = (rbw + wbw) * (runtime + ramp) / GiB
-        if moved_gib > 0:
-            sample["server_cpu_s_per_gib"] = round(cpu_s / moved_gib, 4)
+        per_gib = cpu_s_per_gib(srv0, srv1, (rbw + wbw) * (runtime + ramp))
+        if per_gib is not None:
+            sample["server_cpu_s_per_gib"] = per_gib
     if not sample["ok"]:
         sample["error"] = f"fio rc={r.returncode} job error={job.get('error')}: {r.stderr.strip()[-300:]}"
     return sample
@@ -831,6 +853,31 @@ def get_med(summary, regime, key, pkey):
     return summary.get(regime, {}).get(key, {}).get(pkey, {}).get("median_mbps")
 
 
+def get_cpu(summary, regime, key, pkey):
+    """The server's CPU seconds (utime+stime, ramp included) per GiB moved, median over repeats."""
+    return summary.get(regime, {}).get(key, {}).get(pkey, {}).get("median_server_cpu_s_per_gib")
+
+
+# (encrypted, passthrough): the servers whose CPU difference is the cost of encryption.
+OVERHEAD_PAIRS = (("cb-enc", "cb-pt"), ("cb-enc-tcp", "cb-pt-tcp"))
+
+
+def compute_encryption_overhead(summary: dict, results: dict, cost: dict | None) -> list[dict]:
+    """One row per (regime, transport, profile): encrypted minus passthrough server CPU s/GiB in
+    the same repeat (median), next to the cipher's own s/GiB from `bench cipher`."""
+    rows = []
+    for regime in ("cpu", "device", "ssd"):
+        for enc, pt in OVERHEAD_PAIRS:
+            if enc not in summary.get(regime, {}) or pt not in summary.get(regime, {}):
+                continue
+            for prof in PROFILES:
+                rows.append(overhead_row(prof.label, results[regime][enc].get(prof.key, []),
+                                         results[regime][pt].get(prof.key, []), cost, prof.write_share,
+                                         regime=regime, transport=transport_of(enc), profile_key=prof.key,
+                                         server=enc, passthrough=pt))
+    return rows
+
+
 def paired_ratio(results: dict, regime: str, num: str, den: str, pkey: str) -> tuple[float | None, int]:
     """The median over repeats of num / den measured in the same repeat, and the number of
     pairs. The two jobs of a pair run minutes apart at most, while this machine's speed drifts
@@ -968,7 +1015,7 @@ def after_before_lines(rows: list[dict], state: dict, markdown: bool) -> list[st
     return lines
 
 
-def print_tables(summary, results, targets, args) -> None:
+def print_tables(summary, results, targets, args, overhead_rows=()) -> None:
     for regime in ("device", "ssd", "cpu"):
         if regime not in summary:
             continue
@@ -980,6 +1027,11 @@ def print_tables(summary, results, targets, args) -> None:
         for prof in PROFILES:
             log(f"{prof.label:22}" + "".join(f"{fmt(get_med(summary, regime, k, prof.key)):>{w}}"
                                            for k in keys))
+        log(f"server CPU s/GiB (utime+stime from /proc, median)")
+        log(f"{'profile':22}" + "".join(f"{k:>{w}}" for k in keys))
+        for prof in PROFILES:
+            log(f"{prof.label:22}" + "".join(f"{fmt(get_cpu(summary, regime, k, prof.key), 3):>{w}}"
+                                           for k in keys))
         others = [k for k in keys if k != passthrough_of(k)]
         if ("cb-pt" in keys or "cb-pt-tcp" in keys) and others:
             log("overhead vs cryptbridge passthrough (%, median of same-repeat pairs; negative = faster)")
@@ -987,6 +1039,16 @@ def print_tables(summary, results, targets, args) -> None:
             for prof in PROFILES:
                 log(f"{prof.label:22}" + "".join(
                     f"{fmt(overhead(results, regime, k, prof.key)):>{w}}" for k in others))
+    if overhead_rows:
+        log("")
+        log("encryption overhead: server CPU s/GiB, XTS minus passthrough in the same repeat (median), "
+            "vs the cipher alone (bench cipher, 1 thread)")
+        log(f"{'regime':7} {'transport':9} {'profile':22} {'XTS':>7} {'pt':>7} {'enc-pt':>7} {'pairs':>5} "
+            f"{'cipher':>7} {'ovh/ciph':>8}")
+        for r in overhead_rows:
+            log(f"{r['regime']:7} {r['transport']:9} {r['profile']:22} {fmt(r['enc_cpu_s_per_gib'], 3):>7} "
+                f"{fmt(r['pt_cpu_s_per_gib'], 3):>7} {fmt(r['overhead_cpu_s_per_gib'], 3):>7} {r['pairs']:>5} "
+                f"{fmt(r['cipher_s_per_gib'], 3):>7} {fmt(r['overhead_over_cipher'], 2):>8}")
     if targets:
         log("")
         log("value = median of the ratios of same-repeat pairs; of-medians = ratio of the two medians")
@@ -1009,6 +1071,9 @@ def markdown(summary, targets, state, args) -> str:
         f"(512-bit key), {args.sector_size}-byte sectors. "
         f"Peers: {state['versions'].get('nbdkit') or 'nbdkit'} (file plugin, luks filter on a LUKS1 "
         f"AES-256-XTS (aes-256 xts-plain64, 512-bit key) image), {state['versions'].get('qemu-nbd') or 'qemu-nbd'} (driver=luks).",
+        "",
+        cpu_header(env, state.get("cipher_cost")) + " Server CPU s/GiB: utime+stime of the server process "
+        "(/proc/PID/stat) over the job, ramp included, per GiB moved (MB/s x (runtime + ramp)), median over repeats.",
         "",
     ]
     for regime in ("cpu", "device", "ssd"):
@@ -1044,6 +1109,18 @@ def markdown(summary, targets, state, args) -> str:
                 row.append(" / ".join("—" if b is None else f"{100 * b:.0f} %" for b in busy))
                 row.append(" / ".join(fmt(c, 2) for c in cores))
             lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+        lines.append("Server CPU s/GiB (median):")
+        lines.append("")
+        lines.append("| " + " | ".join(["Profile"] + [label_of(k) for k in keys]) + " |")
+        lines.append("|" + "---|" + "---:|" * len(keys))
+        for prof in PROFILES:
+            lines.append("| " + " | ".join([prof.label] + [fmt(get_cpu(summary, regime, k, prof.key), 3)
+                                                          for k in keys]) + " |")
+        lines.append("")
+    if state.get("encryption_overhead"):
+        lines += overhead_md(state["encryption_overhead"], state.get("cipher_cost"), "XTS", "passthrough",
+                             extra_cols=(("Regime", "regime"), ("Transport", "transport")))
         lines.append("")
     if not args.quick and args.chart is None:
         lines.append("![NBD bridge benchmark](bench-bridge.png)")  # relative to docs/bench/
@@ -1190,6 +1267,9 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=OUT / "work",
                     help="backing files (must be on a real disk for the device regime)")
     ap.add_argument("--keep-files", action="store_true", help="keep backing files for a later run")
+    ap.add_argument("--cipher-seconds", type=float, default=None,
+                    help="seconds per measurement of `cryptbridge bench cipher` (the cipher's own cost, "
+                         "once per run; default 2, quick 0.5; 0 skips it)")
     ap.add_argument("--out-json", type=Path, default=OUT / "bridge.json")
     ap.add_argument("--out-md", type=Path, default=OUT / "bridge.md")
     ap.add_argument("--chart", type=Path, default=None,
@@ -1292,12 +1372,13 @@ def main() -> int:
         targets = compute_targets(summary, state["results"])
         state["summary"] = summary
         state["targets"] = targets
+        state["encryption_overhead"] = compute_encryption_overhead(summary, state["results"], state.get("cipher_cost"))
         if args.baseline is not None:
             state["after_before"] = compute_after_before(summary, state["results"])
         state["environment"]["loadavg_end"] = list(os.getloadavg())
         write_json(args.out_json, state)
         if final:
-            print_tables(summary, state["results"], targets, args)
+            print_tables(summary, state["results"], targets, args, state["encryption_overhead"])
             md = markdown(summary, targets, state, args)
             if args.baseline is not None:
                 log("\n".join(after_before_lines(state["after_before"], state, markdown=False)))
@@ -1310,6 +1391,17 @@ def main() -> int:
 
     created: list[Path] = []
     rc = 0
+    cipher_s = args.cipher_seconds if args.cipher_seconds is not None else (0.5 if q else 2.0)
+    if keys_needed & {"cb-enc", "cb-enc-tcp"} and cipher_s > 0:
+        # The cipher alone, one thread, the volume's cipher, key and sector size, at the CPU level
+        # the servers run (they inherit this environment): the floor of the encryption overhead.
+        cost = cipher_cost(args.binary, "aes-xts-plain64", 512, args.sector_size, cipher_s)
+        state["cipher_cost"] = cost
+        if "error" in cost:
+            warn(f"bench cipher: {cost['error']}")
+        else:
+            log(f"cipher alone: encrypt {cost['encrypt_s_per_gib']} s/GiB, decrypt {cost['decrypt_s_per_gib']} "
+                f"s/GiB (CPU level {cost.get('cpu_level')})")
     try:
         if keys_needed & {"cb-enc", "cb-enc-tcp"}:
             if not keyfile.exists():

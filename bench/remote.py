@@ -18,6 +18,15 @@ socket=<upstream>`, no encryption) in front of the same upstream. It is the peer
 extra NBD hop on the same vCPUs, so its ratio to `nbdkit memory` alone says how much of the
 bridge's gap any server that sits between fio and the upstream pays here.
 
+A passthrough bridge, "bridge-pt" (`cryptbridge serve --passthrough`, same upstream, its own
+socket), is in the rotation too (--no-passthrough leaves it out): the same bridge without
+encryption. Every server's CPU seconds (utime+stime of its process from /proc over the job, ramp
+included; for "direct" that is nbdkit memory, for the bridges the cryptbridge process alone, the
+upstream not counted) per GiB moved (MB/s x (runtime + ramp)) is reported beside its MB/s, and the
+"encryption overhead" table gives, per profile, bridge minus bridge-pt CPU s/GiB in the same repeat
+(median) next to the cipher's own cost per GiB from `cryptbridge bench cipher` (one thread, the
+volume's cipher, key and sector size, the CPU level the servers run; measured once per run).
+
 With --baseline BINARY a second bridge, "bridge@base", runs from BINARY with the same arguments
 (its own socket, the same upstream) and joins the rotation next to "bridge": a before/after
 check of two builds in one run. The report gets an "after / before" section: per profile, the
@@ -42,12 +51,16 @@ from _common import (  # noqa: E402
     DEFAULT_BINARY,
     OUT,
     BenchInterrupted,
+    cipher_cost,
+    cpu_header,
     environment,
     fmt,
     install_signal_handlers,
     kill_group,
     log,
     median,
+    overhead_md,
+    overhead_row,
     run,
     shjoin,
     spawn,
@@ -76,6 +89,10 @@ def main() -> int:
     ap.add_argument("--backing-connections", type=int, default=None, help="serve --backing-connections (default: the bridge's)")
     ap.add_argument("--profiles", default=",".join(PROFILE_KEYS), help="comma-separated profile keys")
     ap.add_argument("--proxy", action="store_true", help="add nbdkit's NBD proxy (nbdkit nbd) as a third server (see above)")
+    ap.add_argument("--no-passthrough", action="store_true",
+                    help="leave the passthrough bridge (serve --passthrough) out of the rotation; no encryption overhead table")
+    ap.add_argument("--cipher-seconds", type=float, default=None,
+                    help="seconds per measurement of `cryptbridge bench cipher` (default 2, quick 0.5; 0 skips it)")
     ap.add_argument("--quick", action="store_true", help="2 repeats of 2 s jobs (a smoke run)")
     args = ap.parse_args()
     if args.quick:
@@ -101,6 +118,7 @@ def main() -> int:
     rundir = Path(tempfile.mkdtemp(prefix="cbremote", dir="/tmp"))
     up_sock, cb_sock, px_sock = rundir / "up.sock", rundir / "cb.sock", rundir / "proxy.sock"
     base_sock = rundir / "cb-base.sock"
+    pt_sock = rundir / "cb-pt.sock"
     keyfile = rundir / "key"
     fd = os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -117,7 +135,14 @@ def main() -> int:
         base_argv = [args.baseline, *cb_argv[1:]]
         base_argv[base_argv.index(cb_sock)] = base_sock
     px_argv = ["nbdkit", "-f", "-U", px_sock, "nbd", f"socket={up_sock}"]
+    pt_argv = None
+    if not args.no_passthrough:
+        pt_argv = [args.binary, "serve", "--backing", f"nbd+unix:///?socket={up_sock}", "--passthrough", "--unix", pt_sock]
+        if args.backing_connections:
+            pt_argv += ["--backing-connections", str(args.backing_connections)]
     uris = {"direct": f"nbd+unix:///?socket={up_sock}", "bridge": f"nbd+unix:///?socket={cb_sock}"}
+    if pt_argv:
+        uris["bridge-pt"] = f"nbd+unix:///?socket={pt_sock}"
     if base_argv:
         uris["bridge@base"] = f"nbd+unix:///?socket={base_sock}"
     if args.proxy:
@@ -125,13 +150,21 @@ def main() -> int:
     state = {
         "environment": environment(args.binary),
         "commands": {"upstream": shjoin(up_argv), "bridge": shjoin(cb_argv)} | ({"proxy": shjoin(px_argv)} if args.proxy else {})
-        | ({"bridge@base": shjoin(base_argv)} if base_argv else {}),
+        | ({"bridge@base": shjoin(base_argv)} if base_argv else {}) | ({"bridge-pt": shjoin(pt_argv)} if pt_argv else {}),
         "config": {"size": args.size, "repeats": args.repeats, "runtime": args.runtime, "ramp": args.ramp},
         "results": {},
     }
     if base_argv:
         state["environment"]["cryptbridge_baseline"] = tool_version([args.baseline, "--version"])
-    up = cb = px = base = None
+    cipher_s = args.cipher_seconds if args.cipher_seconds is not None else (0.5 if args.quick else 2.0)
+    cost = None
+    if cipher_s > 0:
+        # serve's defaults here: aes-xts-plain64, the 64-byte key file (512 bits), 512-byte sectors.
+        cost = cipher_cost(args.binary, "aes-xts-plain64", 512, 512, cipher_s)
+        state["cipher_cost"] = cost
+        if "error" in cost:
+            warn(f"bench cipher: {cost['error']}")
+    up = cb = px = base = pt = None
     try:
         with open(logdir / "remote-upstream.log", "wb") as err:
             up = spawn(up_argv, stdout=err, stderr=err)
@@ -143,6 +176,10 @@ def main() -> int:
             with open(logdir / "remote-bridge-base.stdout.log", "wb") as out, open(logdir / "remote-bridge-base.stderr.log", "wb") as err:
                 base = spawn(base_argv, stdout=out, stderr=err)
             wait_listening(base_sock, base, "cryptbridge serve (--baseline)")
+        if pt_argv:
+            with open(logdir / "remote-bridge-pt.stdout.log", "wb") as out, open(logdir / "remote-bridge-pt.stderr.log", "wb") as err:
+                pt = spawn(pt_argv, stdout=out, stderr=err)
+            wait_listening(pt_sock, pt, "cryptbridge serve --passthrough")
         if args.proxy:
             with open(logdir / "remote-proxy.log", "wb") as err:
                 px = spawn(px_argv, stdout=err, stderr=err)
@@ -152,7 +189,7 @@ def main() -> int:
         if r.returncode != 0:
             warn(f"fill failed: {r.stderr.strip()[-400:]}")
             return 1
-        pids = {"direct": up.pid, "bridge": cb.pid} | ({"proxy": px.pid} if px else {}) | ({"bridge@base": base.pid} if base else {})
+        pids = {"direct": up.pid, "bridge": cb.pid} | ({"proxy": px.pid} if px else {}) | ({"bridge@base": base.pid} if base else {}) | ({"bridge-pt": pt.pid} if pt else {})
         servers = list(uris)
         for rep in range(args.repeats):
             for pi, prof in enumerate(profiles):
@@ -160,13 +197,15 @@ def main() -> int:
                 order = servers[shift:] + servers[:shift]
                 for who in order:
                     sample = fio_job(uris[who], prof, size_bytes, args.runtime, args.ramp, fio_dir / f"{prof.key}-{who}-{rep}.json", pids[who])
+                    sample["repeat"] = rep + 1
                     state["results"].setdefault(prof.key, {}).setdefault(who, []).append(sample)
-                    log(f"  [{rep + 1}/{args.repeats}] {prof.label:20} {who:11} {fmt(sample.get('mbps'))} MB/s"
+                    log(f"  [{rep + 1}/{args.repeats}] {prof.label:20} {who:11} {fmt(sample.get('mbps'))} MB/s {fmt(sample.get('server_cpu_s_per_gib'), 3)} CPU s/GiB"
                         + ("" if sample["ok"] else f"  FAILED: {sample.get('error')}"))
     except BenchInterrupted as e:
         warn(f"interrupted: {e}")
     finally:
         kill_group(px)
+        kill_group(pt)
         kill_group(base)
         kill_group(cb)
         kill_group(up)
@@ -175,7 +214,10 @@ def main() -> int:
         f"CPU: {state['environment']['cpu']} ({state['environment']['nproc']} vCPUs), load at start "
         f"{' '.join(f'{x:.2f}' for x in state['environment']['loadavg_start'])}; git {state['environment']['git']}",
         "",
-        f"Upstream: `{state['commands']['upstream']}`; bridge: `{state['commands']['bridge']}`",
+        cpu_header(state["environment"], cost),
+        "",
+        f"Upstream: `{state['commands']['upstream']}`; bridge: `{state['commands']['bridge']}`"
+        + (f"; passthrough bridge: `{state['commands']['bridge-pt']}`" if pt_argv else ""),
         f"fio --ioengine=nbd, {args.repeats} alternating pairs of {args.runtime:g} s jobs (+{args.ramp:g} s ramp) per profile.",
         "",
         "| Profile | nbdkit memory MB/s (median) | bridge MB/s (median) | bridge / direct (median of pairs) | ratio of medians | target | |",
@@ -207,6 +249,33 @@ def main() -> int:
             bridge_px = median([b["mbps"] / x["mbps"] for _, b, x in triples])
             summary[prof.key] |= {"proxy_mbps": median(px), "proxy_ratio": px_direct, "bridge_over_proxy": bridge_px}
             lines.append(f"| {prof.label} | {fmt(median(px), 0)} | {fmt(px_direct, 2)} | {fmt(bridge_px, 2)} |")
+    lines += [
+        "",
+        "Every server, MB/s and server CPU s/GiB (utime+stime of the server process from /proc over the job, ramp "
+        "included, per GiB moved; direct = nbdkit memory; the bridges' upstream not counted), medians over repeats:",
+        "",
+        "| Profile | " + " | ".join(f"{who} MB/s | {who} CPU s/GiB" for who in uris) + " |",
+        "|---|" + "---:|---:|" * len(uris),
+    ]
+    for prof in profiles:
+        res = state["results"].get(prof.key, {})
+        per = {}
+        for who in uris:
+            ok = [s for s in res.get(who, []) if s["ok"]]
+            per[who] = {"mbps": median([s["mbps"] for s in ok]),
+                        "cpu_s_per_gib": median([s.get("server_cpu_s_per_gib") for s in ok])}
+        summary[prof.key]["servers"] = per
+        lines.append(f"| {prof.label} | " + " | ".join(f"{fmt(per[w]['mbps'], 0)} | {fmt(per[w]['cpu_s_per_gib'], 3)}" for w in uris) + " |")
+    lines.append("")
+    if pt_argv:
+        overhead = [overhead_row(prof.label, state["results"].get(prof.key, {}).get("bridge", []),
+                                 state["results"].get(prof.key, {}).get("bridge-pt", []), cost,
+                                 1.0 if prof.writes else 0.0, profile_key=prof.key) for prof in profiles]
+        state["encryption_overhead"] = overhead
+        lines += overhead_md(overhead, cost, "bridge", "bridge-pt")
+    else:
+        lines.append("No encryption overhead table: run without --no-passthrough for the passthrough bridge it is "
+                     "measured against (nbdkit memory, the direct baseline, is a different server).")
     if base_argv:
         lines += [
             "",

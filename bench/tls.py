@@ -17,8 +17,17 @@ With --peer, nbdkit (`nbdkit --tls=on file`, the same backing file, no encryptio
 sectors) runs beside it and gets the same pairs: nbdkit's TLS/plain ratio with the same client
 on the same machine, the peer's figure for the target.
 
-Per job it also records the CPU time of the server (from /proc) and of fio (its usr+sys), per
-gigabyte moved: on 2 vCPUs client and server share the machine, and this shows where TLS costs.
+Per job it also records the CPU time of the server (utime+stime from /proc) and of fio (its
+usr+sys), per GiB moved: on 2 vCPUs client and server share the machine, and this shows where TLS
+costs.
+
+A passthrough server, "cryptbridge-pt" (`serve --passthrough --tls on`, its own copy of the
+backing file: cryptbridge locks a served image), gets the same pairs (--no-passthrough leaves it
+out). The "encryption overhead" table gives, per profile and kind of job, cryptbridge minus
+cryptbridge-pt server CPU s/GiB in the same repeat (median), next to the cipher's own cost per GiB
+from `cryptbridge bench cipher` (one thread, AES-256-XTS, 4096-byte sectors, the CPU level the
+servers run; measured once per run). With more than one cryptbridge server the servers' order
+rotates every profile and repeat.
 
 With --baseline BINARY a second `serve --tls on`, "cryptbridge@base", runs from BINARY with the
 same arguments (its own port, and its own copy of the backing file: cryptbridge locks a served
@@ -47,13 +56,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     DEFAULT_BINARY,
     OUT,
+    cipher_cost,
+    cpu_header,
+    cpu_s_per_gib,
     environment,
     fmt,
     free_port,
     kill_group,
     log,
     median,
-    process_cpu_ticks,
+    overhead_md,
+    overhead_row,
+    process_cpu_seconds,
     run,
     shjoin,
     spawn,
@@ -121,28 +135,24 @@ def make_pki(d: Path) -> tuple[Path, Path]:
     return server, home
 
 
-def cpu_seconds(pid: int) -> float | None:
-    ticks = process_cpu_ticks(pid)
-    return None if ticks is None else ticks / os.sysconf("SC_CLK_TCK")
-
-
 def nbdcopy_job(uri: str, prof: Profile, size: int, src: Path, certs_home: Path, server_pid: int) -> dict:
     """nbdcopy of the whole export to null: (read) or of `src` onto it (write); MB/s of wall time."""
     if uri.startswith("nbds://"):
         uri += f"?tls-certificates={certs_home / '.pki' / 'libnbd'}"
     argv = ["nbdcopy", f"--request-size={256 * 1024}", f"--connections={prof.numjobs}"]
     argv += [uri, "null:"] if prof.rw == "read" else ["--flush", src, uri]
-    srv0 = cpu_seconds(server_pid)
+    srv0 = process_cpu_seconds(server_pid)
     t0 = time.monotonic()
     r = run(argv, timeout=600)
     wall = time.monotonic() - t0
-    srv1 = cpu_seconds(server_pid)
+    srv1 = process_cpu_seconds(server_pid)
     if r.returncode != 0:
         return {"ok": False, "error": f"nbdcopy rc={r.returncode}: {r.stderr.strip()[-400:]}"}
     moved = (size if prof.rw == "read" else src.stat().st_size) / 1e9
     sample = {"ok": True, "mbps": moved * 1e3 / wall}
     if srv0 is not None and srv1 is not None:
         sample["server_cpu_s_per_gb"] = (srv1 - srv0) / moved
+        sample["server_cpu_s_per_gib"] = cpu_s_per_gib(srv0, srv1, moved * 1e9)
     return sample
 
 
@@ -153,9 +163,9 @@ def fio_job(uri: str, prof: Profile, size: int, runtime: float, out_json: Path, 
             "--output-format=json", f"--output={out_json}"]
     out_json.unlink(missing_ok=True)
     env = dict(os.environ, HOME=str(home))
-    srv0 = cpu_seconds(server_pid)
+    srv0 = process_cpu_seconds(server_pid)
     r = run(argv, timeout=runtime + 60, env=env)
-    srv1 = cpu_seconds(server_pid)
+    srv1 = process_cpu_seconds(server_pid)
     try:
         job = json.loads(out_json.read_text())["jobs"][0]
     except (OSError, ValueError, KeyError, IndexError):
@@ -167,10 +177,12 @@ def fio_job(uri: str, prof: Profile, size: int, runtime: float, out_json: Path, 
     sample = {"ok": r.returncode == 0 and job.get("error", 0) == 0 and rbw + wbw > 0, "mbps": (rbw + wbw) / 1e6}
     if moved_gb > 0:
         sample["fio_cpu_s_per_gb"] = fio_cpu / moved_gb
+        sample["fio_cpu_s_per_gib"] = fio_cpu / (moved_gb * 1e9 / (1 << 30))
         if srv0 is not None and srv1 is not None:
             # Server CPU over the whole job, ramp included, against the bytes of the measured part:
             # an upper bound, the same for both kinds of job.
             sample["server_cpu_s_per_gb"] = (srv1 - srv0) / moved_gb
+            sample["server_cpu_s_per_gib"] = cpu_s_per_gib(srv0, srv1, moved_gb * 1e9)
     return sample
 
 
@@ -185,6 +197,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 repeats of 2 s")
     ap.add_argument("--only", help="run the profiles whose name contains this (e.g. SEQ1M)")
     ap.add_argument("--peer", action="store_true", help="also measure nbdkit file --tls=on's TLS/plain (see above)")
+    ap.add_argument("--no-passthrough", action="store_true",
+                    help="leave out the passthrough server (serve --passthrough --tls on); no encryption overhead table")
+    ap.add_argument("--cipher-seconds", type=float, default=None,
+                    help="seconds per measurement of `cryptbridge bench cipher` (default 2, quick 0.5; 0 skips it)")
     ap.add_argument("--workdir", type=Path, help="where the backing file and certificates go (default: a temp dir)")
     args = ap.parse_args()
     if args.quick:
@@ -210,7 +226,13 @@ def main() -> int:
     fio_dir = OUT / "fio-tls"
     fio_dir.mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="cb-tls-", dir=args.workdir))
-    server = peer = base = None
+    server = peer = base = pt = None
+    cost = None
+    cipher_s = args.cipher_seconds if args.cipher_seconds is not None else (0.5 if args.quick else 2.0)
+    if cipher_s > 0:
+        cost = cipher_cost(args.binary, "aes-xts-plain64", 512, 4096, cipher_s)
+        if "error" in cost:
+            print(f"warning: bench cipher: {cost['error']}", file=sys.stderr)
     try:
         certs, home = make_pki(work)
         key = work / "volume.key"
@@ -231,9 +253,11 @@ def main() -> int:
 
         backing = work / "volume.img"
         fill(backing)
-        def serve_argv(binary, backing):
-            return [binary, "serve", "--backing", backing, "--key-file", key, "--cipher", "aes-xts-plain64",
-                    "--sector-size", "4096", "--listen", "127.0.0.1:0", "--tls", "on", "--tls-certificates", certs]
+        def serve_argv(binary, backing, passthrough=False):
+            mode = ["--passthrough"] if passthrough else ["--key-file", key, "--cipher", "aes-xts-plain64",
+                                                           "--sector-size", "4096"]
+            return [binary, "serve", "--backing", backing, *mode, "--listen", "127.0.0.1:0", "--tls", "on",
+                    "--tls-certificates", certs]
 
         def start(argv, name):
             stdout = open(work / f"{name}.stdout", "w+")
@@ -262,6 +286,13 @@ def main() -> int:
             base_argv = serve_argv(args.baseline, base_backing)
             base, base_plain, base_tls = start(base_argv, "baseline")
             servers["cryptbridge@base"] = (base.pid, base_plain, base_tls)
+        pt_argv = None
+        if not args.no_passthrough:
+            pt_backing = work / "volume-pt.img"  # its own copy: the image lock allows one writer
+            fill(pt_backing)
+            pt_argv = serve_argv(args.binary, pt_backing, passthrough=True)
+            pt, pt_plain, pt_tls = start(pt_argv, "passthrough")
+            servers["cryptbridge-pt"] = (pt.pid, pt_plain, pt_tls)
         peer_argv = None
         if args.peer:
             port = free_port()
@@ -279,7 +310,7 @@ def main() -> int:
         for rep in range(args.repeats):
             for i, prof in enumerate(profiles):
                 names = list(servers)
-                if base_argv:  # rotated, so that neither build always goes first
+                if base_argv or pt_argv:  # rotated, so that no cryptbridge server always goes first
                     shift = (rep + i) % len(names)
                     names = names[shift:] + names[:shift]
                 for name in names:
@@ -293,6 +324,7 @@ def main() -> int:
                         else:
                             s = fio_job(uri, prof, size, args.runtime,
                                         fio_dir / f"{name}-{prof.rw}-{prof.bs}-{prof.iodepth}-{kind}-{rep}.json", home, pid)
+                        s["repeat"] = rep + 1
                         samples[name][prof.key][kind].append(s)
                         log(f"rep {rep + 1}/{args.repeats} {prof.key:18} {name:16} {kind:5} "
                             + (f"{s['mbps']:8.1f} MB/s" if s["ok"] else f"FAILED {s.get('error')}"))
@@ -313,11 +345,23 @@ def main() -> int:
                 "pairs": len(ratios),
                 "server_cpu_s_per_gb": {"plain": med(pl, "server_cpu_s_per_gb"), "tls": med(tl, "server_cpu_s_per_gb")},
                 "fio_cpu_s_per_gb": {"plain": med(pl, "fio_cpu_s_per_gb"), "tls": med(tl, "fio_cpu_s_per_gb")},
+                "server_cpu_s_per_gib": {"plain": med(pl, "server_cpu_s_per_gib"), "tls": med(tl, "server_cpu_s_per_gib")},
+                "fio_cpu_s_per_gib": {"plain": med(pl, "fio_cpu_s_per_gib"), "tls": med(tl, "fio_cpu_s_per_gib")},
                 "verdict": verdict(median(ratios), TARGET),
             })
         env_info["loadavg_end"] = list(os.getloadavg())
         result = {"environment": env_info, "server": shjoin(argv), "peer": peer_argv and shjoin(peer_argv), "repeats": args.repeats, "runtime_s": args.runtime,
-                  "target": TARGET, "rows": rows, "samples": samples}
+                  "target": TARGET, "rows": rows, "samples": samples, "cipher_cost": cost,
+                  "passthrough": pt_argv and shjoin(pt_argv)}
+        overhead = []
+        if pt_argv:
+            for prof in profiles:
+                for kind in ("plain", "tls"):
+                    overhead.append(overhead_row(
+                        prof.key, samples["cryptbridge"][prof.key][kind], samples["cryptbridge-pt"][prof.key][kind],
+                        cost, 1.0 if prof.rw in ("write", "randwrite") else 0.0,
+                        kind=kind, job="nbds://" if kind == "tls" else "nbd://"))
+            result["encryption_overhead"] = overhead
         ab_md = []
         if base_argv:
             gib = (1 << 30) / 1e9  # s/GB -> s/GiB
@@ -363,15 +407,22 @@ def main() -> int:
             f"{args.repeats} alternating pairs of {args.runtime:g} s jobs; {env_info['cpu']}, {env_info['nproc']} CPUs; "
             f"load average {env_info['loadavg_start'][0]:.2f} at start, {env_info['loadavg_end'][0]:.2f} at end.",
             "",
+            cpu_header(env_info, cost) + " Server CPU s/GiB: utime+stime of the server process (/proc/PID/stat) over "
+            "the job (ramp included) per GiB moved, median over repeats; fio CPU: its usr+sys per GiB.",
+            "",
+            *([f"Passthrough: `{shjoin(pt_argv)}` (the same pairs; its own copy of the backing file).", ""] if pt_argv else
+              ["No passthrough server (--no-passthrough): no encryption overhead table.", ""]),
             *([f"Peer: `{shjoin(peer_argv)}` (the same pairs, same client; no encryption of the sectors).", ""] if peer_argv else []),
-            "| server | profile | nbd:// MB/s | nbds:// MB/s | TLS/plain (median of pairs) | min–max | target 0.8 | server CPU s/GB plain → TLS | fio CPU s/GB plain → TLS |",
+            "| server | profile | nbd:// MB/s | nbds:// MB/s | TLS/plain (median of pairs) | min–max | target 0.8 | server CPU s/GiB plain → TLS | fio CPU s/GiB plain → TLS |",
             "|---|---|---:|---:|---:|---:|---|---:|---:|",
         ]
         for r in rows:
-            sc, fc = r["server_cpu_s_per_gb"], r["fio_cpu_s_per_gb"]
+            sc, fc = r["server_cpu_s_per_gib"], r["fio_cpu_s_per_gib"]
             md.append(f"| {r['server']} | {r['profile']} | {fmt(r['plain_mbps'])} | {fmt(r['tls_mbps'])} | {fmt(r['ratio_median'], 3)} | "
                       f"{fmt(r['ratio_min'], 2)}–{fmt(r['ratio_max'], 2)} | {r['verdict']} | "
                       f"{fmt(sc['plain'], 2)} → {fmt(sc['tls'], 2)} | {fmt(fc['plain'], 2)} → {fmt(fc['tls'], 2)} |")
+        if overhead:
+            md += [""] + overhead_md(overhead, cost, "cryptbridge", "cryptbridge-pt", extra_cols=(("job", "job"),))
         md += ab_md
         text = "\n".join(md) + "\n"
         (OUT / "tls.md").write_text(text)
@@ -380,6 +431,7 @@ def main() -> int:
     finally:
         kill_group(peer)
         kill_group(base)
+        kill_group(pt)
         kill_group(server)
         shutil.rmtree(work, ignore_errors=True)
 

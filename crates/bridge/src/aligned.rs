@@ -10,7 +10,7 @@ use std::io;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread;
 use std::time::Duration;
 
@@ -156,24 +156,35 @@ impl Drop for RawBuf {
 
 /// A pool of aligned buffers by size class, keeping at most its cache limit in bytes.
 pub(crate) struct BufPool {
-    classes: Vec<Mutex<Vec<RawBuf>>>,
-    /// Bytes of the buffers kept in `classes`.
+    classes: Vec<Class>,
+    /// Bytes of the buffers kept, in every class.
     cached: AtomicUsize,
     cache_limit: AtomicUsize,
-    /// Buffers taken so far: the trimmer frees the cache once this has not moved for
-    /// [`TRIM_AFTER`].
-    taken: AtomicU64,
     /// A trimmer thread is running (one at most; it ends once the cache is empty).
     trimming: AtomicBool,
+}
+
+/// One size class: its buffers kept for reuse, and how many have been taken so far (the
+/// trimmer frees a class whose count has not moved for [`TRIM_AFTER`]).
+#[derive(Default)]
+struct Class {
+    free: Mutex<Vec<RawBuf>>,
+    kept: AtomicUsize,
+    taken: AtomicU64,
+}
+
+impl Class {
+    fn lock(&self) -> MutexGuard<'_, Vec<RawBuf>> {
+        self.free.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl BufPool {
     pub(crate) fn new() -> Self {
         Self {
-            classes: (0..CLASSES).map(|_| Mutex::new(Vec::new())).collect(),
+            classes: (0..CLASSES).map(|_| Class::default()).collect(),
             cached: AtomicUsize::new(0),
             cache_limit: AtomicUsize::new(DEFAULT_CACHE_LIMIT),
-            taken: AtomicU64::new(0),
             trimming: AtomicBool::new(false),
         }
     }
@@ -188,13 +199,12 @@ impl BufPool {
     pub(crate) fn get(self: &Arc<Self>, len: usize) -> io::Result<PooledBuf> {
         let enomem = || io::Error::from_raw_os_error(libc::ENOMEM);
         let (class, cap) = class_of(len).ok_or_else(enomem)?;
-        self.taken.fetch_add(1, Ordering::Relaxed);
-        let pooled = self.classes.get(class).and_then(|c| c.lock().unwrap_or_else(|e| e.into_inner()).pop());
+        let pooled = self.classes.get(class).and_then(|c| {
+            c.taken.fetch_add(1, Ordering::Relaxed);
+            self.pop(c)
+        });
         let raw = match pooled {
-            Some(raw) => {
-                self.cached.fetch_sub(raw.cap, Ordering::Relaxed);
-                raw
-            }
+            Some(raw) => raw,
             None if cap == HUGE_MIN => {
                 let (raw, spare) = RawBuf::huge_pair().ok_or_else(enomem)?;
                 self.put(spare);
@@ -205,30 +215,58 @@ impl BufPool {
         Ok(PooledBuf { raw: Some(raw), len, pool: Arc::clone(self) })
     }
 
-    /// Keeps `raw` for reuse if the cache has room for it, else frees it.
-    fn put(self: &Arc<Self>, raw: RawBuf) {
-        let Some(slot) = class_of(raw.cap).and_then(|(class, _)| self.classes.get(class)) else { return };
-        let limit = self.cache_limit.load(Ordering::Relaxed);
-        let room = self.cached.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| c.checked_add(raw.cap).filter(|&n| n <= limit));
-        if room.is_err() {
-            return; // dropped: freed
+    fn pop(&self, class: &Class) -> Option<RawBuf> {
+        if class.kept.load(Ordering::Relaxed) == 0 {
+            return None; // without taking the lock: an empty class is the common miss
         }
-        slot.lock().unwrap_or_else(|e| e.into_inner()).push(raw);
+        let raw = {
+            let mut free = class.lock();
+            let raw = free.pop()?;
+            class.kept.store(free.len(), Ordering::Relaxed);
+            raw
+        };
+        self.cached.fetch_sub(raw.cap, Ordering::SeqCst);
+        Some(raw)
+    }
+
+    /// Keeps `raw` for reuse if the cache has room for it, else frees it. A mapped buffer makes
+    /// room by freeing buffers of other classes, since the sizes in use change (a write burst's
+    /// buffers must not keep a read load's from being reused); a heap buffer is cheap to
+    /// allocate again and evicts nothing.
+    fn put(self: &Arc<Self>, raw: RawBuf) {
+        let Some((index, _)) = class_of(raw.cap).filter(|&(c, _)| c < CLASSES) else { return };
+        let limit = self.cache_limit.load(Ordering::Relaxed);
+        if raw.cap > limit {
+            return;
+        }
+        while self.cached.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| c.checked_add(raw.cap).filter(|&n| n <= limit)).is_err() {
+            if !raw.mapped {
+                return;
+            }
+            // Larger classes first: fewer buffers to free for the room.
+            let other = self.classes.iter().enumerate().rev().find(|&(i, c)| i != index && c.kept.load(Ordering::Relaxed) > 0);
+            match other.and_then(|(_, c)| self.pop(c)) {
+                Some(evicted) => drop(evicted),
+                None => return, // the cache holds this class only: enough of it
+            }
+        }
+        let class = &self.classes[index];
+        {
+            let mut free = class.lock();
+            free.push(raw);
+            class.kept.store(free.len(), Ordering::Relaxed);
+        }
         self.start_trimmer();
     }
 
-    /// Frees every buffer kept, and asks the C allocator to return its free memory too.
-    fn trim(&self) {
-        for slot in &self.classes {
-            let freed = std::mem::take(&mut *slot.lock().unwrap_or_else(|e| e.into_inner()));
-            self.cached.fetch_sub(freed.iter().map(|b| b.cap).sum(), Ordering::Relaxed);
-        }
-        #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        // SAFETY: malloc_trim only releases free memory of the allocator's own arenas; it is
-        // thread-safe and touches no block in use.
-        unsafe {
-            libc::malloc_trim(0);
-        }
+    /// Frees the buffers kept in `class`.
+    fn free_class(&self, class: &Class) {
+        let freed = {
+            let mut free = class.lock();
+            class.kept.store(0, Ordering::Relaxed);
+            std::mem::take(&mut *free)
+        };
+        self.cached.fetch_sub(freed.iter().map(|b| b.cap).sum(), Ordering::SeqCst);
     }
 
     /// Starts the thread that frees the cache after a burst, unless one runs. Should no thread
@@ -244,16 +282,29 @@ impl BufPool {
     }
 }
 
-/// Frees the pool's cache once no buffer has been taken for [`TRIM_AFTER`]; ends when the cache
-/// is empty or the pool is gone.
+/// Frees each class of the pool's cache once none of its buffers has been taken for
+/// [`TRIM_AFTER`], and, once nothing at all has been, the C allocator's free memory too; ends
+/// when the cache is empty or the pool is gone.
 fn trimmer(pool: Weak<BufPool>) {
-    let mut seen = None;
+    let mut seen: Option<Vec<u64>> = None;
     loop {
         thread::sleep(TRIM_AFTER);
         let Some(pool) = pool.upgrade() else { return };
-        let taken = pool.taken.load(Ordering::Relaxed);
-        if seen == Some(taken) {
-            pool.trim();
+        let taken: Vec<u64> = pool.classes.iter().map(|c| c.taken.load(Ordering::Relaxed)).collect();
+        if let Some(seen) = &seen {
+            for ((class, now), before) in pool.classes.iter().zip(&taken).zip(seen) {
+                if now == before && class.kept.load(Ordering::Relaxed) > 0 {
+                    pool.free_class(class);
+                }
+            }
+            if taken == *seen {
+                #[cfg(all(target_os = "linux", target_env = "gnu"))]
+                // SAFETY: malloc_trim only releases free memory of the allocator's own arenas;
+                // it is thread-safe and touches no block in use.
+                unsafe {
+                    libc::malloc_trim(0);
+                }
+            }
         }
         seen = Some(taken);
         if pool.cached.load(Ordering::SeqCst) == 0 {
@@ -374,6 +425,10 @@ mod tests {
         let small = pool.get(4096).unwrap();
         drop(small);
         assert_eq!(pool.cached.load(Ordering::SeqCst), 8 << 20, "no room left: freed");
+        // A mapped buffer of another class makes room for itself.
+        drop(pool.get(1 << 20).unwrap());
+        assert_eq!(pool.classes[SMALL_CLASSES - 1].kept.load(Ordering::SeqCst), 2, "the pair's two halves");
+        assert_eq!(pool.cached.load(Ordering::SeqCst), 6 << 20, "one 4 MiB buffer evicted");
         let deadline = std::time::Instant::now() + 5 * TRIM_AFTER;
         while pool.cached.load(Ordering::SeqCst) > 0 {
             assert!(std::time::Instant::now() < deadline, "cache not trimmed");

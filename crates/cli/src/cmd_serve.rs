@@ -595,3 +595,31 @@ fn install_signal_handler(mapping: Arc<Mapping>, socket: Option<PathBuf>, rtl: O
     })
     .context("cannot install signal handler")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Serve {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn limits(options: &[&str], cgroup: Option<u64>) -> (u64, u64) {
+        let argv = ["serve", "--backing", "b.img", "--passthrough"].iter().chain(options);
+        inflight_limits(&Serve::parse_from(argv).args, cgroup)
+    }
+
+    #[test]
+    fn default_limits_fit_the_memory_cgroup_and_options_win() {
+        assert_eq!(limits(&[], None), (64 * MIB, 512 * MIB));
+        assert_eq!(limits(&[], Some(4 << 30)), (64 * MIB, 512 * MIB), "a limit with room: the defaults");
+        assert_eq!(limits(&[], Some(256 * MIB)), (64 * MIB, 64 * MIB));
+        assert_eq!(limits(&[], Some(128 * MIB)), (32 * MIB, 32 * MIB));
+        assert_eq!(limits(&[], Some(20 * MIB)), (8 * MIB, 8 * MIB), "never below MIN_SIZED_BUDGET");
+        assert_eq!(limits(&["--max-inflight-bytes", "1G"], Some(256 * MIB)), (64 * MIB, 1 << 30));
+        assert_eq!(limits(&["--max-inflight-bytes-per-connection", "128M"], Some(256 * MIB)), (128 * MIB, 64 * MIB));
+    }
+}

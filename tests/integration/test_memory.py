@@ -7,6 +7,7 @@ Figures (RSS from /proc/PID/status) are printed (pytest -s).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -189,6 +190,13 @@ class MemCgroup:
         return 0
 
     def remove(self) -> None:
+        # Only a server this test started can be in the cgroup; one left by a failed test is
+        # killed so that the cgroup can go.
+        for pid in (self.path / "cgroup.procs").read_text().split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for _ in range(100):
             try:
                 self.path.rmdir()
@@ -248,6 +256,7 @@ def make_memcg(tag: str) -> tuple[Optional[MemCgroup], str]:
 
 @pytest.fixture
 def memcg():
+    """Set up before `ws` in the tests, so torn down after it has stopped the servers."""
     cg, why = make_memcg(f"cryptbridge-mem-{os.getpid()}-{time.monotonic_ns()}")
     if cg is None:
         pytest.skip(why)
@@ -285,7 +294,7 @@ def survive(cg: MemCgroup, bridge, clients: int) -> None:
     bridge.stop()
 
 
-def test_default_limits_fit_a_256_mib_cgroup_file(ws, memcg, monkeypatch):
+def test_default_limits_fit_a_256_mib_cgroup_file(memcg, ws, monkeypatch):
     """Eight never-reading clients against a file back end, the server in a 256 MiB memory
     cgroup with the default limits: it is not OOM-killed and still serves."""
     key_file, _ = ws.key(64)
@@ -293,12 +302,13 @@ def test_default_limits_fit_a_256_mib_cgroup_file(ws, memcg, monkeypatch):
     survive(memcg, bridge, 8)
 
 
-def test_default_limits_fit_a_256_mib_cgroup_remote(ws, memcg, monkeypatch):
+def test_default_limits_fit_a_256_mib_cgroup_remote(memcg, ws, monkeypatch):
     """Four never-reading clients against an `nbdkit memory` upstream, the server in a 256 MiB
     memory cgroup with the default limits: it is not OOM-killed and still serves."""
     need_tool("nbdkit")
     sock = ws.sockdir / "up.sock"
     up = subprocess.Popen(["nbdkit", "-f", "--exit-with-parent", "-U", str(sock), "memory", "1G"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    bridge = None
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -314,5 +324,11 @@ def test_default_limits_fit_a_256_mib_cgroup_remote(ws, memcg, monkeypatch):
         bridge = serve_in(memcg, ws, monkeypatch, f"nbd+unix:///?socket={sock}", key_file)
         survive(memcg, bridge, 4)
     finally:
+        if bridge is not None:
+            bridge.stop()  # nbdkit waits for its connections before it exits
         up.terminate()
-        up.wait(timeout=15)
+        try:
+            up.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait(timeout=15)

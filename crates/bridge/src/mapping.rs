@@ -204,6 +204,12 @@ impl Mapping {
         self.sector_size
     }
 
+    /// Keeps at most `bytes` of request buffers for reuse once their requests are done (the
+    /// budget bounds those in flight; this bounds the rest). They are freed after a burst.
+    pub fn set_buffer_cache_limit(&self, bytes: u64) {
+        self.pool.set_cache_limit(usize::try_from(bytes).unwrap_or(usize::MAX));
+    }
+
     /// An aligned buffer for a request payload; ENOMEM when no memory can be had.
     pub fn buffer(&self, len: usize) -> io::Result<PooledBuf> {
         self.pool.get(len)

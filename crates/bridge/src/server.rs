@@ -34,6 +34,16 @@ pub const DEFAULT_MAX_IO_THREADS: usize = 256;
 pub const DEFAULT_MAX_INFLIGHT_BYTES_PER_CONNECTION: u64 = 64 << 20;
 pub const DEFAULT_MAX_INFLIGHT_BYTES: u64 = 512 << 20;
 
+/// Request buffers kept for reuse once their requests are done: at most this, and at most
+/// a quarter of the in-flight budget, so that memory stays within the budget plus a fixed part
+/// (docs/cli.md, "Memory").
+pub const MAX_BUFFER_CACHE: u64 = 32 << 20;
+
+/// The buffer cache for an in-flight budget of `max_inflight_bytes`.
+pub fn buffer_cache_limit(max_inflight_bytes: u64) -> u64 {
+    (max_inflight_bytes / 4).min(MAX_BUFFER_CACHE)
+}
+
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub export_name: String,
@@ -121,6 +131,7 @@ impl Server {
             allow_discards: config.allow_discards,
             negotiated: Negotiated::default(),
         };
+        mapping.set_buffer_cache_limit(buffer_cache_limit(config.max_inflight_bytes));
         let budget = Arc::new(Budget::new(config.max_inflight_bytes));
         let pool = Pool::new(config.max_io_threads, POOL_IDLE_EXIT);
         let limits = FlowLimits { max_tasks: config.io_workers.max(1), max_bytes: config.max_inflight_bytes_per_connection };

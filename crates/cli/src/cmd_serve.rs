@@ -135,12 +135,15 @@ pub struct Args {
     max_connections: usize,
     /// Request bytes one connection may have in flight (WRITE payloads being written, READ data
     /// whose reply is not sent yet); at the limit its requests are not read until replies drain.
-    /// Bytes, or a number with K/M/G. One request always runs, even if larger.
-    #[arg(long, default_value = "64M", value_parser = size::parse_size)]
-    max_inflight_bytes_per_connection: u64,
-    /// The same limit over all connections together.
-    #[arg(long, default_value = "512M", value_parser = size::parse_size)]
-    max_inflight_bytes: u64,
+    /// Bytes, or a number with K/M/G. One request always runs, even if larger. Default 64M
+    /// (under a memory cgroup limit, at most the default --max-inflight-bytes).
+    #[arg(long, value_parser = size::parse_size)]
+    max_inflight_bytes_per_connection: Option<u64>,
+    /// The same limit over all connections together. Default 512M, or under a memory cgroup
+    /// limit a quarter of that limit if less: memory use is this budget plus a fixed part
+    /// (docs/cli.md).
+    #[arg(long, value_parser = size::parse_size)]
+    max_inflight_bytes: Option<u64>,
     /// After answering a small page-cache request, poll the socket this long (nanoseconds) for
     /// the next request before sleeping, like qemu's iothread `poll-max-ns`: waking an idle
     /// vCPU costs tens of microseconds, more than serving a small request, so polling cuts
@@ -226,6 +229,69 @@ fn remote_backing(args: &Args) -> Result<Option<NbdUri>> {
     Ok(Some(uri))
 }
 
+/// The in-flight byte limits (per connection, server-wide): the options where given, else the
+/// defaults, made smaller under a memory cgroup limit so that the budget and the server's fixed
+/// part fit it with room to spare (the budget at most a quarter of the limit; docs/cli.md,
+/// "Memory").
+fn inflight_limits(args: &Args, cgroup_limit: Option<u64>) -> (u64, u64) {
+    use cryptbridge_bridge::server::{DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_MAX_INFLIGHT_BYTES_PER_CONNECTION};
+    let total = args.max_inflight_bytes.unwrap_or_else(|| match cgroup_limit {
+        Some(limit) if limit / 4 < DEFAULT_MAX_INFLIGHT_BYTES => {
+            let sized = (limit / 4 / MIB * MIB).max(MIN_SIZED_BUDGET);
+            tracing::info!(
+                "memory cgroup limit {} MiB: in-flight budget {} MiB (a quarter of it; --max-inflight-bytes overrides)",
+                limit / MIB,
+                sized / MIB
+            );
+            sized
+        }
+        _ => DEFAULT_MAX_INFLIGHT_BYTES,
+    });
+    let per_connection = args.max_inflight_bytes_per_connection.unwrap_or(if args.max_inflight_bytes.is_none() {
+        DEFAULT_MAX_INFLIGHT_BYTES_PER_CONNECTION.min(total)
+    } else {
+        DEFAULT_MAX_INFLIGHT_BYTES_PER_CONNECTION
+    });
+    (per_connection, total)
+}
+
+const MIB: u64 = 1 << 20;
+/// The least budget sized from a cgroup limit: below it, requests would wait for one another
+/// more than memory is saved (one request always runs anyway).
+const MIN_SIZED_BUDGET: u64 = 8 * MIB;
+
+/// The memory limit of this process's cgroup: the smallest set on its path to the root, in the
+/// v2 hierarchy (`memory.max`) or the v1 memory controller's (`memory.limit_in_bytes`). `None`
+/// without a limit or where none can be read.
+fn cgroup_memory_limit() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mut least: Option<u64> = None;
+    for line in text.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (fields.next(), fields.next(), fields.next()) else { continue };
+        let (root, file) = if controllers.is_empty() {
+            ("/sys/fs/cgroup", "memory.max")
+        } else if controllers.split(',').any(|c| c == "memory") {
+            ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")
+        } else {
+            continue;
+        };
+        let mut dir = Path::new(root).join(path.trim_start_matches('/'));
+        loop {
+            if let Some(limit) = std::fs::read_to_string(dir.join(file)).ok().and_then(|s| s.trim().parse::<u64>().ok()) {
+                // v1 writes "no limit" as a huge number (v2 as "max", which does not parse).
+                if limit < 1 << 60 {
+                    least = Some(least.map_or(limit, |l| l.min(limit)));
+                }
+            }
+            if dir == Path::new(root) || !dir.pop() {
+                break;
+            }
+        }
+    }
+    least
+}
+
 fn parse_sector_size(s: &str) -> Result<usize, String> {
     match s {
         "512" => Ok(512),
@@ -240,9 +306,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.io_workers == 0 || args.threads == Some(0) || args.max_io_threads == 0 || args.max_connections == 0 {
         usage("--io-workers, --threads, --max-io-threads and --max-connections must be at least 1".into());
     }
-    if args.max_inflight_bytes_per_connection == 0 || args.max_inflight_bytes == 0 {
+    if args.max_inflight_bytes_per_connection == Some(0) || args.max_inflight_bytes == Some(0) {
         usage("--max-inflight-bytes-per-connection and --max-inflight-bytes must be more than 0".into());
     }
+    let (max_inflight_bytes_per_connection, max_inflight_bytes) = inflight_limits(&args, cgroup_memory_limit());
     if args.tls == TlsArg::Off && (args.tls_certificates.is_some() || args.tls_verify_peer) {
         usage("--tls-certificates and --tls-verify-peer need --tls on or --tls require".into());
     }
@@ -336,8 +403,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
             send_timeout: (args.send_timeout > 0).then(|| std::time::Duration::from_secs(args.send_timeout)),
             max_connections: args.max_connections,
             max_io_threads: args.max_io_threads,
-            max_inflight_bytes_per_connection: args.max_inflight_bytes_per_connection,
-            max_inflight_bytes: args.max_inflight_bytes,
+            max_inflight_bytes_per_connection,
+            max_inflight_bytes,
             tls: tls.clone(),
             ..ServerConfig::new(args.export_name.clone(), format!("cryptbridge {mode}"))
         },
@@ -527,4 +594,32 @@ fn install_signal_handler(mapping: Arc<Mapping>, socket: Option<PathBuf>, rtl: O
         std::process::exit(code);
     })
     .context("cannot install signal handler")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Serve {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn limits(options: &[&str], cgroup: Option<u64>) -> (u64, u64) {
+        let argv = ["serve", "--backing", "b.img", "--passthrough"].iter().chain(options);
+        inflight_limits(&Serve::parse_from(argv).args, cgroup)
+    }
+
+    #[test]
+    fn default_limits_fit_the_memory_cgroup_and_options_win() {
+        assert_eq!(limits(&[], None), (64 * MIB, 512 * MIB));
+        assert_eq!(limits(&[], Some(4 << 30)), (64 * MIB, 512 * MIB), "a limit with room: the defaults");
+        assert_eq!(limits(&[], Some(256 * MIB)), (64 * MIB, 64 * MIB));
+        assert_eq!(limits(&[], Some(128 * MIB)), (32 * MIB, 32 * MIB));
+        assert_eq!(limits(&[], Some(20 * MIB)), (8 * MIB, 8 * MIB), "never below MIN_SIZED_BUDGET");
+        assert_eq!(limits(&["--max-inflight-bytes", "1G"], Some(256 * MIB)), (64 * MIB, 1 << 30));
+        assert_eq!(limits(&["--max-inflight-bytes-per-connection", "128M"], Some(256 * MIB)), (128 * MIB, 64 * MIB));
+    }
 }

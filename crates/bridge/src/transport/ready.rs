@@ -140,7 +140,7 @@ impl Waiter {
                 let mut s = self.lock();
                 let nearest = if s.timed == 0 { None } else { s.parked.values().filter_map(|e| e.deadline).min() };
                 s.sleeping_until = nearest;
-                nearest.map_or(-1, |d| millis_until(d))
+                nearest.map_or(-1, millis_until)
             };
             // SAFETY: `events` is a live buffer of EVENTS entries the kernel writes into; the
             // epoll descriptor is owned by self.

@@ -15,6 +15,7 @@ import pytest
 import nbd_client as nbd
 from nbd_client import NBDClient
 from test_limits import raise_nofile, raw_go_many, threads_of, wrap
+from test_remote_backing import serve_remote, upstreams  # noqa: F401 (upstreams is a fixture)
 from test_tls import pki, raw_client, serve_tls, starttls  # noqa: F401 (pki is a fixture)
 
 MiB = 1 << 20
@@ -157,6 +158,24 @@ def test_idle_timeout_closes_idle_connections_only(ws):
     finally:
         idle.close()
         busy.close()
+
+
+def test_idle_timeout_on_a_remote_backing(ws, upstreams):  # noqa: F811 (the upstreams fixture)
+    """(b) the same where each client has its own upstream connection (the session loop, which
+    keeps its thread and checks the timeout itself)."""
+    up = upstreams("nbdkit-memory", size=16 * MiB)
+    key_file, _ = ws.key(64)
+    bridge = serve_remote(ws, up.uri, key_file, extra=("--idle-timeout", "1"))
+    with NBDClient(bridge.uri).connect() as idle, NBDClient(bridge.uri).connect() as busy:
+        data = os.urandom(4096)
+        busy.write(0, data)
+        t0 = time.monotonic()
+        closed_at = None
+        while time.monotonic() - t0 < 3.0:
+            assert busy.read(0, 4096) == data
+            if closed_at is None and idle.is_closed_by_peer(timeout=0.25):
+                closed_at = time.monotonic() - t0
+        assert closed_at is not None and 0.7 <= closed_at <= 2.5, closed_at
 
 
 def test_no_idle_timeout_by_default(ws):

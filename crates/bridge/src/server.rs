@@ -14,7 +14,7 @@ use std::time::Duration;
 use crate::core::budget::{Budget, FlowLimits};
 use crate::core::pool::Pool;
 use crate::core::Core;
-use crate::frontend::nbd::Connection;
+use crate::frontend::nbd::{Connection, Parking};
 use crate::nbd::handshake::{negotiate_tls_within, Outcome};
 use crate::nbd::tls::TlsPolicy;
 use crate::nbd::request::Rules;
@@ -23,13 +23,17 @@ use crate::nbd::*;
 use crate::mapping::Mapping;
 use crate::throttle::{unreported_note, RateLimitedWarn, WARN_PERIOD};
 pub use crate::transport::Listener;
-use crate::transport::{Socket, SocketTimeouts, Stream};
+use crate::transport::{Socket, SocketTimeouts, Stream, Waiter};
 
 /// An I/O pool thread without work for this long exits.
 const POOL_IDLE_EXIT: Duration = Duration::from_secs(5);
 
-/// Defaults of the limits (the `serve` options of the same names).
+/// Defaults of the limits (the `serve` options of the same names; --max-connections's is
+/// [`default_max_connections`]).
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// Descriptors kept for the server's own files (listener, backing, epoll, logs, upstream
+/// connections shared by all clients) when the connection limit comes from the open-file limit.
+pub const RESERVED_FDS: u64 = 64;
 pub const DEFAULT_MAX_IO_THREADS: usize = 256;
 pub const DEFAULT_MAX_INFLIGHT_BYTES_PER_CONNECTION: u64 = 64 << 20;
 pub const DEFAULT_MAX_INFLIGHT_BYTES: u64 = 512 << 20;
@@ -76,6 +80,9 @@ pub struct ServerConfig {
     /// may be one that others need (an upstream connection's reply reader, shared by every
     /// client of a remote backing), so a client that stops reading must not hold it for ever.
     pub send_timeout: Option<Duration>,
+    /// A connection with nothing in flight that receives nothing for this long is closed;
+    /// `None`: never (as nbdkit's default).
+    pub idle_timeout: Option<Duration>,
 }
 
 /// [`ServerConfig::send_timeout`] unless told otherwise.
@@ -98,6 +105,7 @@ impl ServerConfig {
             max_inflight_bytes: DEFAULT_MAX_INFLIGHT_BYTES,
             tls: None,
             send_timeout: Some(DEFAULT_SEND_TIMEOUT),
+            idle_timeout: None,
         }
     }
 }
@@ -111,6 +119,9 @@ pub struct Server {
     next_id: AtomicU64,
     /// Connections accepted and not yet closed.
     open: Arc<AtomicUsize>,
+    /// Where idle connections park; `None` if the waiter could not start (their readers then
+    /// sleep in `read`, and --idle-timeout is not enforced).
+    parking: Option<Parking>,
 }
 
 /// Counts one open connection until dropped (with the connection, once every thread has let go).
@@ -135,6 +146,13 @@ impl Server {
         let budget = Arc::new(Budget::new(config.max_inflight_bytes));
         let pool = Pool::new(config.max_io_threads, POOL_IDLE_EXIT);
         let limits = FlowLimits { max_tasks: config.io_workers.max(1), max_bytes: config.max_inflight_bytes_per_connection };
+        let parking = match Waiter::start() {
+            Ok(waiter) => Some(Parking { waiter, idle_timeout: config.idle_timeout }),
+            Err(e) => {
+                tracing::warn!("cannot start the idle-connection waiter ({e}): each connection holds a thread while idle, and --idle-timeout is not enforced");
+                None
+            }
+        };
         Arc::new(Self {
             core: Arc::new(Core::new(mapping, budget, Arc::clone(&pool), limits)),
             pool,
@@ -143,6 +161,7 @@ impl Server {
             rules,
             next_id: AtomicU64::new(1),
             open: Arc::new(AtomicUsize::new(0)),
+            parking,
         })
     }
 
@@ -225,7 +244,8 @@ impl Server {
         drop(span);
         tracing::info!(conn = id, "client connected");
         let (core, poll_max) = (Arc::clone(&self.core), self.config.poll_max);
-        if let Some(conn) = Connection::open(id, stream, core, &self.rules, poll_max, Box::new(slot), negotiated) {
+        let parking = self.parking.clone();
+        if let Some(conn) = Connection::open(id, stream, core, &self.rules, poll_max, Box::new(slot), negotiated, parking) {
             conn.serve();
         }
         // Its part done, it stays on as an I/O thread while the pool has room.
@@ -278,4 +298,13 @@ pub fn raise_open_file_limit() -> io::Result<u64> {
     // rlim_t is u64 on the 64-bit Linux targets, u32 on some 32-bit ones.
     #[allow(clippy::unnecessary_cast)]
     Ok(lim.rlim_cur as u64)
+}
+
+/// The default connection limit under an open-file limit of `open_files`: each connection
+/// holds `fds_per_connection` descriptors (its socket, plus an upstream socket where a remote
+/// backing gives each client its own), after [`RESERVED_FDS`] for the server's own files. Idle
+/// connections hold no thread, so descriptors are what runs out first.
+pub fn default_max_connections(open_files: u64, fds_per_connection: u64) -> usize {
+    let n = open_files.saturating_sub(RESERVED_FDS) / fds_per_connection.max(1);
+    usize::try_from(n).unwrap_or(usize::MAX).max(1)
 }

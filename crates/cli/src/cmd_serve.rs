@@ -130,9 +130,16 @@ pub struct Args {
     #[arg(long, default_value_t = cryptbridge_bridge::server::DEFAULT_MAX_IO_THREADS)]
     max_io_threads: usize,
     /// Most connections open at once (handshaking or transmitting); further ones are closed at
-    /// once, with a log line.
-    #[arg(long, default_value_t = cryptbridge_bridge::server::DEFAULT_MAX_CONNECTIONS)]
-    max_connections: usize,
+    /// once, with a log line. Default: what the open-file limit allows (idle connections hold no
+    /// thread, only their socket): the limit, raised to its hard limit at start, less 64 for the
+    /// server's own files, halved when each client has its own upstream connection (a remote
+    /// backing without --backing-shared).
+    #[arg(long)]
+    max_connections: Option<usize>,
+    /// Close a connection that has no request in flight and has received nothing for this
+    /// many seconds. 0 (the default, as nbdkit's): never.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=31_536_000))]
+    idle_timeout: u64,
     /// Request bytes one connection may have in flight (WRITE payloads being written, READ data
     /// whose reply is not sent yet); at the limit its requests are not read until replies drain.
     /// Bytes, or a number with K/M/G. One request always runs, even if larger. Default 64M
@@ -303,7 +310,7 @@ fn parse_sector_size(s: &str) -> Result<usize, String> {
 pub fn run(args: Args) -> Result<ExitCode> {
     // First, while this process has one thread: the inherited socket and its variables.
     let activated = activation::take_listener()?;
-    if args.io_workers == 0 || args.threads == Some(0) || args.max_io_threads == 0 || args.max_connections == 0 {
+    if args.io_workers == 0 || args.threads == Some(0) || args.max_io_threads == 0 || args.max_connections == Some(0) {
         usage("--io-workers, --threads, --max-io-threads and --max-connections must be at least 1".into());
     }
     if args.max_inflight_bytes_per_connection == Some(0) || args.max_inflight_bytes == Some(0) {
@@ -392,6 +399,23 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     let mapping = Arc::new(luks::window(luks.as_ref(), Mapping::new(backing, engine), &args.backing)?);
     let mode = if args.passthrough { "passthrough (plaintext)".to_string() } else { format!("{} {key_bits}-bit", luks.as_ref().map_or_else(|| args.cipher.clone(), luks::Volume::label)) };
+    // One descriptor per connection (two with its own upstream connection): the soft limit
+    // (often 1024) would refuse connections long before threads or memory run out.
+    let per_connection = if remote.is_some() && !args.backing_shared { 2 } else { 1 };
+    let max_connections = match (raise_open_file_limit(), args.max_connections) {
+        (Ok(limit), Some(max)) => {
+            if limit < max as u64 * per_connection + cryptbridge_bridge::server::RESERVED_FDS {
+                tracing::warn!("open-file limit {limit} is below --max-connections {max} plus the server's own files; accept may fail first");
+            }
+            max
+        }
+        (Ok(limit), None) => cryptbridge_bridge::default_max_connections(limit, per_connection),
+        (Err(e), max) => {
+            tracing::warn!("cannot read or raise the open-file limit: {e}");
+            max.unwrap_or(cryptbridge_bridge::server::DEFAULT_MAX_CONNECTIONS)
+        }
+    };
+    tracing::debug!("at most {max_connections} connections");
     let server = Server::new(
         Arc::clone(&mapping),
         ServerConfig {
@@ -401,7 +425,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
             poll_max: std::time::Duration::from_nanos(args.poll_max_ns),
             handshake_limit: std::time::Duration::from_secs(args.handshake_limit),
             send_timeout: (args.send_timeout > 0).then(|| std::time::Duration::from_secs(args.send_timeout)),
-            max_connections: args.max_connections,
+            max_connections,
+            idle_timeout: (args.idle_timeout > 0).then(|| std::time::Duration::from_secs(args.idle_timeout)),
             max_io_threads: args.max_io_threads,
             max_inflight_bytes_per_connection,
             max_inflight_bytes,
@@ -409,16 +434,6 @@ pub fn run(args: Args) -> Result<ExitCode> {
             ..ServerConfig::new(args.export_name.clone(), format!("cryptbridge {mode}"))
         },
     );
-    // One descriptor per connection: the soft limit (often 1024) would refuse connections long
-    // before --max-connections does.
-    match raise_open_file_limit() {
-        Ok(limit) if limit < args.max_connections as u64 + 64 => tracing::warn!(
-            "open-file limit {limit} is below --max-connections {} plus the server's own files; accept may fail first",
-            args.max_connections
-        ),
-        Ok(_) => {}
-        Err(e) => tracing::warn!("cannot read or raise the open-file limit: {e}"),
-    }
     let socket_activated = activated.is_some();
     let (listener, uri) = match activated {
         Some(inherited) => {

@@ -15,6 +15,7 @@
 //! the NBD protocol (this module imports nothing from `nbd/` or the pipeline).
 
 mod deadline;
+mod ready;
 mod socket;
 mod tls;
 mod tuning;
@@ -28,6 +29,7 @@ use rustls::{ClientConnection, ServerConnection};
 
 pub(crate) use deadline::within;
 pub use deadline::SocketTimeouts;
+pub(crate) use ready::{Resume, Waiter, Woken};
 pub(crate) use socket::{recv_now, send_now, Socket};
 pub use socket::{write_all_vectored, Listener};
 pub(crate) use tls::TlsStream;
@@ -91,14 +93,28 @@ impl Stream {
     /// 4 KiB page-cache read takes to serve. Polling for a bounded window (as qemu's
     /// iothreads do by default, `poll-max-ns`) catches the next request while the thread is still
     /// running; `yield_now` between polls leaves the CPU to the client if both share one.
-    pub(crate) fn poll_for_input(&self, window: Duration) {
+    /// Returns whether input (or the end, or an error) was found.
+    pub(crate) fn poll_for_input(&self, window: Duration) -> bool {
         // Under TLS a request may wait inside the session already, with nothing on the socket.
         if let Stream::Tls(t) = self {
             if t.has_buffered_input() {
-                return;
+                return true;
             }
         }
-        self.socket().poll_for_input(window);
+        self.socket().poll_for_input(window)
+    }
+
+    /// Sleeps up to `timeout` until a read would not wait (input, the end, or an error);
+    /// returns whether it would not. Unlike `poll_for_input` the thread sleeps.
+    pub(crate) fn wait_for_input(&self, timeout: Duration) -> bool {
+        if let Stream::Tls(t) = self {
+            if t.has_buffered_input() {
+                return true;
+            }
+        }
+        let mut fds = [libc::pollfd { fd: self.fd(), events: libc::POLLIN | libc::POLLRDHUP, revents: 0 }];
+        poll(&mut fds, timeout);
+        fds[0].revents != 0
     }
 
     /// Writes every byte of `bufs`. With `more`, a TCP socket is told that more of the same

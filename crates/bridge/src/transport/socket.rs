@@ -102,7 +102,8 @@ impl Socket {
 
     /// The plain half of `Stream::poll_for_input`: peeks without sleeping until a byte (or the
     /// end, or an error) is there, or `window` has passed.
-    pub(crate) fn poll_for_input(&self, window: Duration) {
+    /// Returns whether something (a byte, the end, an error) is there.
+    pub(crate) fn poll_for_input(&self, window: Duration) -> bool {
         let fd = self.fd();
         let start = Instant::now();
         let mut byte = 0u8;
@@ -112,8 +113,11 @@ impl Socket {
             let n = unsafe { libc::recv(fd, (&raw mut byte).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
             // Data, end of stream or a real error: the blocking read that follows handles it.
             let would_block = n == -1 && io::Error::last_os_error().kind() == io::ErrorKind::WouldBlock;
-            if !would_block || start.elapsed() >= window {
-                return;
+            if !would_block {
+                return true;
+            }
+            if start.elapsed() >= window {
+                return false;
             }
             std::thread::yield_now();
         }

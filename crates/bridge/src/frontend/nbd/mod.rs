@@ -16,6 +16,12 @@
 //! (the client is slow to read, or does not read at all) the replies queue for the connection's
 //! own writer thread, started then, which waits on the socket up to the send timeout and ends
 //! once the queue is empty. The socket closes when the last thread lets go of the connection.
+//!
+//! A reader that finds nothing to read for `PARK_AFTER` parks the connection: it lets go of the
+//! read side and leaves the socket to the server's readiness waiter ([`Waiter`]), which hands
+//! the next turn to a pool thread once the socket is readable. An idle connection so holds no
+//! thread; its replies in flight are still sent (sending never needs the reader). Past
+//! `--idle-timeout` without a request, a parked connection with nothing in flight is closed.
 
 mod inbound;
 mod own_loop;
@@ -24,7 +30,7 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::backing::{Burst, Cork};
 use crate::core::budget::{Flow, Permit};
@@ -38,7 +44,7 @@ use crate::nbd::{
     Negotiated, BASE_ALLOCATION_ID, CMD_BLOCK_STATUS, CMD_CACHE, CMD_FLAG_FUA, CMD_FLAG_REQ_ONE, CMD_FLUSH, CMD_READ, CMD_TRIM,
     CMD_WRITE, CMD_WRITE_ZEROES, STATE_HOLE, STATE_ZERO,
 };
-use crate::transport::Stream;
+use crate::transport::{Resume, Stream, Waiter, Woken};
 use inbound::Inbound;
 
 /// One recv on a connection takes up to this much: every request header queued behind it, so a
@@ -56,6 +62,20 @@ const MAX_WRITE_WAITERS: usize = 4;
 /// it ends: a client slow to read usually stays slow, and queueing to a running writer costs
 /// less than starting one.
 const WRITER_LINGER: Duration = Duration::from_millis(50);
+/// How long a reader sleeps on an empty socket before it parks the connection. A client that
+/// waits for each reply sends its next request within microseconds to a few milliseconds (its
+/// own think time), and parking then resuming costs two epoll calls and a hand-over to another
+/// thread: a gap this long is a pause, not the next request on its way, and the cost of a wake
+/// is small beside it. Short enough that idle connections give their threads back quickly.
+const PARK_AFTER: Duration = Duration::from_millis(50);
+
+/// Where a connection parks when idle (see `Connection::park`): the server's readiness waiter,
+/// and `--idle-timeout`.
+#[derive(Clone)]
+pub(crate) struct Parking {
+    pub(crate) waiter: Arc<Waiter>,
+    pub(crate) idle_timeout: Option<Duration>,
+}
 
 pub(crate) struct Connection {
     pub(crate) id: u64,
@@ -82,6 +102,18 @@ pub(crate) struct Connection {
     _slot: Box<dyn Send + Sync>,
     /// The server's rules with what this client negotiated.
     rules: Rules,
+    /// `None`: the connection never parks (its reader sleeps in `read`).
+    parking: Option<Parking>,
+}
+
+/// How a reader's turn ends.
+enum Next {
+    /// A request to run apart came: the read side is handed on.
+    Apart(Apart),
+    /// Nothing to read for a while: the connection parks.
+    Park,
+    /// The connection ended.
+    End,
 }
 
 struct ReadSide {
@@ -92,6 +124,8 @@ struct ReadSide {
     after_quick: bool,
     /// The client has gone (or the stream cannot be followed): nothing more is read.
     ended: bool,
+    /// Parking failed once (the waiter cannot watch the socket): the reader sleeps in `read`.
+    no_park: bool,
 }
 
 #[derive(Default)]
@@ -305,6 +339,7 @@ impl Connection {
     /// A connection past the handshake; `None` (logged) when its buffer cannot be had.
     /// `slot` is the connection's place under the server's connection limit, given back when
     /// the connection is dropped; `rules` the server's, to which this client's negotiation adds.
+    #[allow(clippy::too_many_arguments)] // each is the connection's own; a struct would only rename them
     pub(crate) fn open(
         id: u64,
         stream: Stream,
@@ -313,6 +348,7 @@ impl Connection {
         poll_max: Duration,
         slot: Box<dyn Send + Sync>,
         negotiated: Negotiated,
+        parking: Option<Parking>,
     ) -> Option<Arc<Self>> {
         let inbound = match Inbound::new(INBOUND_BUFFER) {
             Ok(inbound) => inbound,
@@ -321,7 +357,7 @@ impl Connection {
                 return None;
             }
         };
-        let read_side = ReadSide { inbound, batch: Batch::default(), after_quick: false, ended: false };
+        let read_side = ReadSide { inbound, batch: Batch::default(), after_quick: false, ended: false, no_park: false };
         let rules = Rules { negotiated, ..*rules };
         Some(Arc::new_cyclic(|me| Self {
             id,
@@ -337,6 +373,7 @@ impl Connection {
             soon: Mutex::default(),
             _slot: slot,
             rules,
+            parking,
         }))
     }
 
@@ -354,11 +391,21 @@ impl Connection {
     fn turn(self: &Arc<Self>, reading: Reading) {
         let mut reading = Some(reading);
         loop {
-            let apart = {
+            let next = {
                 let mut side = self.read_side.lock().unwrap_or_else(|e| e.into_inner());
                 self.read_until_apart(&mut side)
             };
-            let Some(apart) = apart else { return };
+            let apart = match next {
+                Next::Apart(apart) => apart,
+                Next::End => return,
+                Next::Park => {
+                    if self.park(self.parking.as_ref().and_then(|p| p.idle_timeout)) {
+                        return;
+                    }
+                    self.read_side.lock().unwrap_or_else(|e| e.into_inner()).no_park = true;
+                    continue;
+                }
+            };
             let next = Arc::clone(self);
             let job: Job = Box::new(move |reading| next.turn(reading));
             let handed_on = self.core.pool().submit(job).is_ok();
@@ -372,13 +419,61 @@ impl Connection {
         }
     }
 
-    /// Reads and checks requests and gives them to the core, until one comes to run apart
-    /// (returned) or the connection ends (`None`).
-    fn read_until_apart(self: &Arc<Self>, side: &mut ReadSide) -> Option<Apart> {
-        let ReadSide { inbound, batch, after_quick, ended } = side;
-        if *ended {
-            return None;
+    /// Leaves the socket to the readiness waiter; the next turn starts when it is readable, or
+    /// the connection is closed after `idle` without a request. False when it cannot park.
+    fn park(self: &Arc<Self>, idle: Option<Duration>) -> bool {
+        let Some(parking) = &self.parking else { return false };
+        // The reader has slept `PARK_AFTER` already since the last byte.
+        let deadline = idle.map(|t| Instant::now() + t.saturating_sub(PARK_AFTER));
+        let conn = Arc::clone(self);
+        let resume: Resume = Box::new(move |why| conn.resume(why));
+        parking.waiter.park(self.stream.fd(), deadline, resume).is_ok()
+    }
+
+    /// Called by the readiness waiter on its thread: hands the next turn to a pool thread, or
+    /// closes the connection idle past the timeout.
+    fn resume(self: Arc<Self>, why: Woken) {
+        if why == Woken::Idle {
+            let idle = self.parking.as_ref().and_then(|p| p.idle_timeout).unwrap_or_default();
+            // Every request in flight and every writer holds the connection: only the waiter's
+            // hold left means none is.
+            if Arc::strong_count(&self) > 1 {
+                if !self.park(Some(idle)) {
+                    self.close_idle(idle);
+                }
+                return;
+            }
+            self.close_idle(idle);
+            return;
         }
+        let conn = Arc::clone(&self);
+        let job: Job = Box::new(move |reading| conn.turn(reading));
+        let Err(job) = self.core.pool().submit(job) else { return };
+        // No pool thread can run it (none works and none starts): a thread of its own, else
+        // the connection closes (never the waiter's thread, which every parked one needs).
+        let started = std::thread::Builder::new().name(format!("conn-{}", self.id)).spawn(move || job(Reading::outside()));
+        if let Err(e) = started {
+            tracing::warn!(conn = self.id, "cannot start a thread to read the connection ({e}); closing it");
+            self.read_side.lock().unwrap_or_else(|e| e.into_inner()).ended = true;
+            self.stream.shutdown();
+        }
+    }
+
+    fn close_idle(&self, idle: Duration) {
+        tracing::info!(conn = self.id, "idle for {} s (--idle-timeout); closing the connection", idle.as_secs());
+        self.read_side.lock().unwrap_or_else(|e| e.into_inner()).ended = true;
+        self.stream.shutdown();
+    }
+
+    /// Reads and checks requests and gives them to the core, until one comes to run apart
+    /// (returned), the socket stays empty for `PARK_AFTER` (the connection parks) or the
+    /// connection ends.
+    fn read_until_apart(self: &Arc<Self>, side: &mut ReadSide) -> Next {
+        let ReadSide { inbound, batch, after_quick, ended, no_park } = side;
+        if *ended {
+            return Next::End;
+        }
+        let may_park = self.parking.is_some() && !*no_park;
         let poll_max = self.poll_max;
         // Upstream requests made for the requests of one receive go out together (see
         // `Cork`); sent before this thread could wait, and when it lets go (the drop).
@@ -392,10 +487,17 @@ impl Connection {
             if batch.is_full() || !holds_whole_request(inbound.buffered()) {
                 self.deliver(batch.drain());
             }
+            let mut polled = false;
             if *after_quick && !poll_max.is_zero() && inbound.buffered().is_empty() {
-                self.stream.poll_for_input(poll_max);
+                polled = self.stream.poll_for_input(poll_max);
             }
             *after_quick = false;
+            // Between requests (nothing buffered; the batch and corked requests went out above)
+            // the reader may sleep here on the socket, not in `read`: past `PARK_AFTER` the
+            // connection parks instead.
+            if may_park && !polled && inbound.buffered().is_empty() && !self.stream.wait_for_input(PARK_AFTER) {
+                return Next::Park;
+            }
             let request = match inbound.header(&self.stream) {
                 Ok(Some(header)) => match parse_request(&header) {
                     Ok(r) => r,
@@ -446,14 +548,14 @@ impl Connection {
                 Intake::Started => {}
                 Intake::Apart(apart) => {
                     self.deliver(batch.drain());
-                    return Some(apart);
+                    return Next::Apart(apart);
                 }
                 Intake::Blocked | Intake::Ended => break,
             }
         }
         *ended = true;
         self.deliver(batch.drain());
-        None
+        Next::End
     }
 
     /// The reply to a request `check` refused.

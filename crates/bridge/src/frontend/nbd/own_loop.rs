@@ -10,11 +10,15 @@
 //! (`Session::run_apart`), except a write sent without waiting, which an I/O thread sends while
 //! this one reads on. Replies go through the connection's outbox, as the other loop's do, so
 //! `--send-timeout` holds here too.
+//!
+//! This loop does not park an idle connection (its session's upstream socket would have to be
+//! watched and handed over too): the connection keeps its thread, and `--idle-timeout` is
+//! checked by the loop itself, at each wake-up (one a second at least).
 
 use std::io::{self, Read};
 use std::os::fd::RawFd;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::inbound::Inbound;
 use super::{to_core, Connection, Reply};
@@ -92,6 +96,8 @@ impl Connection {
         let client = self.stream.fd();
         let mut reading = true;
         let mut blocked = false;
+        let idle_timeout = self.parking.as_ref().and_then(|p| p.idle_timeout);
+        let mut last_input = Instant::now();
         loop {
             session.collect(&self.core, self);
             if reading && !self.is_broken() {
@@ -136,7 +142,7 @@ impl Connection {
                         }
                         reading = false;
                     }
-                    Ok(_) => {}
+                    Ok(_) => last_input = Instant::now(),
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                     Err(e) => {
                         tracing::info!(conn = self.id, "connection lost: {e}");
@@ -145,6 +151,13 @@ impl Connection {
                 }
             }
             session.check_timeout(&self.core, self);
+            if let Some(limit) = idle_timeout {
+                if reading && session.in_flight() == 0 && inbound.buffered().is_empty() && last_input.elapsed() >= limit {
+                    tracing::info!(conn = self.id, "idle for {} s (--idle-timeout); closing the connection", limit.as_secs());
+                    self.stream.shutdown();
+                    reading = false;
+                }
+            }
         }
     }
 

@@ -61,22 +61,27 @@ def check_honest_client(uri: str, data: bytes, label: str) -> None:
     assert statistics.median(big) < 0.500, big
 
 
-def test_never_reading_clients_leave_an_honest_one_its_latency(ws):
-    key_file, _ = ws.key(64)
-    bridge = ws.serve(ws.backing(64 * MiB), key_file)
+def honest_beside_hostile(bridge, hostile_count: int, label: str) -> None:
+    """Writes 1 MiB of known data, starts `hostile_count` never-reading clients, and checks an
+    honest client's latency beside them; the server must survive them."""
     data = os.urandom(MiB)
     with NBDClient(bridge.uri).connect() as c:
         c.write(0, data, fua=True)
-    hostile = never_reading(bridge.uri, HOSTILE_FILE, BIG, 64 * MiB)
+    hostile = never_reading(bridge.uri, hostile_count, BIG, 64 * MiB)
     try:
         time.sleep(3)  # they take what they will
         assert bridge.alive, bridge.stderr()[-3000:]
-        check_honest_client(bridge.uri, data, f"file back end, {HOSTILE_FILE} never-reading clients")
+        check_honest_client(bridge.uri, data, f"{label}, {hostile_count} never-reading clients")
     finally:
         for c in hostile:
             c.close()
     assert bridge.alive
     assert_no_panic(bridge.stderr())
+
+
+def test_never_reading_clients_leave_an_honest_one_its_latency(ws):
+    key_file, _ = ws.key(64)
+    honest_beside_hostile(ws.serve(ws.backing(64 * MiB), key_file), HOSTILE_FILE, "file back end")
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["sessions", "backing-shared"])
@@ -87,19 +92,7 @@ def test_never_reading_clients_do_not_hold_the_upstream(ws, upstreams, shared): 
     up = upstreams("nbdkit-memory", size=64 * MiB)
     key_file, _ = ws.key()
     bridge = serve_remote(ws, up.uri, key_file, extra=("--backing-shared",) if shared else ())
-    data = os.urandom(MiB)
-    with NBDClient(bridge.uri).connect() as c:
-        c.write(0, data, fua=True)
-    hostile = never_reading(bridge.uri, HOSTILE_REMOTE, BIG, 64 * MiB)
-    try:
-        time.sleep(3)
-        assert bridge.alive, bridge.stderr()[-3000:]
-        check_honest_client(bridge.uri, data, f"remote back end ({'shared' if shared else 'sessions'}), {HOSTILE_REMOTE} never-reading clients")
-    finally:
-        for c in hostile:
-            c.close()
-    assert bridge.alive
-    assert_no_panic(bridge.stderr())
+    honest_beside_hostile(bridge, HOSTILE_REMOTE, f"remote back end ({'shared' if shared else 'sessions'})")
 
 
 def test_send_timeout_means_what_it_says(ws):

@@ -7,6 +7,7 @@
 
 pub mod client;
 pub mod handshake;
+mod liveness;
 pub mod own;
 pub mod request;
 pub mod tls;

@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::transmission::{encode_request, parse_reply_header, Request, REPLY_HEADER_LEN, REQUEST_HEADER_LEN};
+use super::liveness;
 use super::request::io_error_of;
 use super::{CMD_DISC, CMD_FLAG_FUA, CMD_FLUSH, CMD_READ, CMD_WRITE};
 use crate::aligned::PooledBuf;
@@ -101,10 +102,6 @@ pub struct OwnConn<T> {
     /// The handle of the probe in flight, if any (its reply completes no request).
     probe: Option<u64>,
 }
-
-/// Silence with requests waiting, before a liveness probe goes out: this part of the reply
-/// timeout (1 / this), so that the probe's answer has the rest to come.
-const PROBE_AFTER_DIVISOR: u32 = 3;
 
 impl<T> OwnConn<T> {
     pub(super) fn new(sock: Stream, reply_timeout: Duration, maybe_lost: Arc<AtomicBool>, can_probe: bool) -> io::Result<Self> {
@@ -291,20 +288,16 @@ impl<T> OwnConn<T> {
         }
     }
 
-    /// Whether requests have waited the reply timeout without a byte from the upstream.
-    ///
-    /// A request may take the upstream longer than the timeout while the upstream is well (a
-    /// slow disk, a delay filter): after a third of the timeout without a byte, a FLUSH goes
-    /// out as a probe (queued here, sent by the owner's next [`OwnConn::send`]), and its answer
-    /// (any byte) starts the wait again. So a slow upstream that answers is waited for, and one
-    /// that answers nothing fails within the timeout.
+    /// Whether requests have waited the reply timeout without a byte from the upstream. When a
+    /// liveness probe is due (`nbd/liveness.rs`) it is queued here, for the owner's next
+    /// [`OwnConn::send`].
     pub fn timed_out(&mut self) -> bool {
         let Some(oldest) = self.flights.values().map(|f| f.sent).min() else { return false };
         let silent = self.progress.max(oldest).elapsed();
         if silent >= self.reply_timeout {
             return true;
         }
-        if self.can_probe && self.probe.is_none() && silent >= self.reply_timeout / PROBE_AFTER_DIVISOR {
+        if self.can_probe && self.probe.is_none() && liveness::probe_due(silent, self.reply_timeout) {
             tracing::debug!("no reply for {silent:?}; probing the upstream with a FLUSH");
             let handle = self.next_handle;
             self.next_handle += 1;
@@ -317,7 +310,7 @@ impl<T> OwnConn<T> {
 
     /// How long the owner's poll may sleep before [`OwnConn::timed_out`] should be asked again.
     pub fn timeout_check(&self) -> Duration {
-        (self.reply_timeout / (2 * PROBE_AFTER_DIVISOR)).clamp(Duration::from_millis(10), Duration::from_secs(1))
+        liveness::check_every(self.reply_timeout)
     }
 
     /// The writes acknowledged so far: a FLUSH that succeeds after this is taken covers them

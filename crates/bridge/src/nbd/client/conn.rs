@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::cork::{corks, Burst, Cork};
 use super::protocol_error;
+use crate::nbd::liveness;
 use crate::nbd::transmission::{encode_request, parse_reply_header, write_all_vectored, Request, REPLY_HEADER_LEN};
 use crate::nbd::*;
 use crate::transport::Stream;
@@ -196,10 +197,8 @@ impl Live {
     }
 
     fn reply_loop(self: &Arc<Self>, sock: &Stream, reply_timeout: Duration, burst: &mut Burst) -> io::Result<()> {
-        // Reads wake at least this often to check for requests waiting too long (often enough
-        // to probe, and to hear the probe's answer, within the timeout).
-        let wake = (reply_timeout / (2 * PROBE_AFTER_DIVISOR)).clamp(Duration::from_millis(10), Duration::from_secs(1));
-        sock.set_read_timeout(Some(wake))?;
+        // Reads wake at least this often to check for requests waiting too long.
+        sock.set_read_timeout(Some(liveness::check_every(reply_timeout)))?;
         let mut inbox = Inbox { sock, buf: vec![0u8; INBOX_LEN], start: 0, end: 0, progress: Instant::now(), reply_timeout, probe: None };
         loop {
             let mut h = [0u8; REPLY_HEADER_LEN];
@@ -301,19 +300,10 @@ struct Inbox<'a> {
     probe: Option<Arc<Slot>>,
 }
 
-/// Silence on a connection with requests waiting, before a liveness probe goes out: this part
-/// of the reply timeout (1 / this), so that the probe's answer has the rest to come.
-const PROBE_AFTER_DIVISOR: u32 = 3;
-
 impl Inbox<'_> {
     /// Fills `dest`. `Ok(false)`: a clean end of stream before its first byte, when
     /// `between_replies`. Fails when requests have waited `reply_timeout` without a byte.
-    ///
-    /// A request may take the upstream longer than the timeout while the upstream is well (a
-    /// slow disk, a delay filter): after a third of the timeout without a byte, a FLUSH goes out
-    /// on the connection as a probe, and its answer (any byte) starts the wait again. So a slow
-    /// upstream that answers is waited for, as nbdkit's and qemu's clients do, and one that
-    /// answers nothing fails its requests within the timeout.
+    /// A liveness probe goes out when due (`nbd/liveness.rs`).
     fn read_full(&mut self, live: &Arc<Live>, dest: &mut [u8], between_replies: bool, burst: &mut Burst) -> io::Result<bool> {
         let mut got = 0;
         while got < dest.len() {
@@ -348,7 +338,7 @@ impl Inbox<'_> {
                     if silent.is_some_and(|t| t >= self.reply_timeout) {
                         return Err(io::Error::new(io::ErrorKind::TimedOut, format!("no reply from the upstream for {:?}", self.reply_timeout)));
                     }
-                    let probe_due = silent.is_some_and(|t| t >= self.reply_timeout / PROBE_AFTER_DIVISOR);
+                    let probe_due = silent.is_some_and(|t| liveness::probe_due(t, self.reply_timeout));
                     if probe_due && live.can_probe && self.probe.as_ref().is_none_or(|p| p.sent < self.progress) {
                         tracing::debug!(upstream_conn = live.index, "no reply for {:?}; probing the upstream with a FLUSH", silent.unwrap_or_default());
                         let mut flush = Request { flags: 0, command: CMD_FLUSH, handle: 0, offset: 0, length: 0 };

@@ -20,9 +20,9 @@ AARCH64_WARNFLAGS ?= -D warnings
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER ?= aarch64-linux-gnu-gcc
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER ?= qemu-aarch64 -L $(AARCH64_SYSROOT)
 export CC_aarch64_unknown_linux_gnu ?= aarch64-linux-gnu-gcc
-# The cross tests are built with release optimisation but without the shipped binary's thin LTO
-# and debug info, which cost most of the cross build's time. Set AARCH64_PROFILE= to build as shipped.
-AARCH64_PROFILE ?= CARGO_PROFILE_RELEASE_LTO=off CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16
+# The Rust tests (native and cross) are built with the ci-test profile (Cargo.toml: release
+# optimisation without thin LTO and debug info); TEST_PROFILE=release builds them as shipped.
+TEST_PROFILE ?= ci-test
 # What test-aarch64 lacks on this x86-64 machine (empty when it can run); set AARCH64_REQUIRED=1 to make a
 # skip an error.
 AARCH64_MISSING = $(strip \
@@ -86,7 +86,7 @@ run: build
 test: deps build test-rust test-portable test-aarch64 test-integration test-rtl
 
 test-rust:
-	@t0=$$(date +%s); set -e; set -x; $(CARGO) test --release --locked --workspace; \
+	@t0=$$(date +%s); set -e; set -x; $(CARGO) test --profile $(TEST_PROFILE) --locked --workspace; \
 	{ set +x; } 2>/dev/null; echo "test-rust: ok ($$(( $$(date +%s) - t0 ))s)"
 
 # The workspace, its tests and examples for the x86-64 baseline CPU (no SSE4/AVX/AES-NI assumed at
@@ -118,8 +118,8 @@ test-aarch64:
 		exit $(if $(filter 1,$(AARCH64_REQUIRED)),1,0); \
 	fi; \
 	set -e; t0=$$(date +%s); set -x; \
-	RUSTFLAGS="$(AARCH64_WARNFLAGS)" $(AARCH64_PROFILE) $(CARGO) build --release --locked --workspace --all-targets --target $(AARCH64); \
-	RUSTFLAGS="$(AARCH64_WARNFLAGS)" $(AARCH64_PROFILE) $(CARGO) test --release --locked --workspace --target $(AARCH64); \
+	RUSTFLAGS="$(AARCH64_WARNFLAGS)" $(CARGO) build --profile $(TEST_PROFILE) --locked --workspace --all-targets --target $(AARCH64); \
+	RUSTFLAGS="$(AARCH64_WARNFLAGS)" $(CARGO) test --profile $(TEST_PROFILE) --locked --workspace --target $(AARCH64); \
 	{ set +x; } 2>/dev/null; echo "test-aarch64: ok ($$(( $$(date +%s) - t0 ))s)"
 
 test-integration: build

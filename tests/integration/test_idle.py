@@ -162,7 +162,7 @@ def test_idle_timeout_closes_idle_connections_only(ws):
 
 def test_idle_timeout_on_a_remote_backing(ws, upstreams):  # noqa: F811 (the upstreams fixture)
     """(b) the same where each client has its own upstream connection (the session loop, which
-    keeps its thread and checks the timeout itself)."""
+    parks with its session kept)."""
     up = upstreams("nbdkit-memory", size=16 * MiB)
     key_file, _ = ws.key(64)
     bridge = serve_remote(ws, up.uri, key_file, extra=("--idle-timeout", "1"))
@@ -176,6 +176,49 @@ def test_idle_timeout_on_a_remote_backing(ws, upstreams):  # noqa: F811 (the ups
             if closed_at is None and idle.is_closed_by_peer(timeout=0.25):
                 closed_at = time.monotonic() - t0
         assert closed_at is not None and 0.7 <= closed_at <= 2.5, closed_at
+
+
+def test_idle_connections_with_own_upstream_connections_hold_no_threads(ws, upstreams):  # noqa: F811
+    """(a) on a remote back end each client has an upstream connection of its own (the session
+    loop): 200 idle clients add under 16 threads, keep their sessions while parked, and wake to
+    serve; a new client is served within 100 ms."""
+    n = 200
+    raise_nofile(4 * n + 512)
+    up = upstreams("nbdkit-memory", size=16 * MiB)
+    key_file, _ = ws.key(64)
+    bridge = serve_remote(ws, up.uri, key_file)
+    data = os.urandom(64 * 1024)
+    with NBDClient(bridge.uri).connect() as c:
+        c.write(0, data)
+    pid = bridge.proc.pid
+    time.sleep(0.3)
+    before = threads_of(pid)
+    socks = raw_go_many(bridge.uri, n, timeout=60.0)
+    try:
+        wait_until("threads to settle", lambda: threads_of(pid) < before + 16, timeout=20.0)
+        settled = threads_of(pid)
+        t1 = time.monotonic()
+        with NBDClient(bridge.uri).connect() as c:
+            got = c.read(0, 4096)
+        took = time.monotonic() - t1
+        print(f"\n{n} idle clients with own upstream connections: server threads {before} before, {settled} with "
+              f"them (+{settled - before}); new client served in {took * 1000:.1f} ms")
+        assert got == data[:4096]
+        assert settled - before < 16, f"{settled} threads with {n} idle connections ({before} before)"
+        assert took < 0.1, f"new client took {took * 1000:.0f} ms"
+        for i, s in enumerate(socks[:: n // 8]):
+            c = wrap(s, bridge.uri)
+            assert c.read(4096, 4096) == data[4096:8192]
+            new = os.urandom(4096)
+            c.write(MiB + 4096 * i, new)
+            time.sleep(PARKED)  # parks again between the two
+            assert c.read(MiB + 4096 * i, 4096) == new
+    finally:
+        for s in socks:
+            s.close()
+    wait_until("the idle connections' threads to go", lambda: threads_of(pid) < before + 16)
+    assert bridge.alive
+    assert "no upstream connection of its own" not in bridge.stderr()
 
 
 def test_no_idle_timeout_by_default(ws):

@@ -36,10 +36,11 @@ use crate::backing::{Burst, Cork};
 use crate::core::budget::{Flow, Permit};
 use crate::core::pool::{Job, Reading};
 use crate::core::request::{Body, Op, Outcome, Request};
+use crate::core::session::Session;
 use crate::core::{Admit, Apart, Client, Core, Intake, Source};
 use crate::mapping::{Extent, Mapping, ReadData, SealedRead};
 use crate::nbd::request::{check, errno_of, Rules, Verdict};
-use crate::nbd::transmission::{self, block_status_payload, holds_whole_request, parse_request, ReplyHead};
+use crate::nbd::transmission::{self, block_status_payload, holds_whole_request, parse_request, ReplyHead, REQUEST_HEADER_LEN};
 use crate::nbd::{
     Negotiated, BASE_ALLOCATION_ID, CMD_BLOCK_STATUS, CMD_CACHE, CMD_FLAG_FUA, CMD_FLAG_REQ_ONE, CMD_FLUSH, CMD_READ, CMD_TRIM,
     CMD_WRITE, CMD_WRITE_ZEROES, STATE_HOLE, STATE_ZERO,
@@ -67,7 +68,7 @@ const WRITER_LINGER: Duration = Duration::from_millis(50);
 /// own think time), and parking then resuming costs two epoll calls and a hand-over to another
 /// thread: a gap this long is a pause, not the next request on its way, and the cost of a wake
 /// is small beside it. Short enough that idle connections give their threads back quickly.
-const PARK_AFTER: Duration = Duration::from_millis(50);
+pub(super) const PARK_AFTER: Duration = Duration::from_millis(50);
 
 /// Where a connection parks when idle (see `Connection::park`): the server's readiness waiter,
 /// and `--idle-timeout`.
@@ -106,6 +107,15 @@ pub(crate) struct Connection {
     parking: Option<Parking>,
 }
 
+/// What a request's header comes to before the core sees it ([`Connection::screen`]).
+enum Screened {
+    Run(transmission::Request),
+    /// Refused by `check`, its payload drained: the reply.
+    Rejected(Reply),
+    /// The connection ends (logged).
+    End,
+}
+
 /// How a reader's turn ends.
 enum Next {
     /// A request to run apart came: the read side is handed on.
@@ -126,6 +136,9 @@ struct ReadSide {
     ended: bool,
     /// Parking failed once (the waiter cannot watch the socket): the reader sleeps in `read`.
     no_park: bool,
+    /// The back-end session of a connection served by the session loop, kept here while the
+    /// connection is parked: the next turn takes it and goes on in that loop.
+    parked_session: Option<Session<Connection>>,
 }
 
 #[derive(Default)]
@@ -357,7 +370,7 @@ impl Connection {
                 return None;
             }
         };
-        let read_side = ReadSide { inbound, batch: Batch::default(), after_quick: false, ended: false, no_park: false };
+        let read_side = ReadSide { inbound, batch: Batch::default(), after_quick: false, ended: false, no_park: false, parked_session: None };
         let rules = Rules { negotiated, ..*rules };
         Some(Arc::new_cyclic(|me| Self {
             id,
@@ -389,6 +402,11 @@ impl Connection {
     /// on and runs the request; or reads until the connection ends. Should no pool thread be
     /// available to take the read side over, this thread keeps it and runs the request first.
     fn turn(self: &Arc<Self>, reading: Reading) {
+        let parked_session = self.read_side.lock().unwrap_or_else(|e| e.into_inner()).parked_session.take();
+        if let Some(session) = parked_session {
+            self.session_turn(session, reading);
+            return;
+        }
         let mut reading = Some(reading);
         loop {
             let next = {
@@ -421,7 +439,7 @@ impl Connection {
 
     /// Leaves the socket to the readiness waiter; the next turn starts when it is readable, or
     /// the connection is closed after `idle` without a request. False when it cannot park.
-    fn park(self: &Arc<Self>, idle: Option<Duration>) -> bool {
+    pub(super) fn park(self: &Arc<Self>, idle: Option<Duration>) -> bool {
         let Some(parking) = &self.parking else { return false };
         // The reader has slept `PARK_AFTER` already since the last byte.
         let deadline = idle.map(|t| Instant::now() + t.saturating_sub(PARK_AFTER));
@@ -469,7 +487,7 @@ impl Connection {
     /// (returned), the socket stays empty for `PARK_AFTER` (the connection parks) or the
     /// connection ends.
     fn read_until_apart(self: &Arc<Self>, side: &mut ReadSide) -> Next {
-        let ReadSide { inbound, batch, after_quick, ended, no_park } = side;
+        let ReadSide { inbound, batch, after_quick, ended, no_park, .. } = side;
         if *ended {
             return Next::End;
         }
@@ -498,14 +516,8 @@ impl Connection {
             if may_park && !polled && inbound.buffered().is_empty() && !self.stream.wait_for_input(PARK_AFTER) {
                 return Next::Park;
             }
-            let request = match inbound.header(&self.stream) {
-                Ok(Some(header)) => match parse_request(&header) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        tracing::warn!(conn = self.id, "{e}; closing the connection");
-                        break;
-                    }
-                },
+            let header = match inbound.header(&self.stream) {
+                Ok(Some(header)) => header,
                 Ok(None) => {
                     tracing::info!(conn = self.id, "client closed the connection");
                     break;
@@ -515,26 +527,14 @@ impl Connection {
                     break;
                 }
             };
-            match check(&request, &self.rules) {
-                Verdict::Run => {}
-                Verdict::Disconnect => {
-                    tracing::info!(conn = self.id, "client sent NBD_CMD_DISC");
-                    break;
-                }
-                Verdict::Close(why) => {
-                    tracing::warn!(conn = self.id, ?request, "{why}");
-                    break;
-                }
-                Verdict::Reject { errno, drain } => {
-                    tracing::warn!(conn = self.id, ?request, errno, "rejected request");
-                    if let Err(e) = inbound.skip(&self.stream, u64::from(drain)) {
-                        tracing::info!(conn = self.id, "connection lost while draining a rejected write: {e}");
-                        break;
-                    }
-                    batch.push(self.rejected(&request, errno));
+            let request = match self.screen(&header, |n| inbound.skip(&self.stream, n)) {
+                Screened::Run(request) => request,
+                Screened::Rejected(reply) => {
+                    batch.push(reply);
                     continue;
                 }
-            }
+                Screened::End => break,
+            };
             // Back pressure: at the connection's or the server's limit, the core stops this
             // thread until replies drain (after it sends its own held-back ones, and the cork).
             let mut before_wait = || self.deliver(batch.drain());
@@ -556,6 +556,37 @@ impl Connection {
         *ended = true;
         self.deliver(batch.drain());
         Next::End
+    }
+
+    /// Parses and checks a request's header, as both reading loops do before the core sees a
+    /// request; `drain` takes a refused request's payload (that many bytes) off the input.
+    fn screen(&self, header: &[u8; REQUEST_HEADER_LEN], drain: impl FnOnce(u64) -> io::Result<()>) -> Screened {
+        let request = match parse_request(header) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(conn = self.id, "{e}; closing the connection");
+                return Screened::End;
+            }
+        };
+        match check(&request, &self.rules) {
+            Verdict::Run => Screened::Run(request),
+            Verdict::Disconnect => {
+                tracing::info!(conn = self.id, "client sent NBD_CMD_DISC");
+                Screened::End
+            }
+            Verdict::Close(why) => {
+                tracing::warn!(conn = self.id, ?request, "{why}");
+                Screened::End
+            }
+            Verdict::Reject { errno, drain: len } => {
+                tracing::warn!(conn = self.id, ?request, errno, "rejected request");
+                if let Err(e) = drain(u64::from(len)) {
+                    tracing::info!(conn = self.id, "connection lost while draining a rejected write: {e}");
+                    return Screened::End;
+                }
+                Screened::Rejected(self.rejected(&request, errno))
+            }
+        }
     }
 
     /// The reply to a request `check` refused.

@@ -11,9 +11,12 @@
 //! this one reads on. Replies go through the connection's outbox, as the other loop's do, so
 //! `--send-timeout` holds here too.
 //!
-//! This loop does not park an idle connection (its session's upstream socket would have to be
-//! watched and handed over too): the connection keeps its thread, and `--idle-timeout` is
-//! checked by the loop itself, at each wake-up (one a second at least).
+//! An idle connection parks here as in the other loop: once nothing is in flight, nothing is
+//! buffered and the client has sent nothing for `PARK_AFTER`, the loop leaves the session in
+//! the read side and the client's socket to the readiness waiter, and its thread is free. The
+//! session's upstream socket is not watched meanwhile: with nothing in flight, all it could
+//! bring is its end, which the next turn finds (and reopens). Where the connection cannot park,
+//! `--idle-timeout` is checked by the loop itself, at each wake-up (one a second at least).
 
 use std::io::{self, Read};
 use std::os::fd::RawFd;
@@ -21,13 +24,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::inbound::Inbound;
-use super::{to_core, Connection, Reply};
+use super::{to_core, Connection, Reply, Screened, PARK_AFTER};
 use crate::backing::Cork;
 use crate::core::plan::{self, Route};
 use crate::core::session::Session;
+use crate::core::pool::Reading;
 use crate::core::{Admit, Client, Intake, Source};
-use crate::nbd::request::{check, Verdict};
-use crate::nbd::transmission::{parse_request, REQUEST_HEADER_LEN};
+use crate::nbd::transmission::REQUEST_HEADER_LEN;
 use crate::transport::{poll, recv_now};
 
 /// A poll's longest sleep while a request waits for a permit that another connection may give
@@ -42,6 +45,14 @@ enum Step {
     Blocked,
     /// No more requests: the client left, sent NBD_CMD_DISC, or broke the protocol.
     End,
+}
+
+/// How a turn of the session loop ends.
+enum LoopEnd {
+    /// The connection ended.
+    Ended,
+    /// Idle: nothing in flight, nothing buffered, nothing received for `PARK_AFTER`.
+    Idle,
 }
 
 /// Reads the client's socket without waiting.
@@ -85,14 +96,40 @@ impl Connection {
         if !plan::uses_session(self.tls()) {
             return false;
         }
-        let Some(mut session) = Session::open(&self.core, &**self) else { return false };
-        let mut side = self.read_side.lock().unwrap_or_else(|e| e.into_inner());
-        self.session_loop(&mut side.inbound, &mut session);
-        side.ended = true;
+        let Some(session) = Session::open(&self.core, &**self) else { return false };
+        self.session_turn(session, Reading::outside());
         true
     }
 
-    fn session_loop(self: &Arc<Self>, inbound: &mut Inbound, session: &mut Session<Self>) {
+    /// A turn in the session loop: to the connection's end, or until it parks, leaving
+    /// `session` in the read side for the turn that the client's next bytes start.
+    pub(super) fn session_turn(self: &Arc<Self>, mut session: Session<Self>, _reading: Reading) {
+        let idle_timeout = self.parking.as_ref().and_then(|p| p.idle_timeout);
+        let mut side = self.read_side.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let may_park = self.parking.is_some() && !side.no_park;
+            match self.session_loop(&mut side.inbound, &mut session, may_park) {
+                LoopEnd::Ended => {
+                    side.ended = true;
+                    return;
+                }
+                LoopEnd::Idle => {
+                    side.parked_session = Some(session);
+                    drop(side);
+                    if self.park(idle_timeout) {
+                        return;
+                    }
+                    side = self.read_side.lock().unwrap_or_else(|e| e.into_inner());
+                    side.no_park = true;
+                    // Nothing else takes it: only a resumed turn does, and there was none.
+                    let Some(kept) = side.parked_session.take() else { return };
+                    session = kept;
+                }
+            }
+        }
+    }
+
+    fn session_loop(self: &Arc<Self>, inbound: &mut Inbound, session: &mut Session<Self>, may_park: bool) -> LoopEnd {
         let client = self.stream.fd();
         let mut reading = true;
         let mut blocked = false;
@@ -114,7 +151,11 @@ impl Connection {
                 reading = false;
             }
             if !reading && session.in_flight() == 0 {
-                return;
+                return LoopEnd::Ended;
+            }
+            let quiet = reading && !blocked && session.in_flight() == 0 && inbound.buffered().is_empty();
+            if may_park && quiet && last_input.elapsed() >= PARK_AFTER {
+                return LoopEnd::Idle;
             }
 
             let listen = reading && !blocked;
@@ -129,6 +170,9 @@ impl Connection {
             }
             if blocked {
                 timeout = PERMIT_RETRY;
+            }
+            if may_park && quiet {
+                timeout = timeout.min(PARK_AFTER.saturating_sub(last_input.elapsed()));
             }
             poll(&mut fds, timeout);
 
@@ -170,34 +214,19 @@ impl Connection {
         loop {
             let Some(header) = inbound.buffered().get(..REQUEST_HEADER_LEN) else { return Step::More };
             let header: [u8; REQUEST_HEADER_LEN] = header.try_into().expect("28 bytes");
-            let request = match parse_request(&header) {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::warn!(conn = self.id, "{e}; closing the connection");
-                    return Step::End;
-                }
+            let drain = |len| {
+                // Buffered whole: this takes the header without reading the socket.
+                let _ = inbound.header(&self.stream);
+                inbound.skip(&self.stream, len)
             };
-            match check(&request, &self.rules) {
-                Verdict::Run => {}
-                Verdict::Disconnect => {
-                    tracing::info!(conn = self.id, "client sent NBD_CMD_DISC");
-                    return Step::End;
-                }
-                Verdict::Close(why) => {
-                    tracing::warn!(conn = self.id, ?request, "{why}");
-                    return Step::End;
-                }
-                Verdict::Reject { errno, drain } => {
-                    tracing::warn!(conn = self.id, ?request, errno, "rejected request");
-                    let _ = inbound.header(&self.stream);
-                    if let Err(e) = inbound.skip(&self.stream, u64::from(drain)) {
-                        tracing::info!(conn = self.id, "connection lost while draining a rejected write: {e}");
-                        return Step::End;
-                    }
-                    session.replies.push_back(self.rejected(&request, errno));
+            let request = match self.screen(&header, drain) {
+                Screened::Run(request) => request,
+                Screened::Rejected(reply) => {
+                    session.replies.push_back(reply);
                     continue;
                 }
-            }
+                Screened::End => return Step::End,
+            };
             session.reopen(&self.core);
             let mut input = Peeked { inbound, conn: self };
             let reply: Reply = match self.core.intake(self, to_core(&request), Admit::Try, &mut input, Some(session), &mut cork) {

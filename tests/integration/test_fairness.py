@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import statistics
 import time
 
@@ -49,6 +50,32 @@ def latencies(c: NBDClient, offset: int, length: int, want: bytes, times: int = 
     return out
 
 
+def nbdkit_figure(upstreams, hostile_count: int) -> str:  # noqa: F811 (the upstreams fixture)
+    """nbdkit's figure for the same workload, printed beside ours (issue 27, D7): the honest
+    client's read beside `hostile_count` never-reading clients, at nbdkit itself (no bridge),
+    waited for at most 10 s."""
+    if not shutil.which("nbdkit"):
+        return "nbdkit: not installed"
+    up = upstreams("nbdkit-memory", size=64 * MiB)
+    data = os.urandom(MiB)
+    with NBDClient(up.uri).connect() as c:
+        c.write(0, data)
+    hostile = never_reading(up.uri, hostile_count, BIG, 64 * MiB)
+    try:
+        time.sleep(3)
+        t0 = time.monotonic()
+        try:
+            with NBDClient(up.uri, timeout=10).connect() as honest:
+                assert honest.read(0, 4096) == data[:4096]
+            return f"nbdkit memory, same clients: honest 4 KiB read {(time.monotonic() - t0) * 1000:.1f} ms"
+        except (TimeoutError, OSError):
+            return f"nbdkit memory, same clients: honest 4 KiB read not answered within {time.monotonic() - t0:.0f} s"
+    finally:
+        for c in hostile:
+            c.close()
+        up.stop()
+
+
 def check_honest_client(uri: str, data: bytes, label: str) -> None:
     with NBDClient(uri, timeout=60).connect() as honest:
         small = latencies(honest, 0, 4096, data[:4096])
@@ -79,9 +106,10 @@ def honest_beside_hostile(bridge, hostile_count: int, label: str) -> None:
     assert_no_panic(bridge.stderr())
 
 
-def test_never_reading_clients_leave_an_honest_one_its_latency(ws):
+def test_never_reading_clients_leave_an_honest_one_its_latency(ws, upstreams):  # noqa: F811
     key_file, _ = ws.key(64)
     honest_beside_hostile(ws.serve(ws.backing(64 * MiB), key_file), HOSTILE_FILE, "file back end")
+    print(nbdkit_figure(upstreams, HOSTILE_FILE))
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["sessions", "backing-shared"])

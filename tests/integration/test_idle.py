@@ -8,6 +8,7 @@ Figures (threads, latency) are printed (pytest -s).
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
@@ -43,7 +44,25 @@ def serve_filled(ws, *extra, tcp=False):
     return bridge, data
 
 
-def test_four_thousand_idle_connections_hold_no_threads(ws):
+def nbdkit_idle_figure(upstreams, n: int) -> str:  # noqa: F811 (the upstreams fixture)
+    """nbdkit's figure beside ours (issue 27, D7): threads added by `n` idle connections past
+    NBD_OPT_GO."""
+    if not shutil.which("nbdkit"):
+        return "nbdkit: not installed"
+    up = upstreams("nbdkit-memory", size=16 * MiB)
+    pid = up.proc.pid
+    before = threads_of(pid)
+    socks = raw_go_many(up.uri, n, timeout=60.0)
+    try:
+        time.sleep(0.5)
+        return f"nbdkit memory: {n} idle connections add {threads_of(pid) - before} threads"
+    finally:
+        for s in socks:
+            s.close()
+        up.stop()
+
+
+def test_four_thousand_idle_connections_hold_no_threads(ws, upstreams):  # noqa: F811
     """(a) 4,000 connections past NBD_OPT_GO, idle: the server's threads grow by under 16, and
     a new client's 4 KiB read is served within 100 ms; parked connections still serve."""
     n = 4000
@@ -78,6 +97,7 @@ def test_four_thousand_idle_connections_hold_no_threads(ws):
     # Hung up while parked: every connection is dropped.
     wait_until("the idle connections' threads to go", lambda: threads_of(pid) < before + 16)
     assert bridge.alive
+    print(nbdkit_idle_figure(upstreams, 500))
 
 
 @pytest.mark.parametrize("transport", ["unix", "tcp"])

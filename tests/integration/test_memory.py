@@ -7,6 +7,7 @@ Figures (RSS from /proc/PID/status) are printed (pytest -s).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -95,7 +96,7 @@ def volume(ws):
     return make
 
 
-def test_never_reading_clients_stay_under_512_mib(volume):
+def test_never_reading_clients_stay_under_512_mib(volume, ws):
     """Eight clients with 32 pipelined 32 MiB READs each, never reading: with the default limits
     the server stays under 512 MiB RSS, and an honest client's 4 KiB read is answered."""
     bridge = volume()
@@ -112,6 +113,7 @@ def test_never_reading_clients_stay_under_512_mib(volume):
     finally:
         close_all(hogs)
     assert bridge.alive
+    print(nbdkit_rss_figure(ws, 1))
 
 
 def test_memory_returns_after_a_load(volume):
@@ -307,28 +309,55 @@ def test_default_limits_fit_a_256_mib_cgroup_remote(memcg, ws, monkeypatch):
     memory cgroup with the default limits: it is not OOM-killed and still serves."""
     need_tool("nbdkit")
     sock = ws.sockdir / "up.sock"
-    up = subprocess.Popen(["nbdkit", "-f", "--exit-with-parent", "-U", str(sock), "memory", "1G"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    up = start_nbdkit_memory(sock)
     bridge = None
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                s = socket.socket(socket.AF_UNIX)
-                s.connect(str(sock))
-                s.close()
-                break
-            except OSError:
-                assert up.poll() is None and time.monotonic() < deadline, "nbdkit did not start"
-                time.sleep(0.02)
         key_file, _ = ws.key(64)
         bridge = serve_in(memcg, ws, monkeypatch, f"nbd+unix:///?socket={sock}", key_file)
         survive(memcg, bridge, 4)
     finally:
         if bridge is not None:
             bridge.stop()  # nbdkit waits for its connections before it exits
-        up.terminate()
+        stop(up)
+
+
+def start_nbdkit_memory(sock: Path) -> subprocess.Popen:
+    """`nbdkit memory 1G` on a Unix socket, once it accepts."""
+    up = subprocess.Popen(["nbdkit", "-f", "--exit-with-parent", "-U", str(sock), "memory", "1G"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while True:
         try:
-            up.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait(timeout=15)
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(sock))
+            s.close()
+            return up
+        except OSError:
+            if up.poll() is not None or time.monotonic() > deadline:
+                stop(up)
+                pytest.fail("nbdkit did not start")
+            time.sleep(0.02)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=15)
+
+
+def nbdkit_rss_figure(ws, clients: int) -> str:
+    """nbdkit's figure beside ours (issue 27, D7): its peak RSS with `clients` never-reading
+    clients (fewer than ours: each of its 16 threads per connection holds a 32 MiB buffer)."""
+    if not shutil.which("nbdkit"):
+        return "nbdkit: not installed"
+    up = start_nbdkit_memory(ws.sockdir / "nbdkit-rss.sock")
+    try:
+        hogs = never_reading(f"nbd+unix:///?socket={ws.sockdir / 'nbdkit-rss.sock'}", clients)
+        try:
+            return f"nbdkit memory, {clients} such client(s): peak RSS {watch_rss(up.pid, 2.0)} MiB"
+        finally:
+            close_all(hogs)
+    finally:
+        stop(up)

@@ -20,6 +20,7 @@ pub mod backing;
 mod core;
 mod frontend;
 pub mod mapping;
+pub mod metrics;
 pub mod nbd;
 mod range_lock;
 pub mod server;

@@ -21,6 +21,7 @@ use crate::nbd::request::Rules;
 pub use crate::nbd::request::MAX_REQUEST;
 use crate::nbd::*;
 use crate::mapping::Mapping;
+use crate::metrics;
 use crate::throttle::{unreported_note, RateLimitedWarn, WARN_PERIOD};
 pub use crate::transport::Listener;
 use crate::transport::{Socket, SocketTimeouts, Stream, Waiter};
@@ -125,11 +126,18 @@ pub struct Server {
 }
 
 /// Counts one open connection until dropped (with the connection, once every thread has let go).
-pub(crate) struct Slot(Arc<AtomicUsize>);
+/// Also counts it in the metrics once taken in (`counted`).
+pub(crate) struct Slot {
+    open: Arc<AtomicUsize>,
+    counted: bool,
+}
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.open.fetch_sub(1, Ordering::SeqCst);
+        if self.counted {
+            metrics::global().connection_closed();
+        }
     }
 }
 
@@ -194,13 +202,15 @@ impl Server {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let max = self.config.max_connections;
         let open = self.open.fetch_add(1, Ordering::SeqCst);
-        let slot = Slot(Arc::clone(&self.open));
+        let mut slot = Slot { open: Arc::clone(&self.open), counted: false };
         if open >= max {
             drop(slot);
             tracing::warn!(conn = id, "refusing connection: {open} open, the limit is {max} (--max-connections)");
             socket.shutdown();
             return;
         }
+        metrics::global().connection_opened();
+        slot.counted = true;
         let server = Arc::clone(self);
         let spawned = std::thread::Builder::new().name(format!("conn-{id}")).spawn(move || {
             if let Err(e) = server.connection(id, socket, slot) {

@@ -8,16 +8,18 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use cryptbridge_bridge::backing::RemoteOptions;
+use cryptbridge_bridge::metrics::ExportInfo;
 use cryptbridge_bridge::nbd::uri::{self, NbdUri};
 use cryptbridge_bridge::{raise_open_file_limit, Backing, BackingOptions, Listener, Mapping, Server, ServerConfig, TlsMode, TlsPolicy};
 use cryptbridge_cipher::registry::KeyPolicy;
-use cryptbridge_cipher::{new_cipher, SectorCipher};
+use cryptbridge_cipher::{new_cipher, CpuLevel, SectorCipher};
 use cryptbridge_engine::{Backend, CpuBackend, Engine, RtlSimBackend, SectorLayout};
 
 use crate::{keyfile, names, size, usage};
 
 mod activation;
 mod luks;
+mod metrics;
 mod unix_socket;
 
 /// `--type`: how the backing store holds the volume.
@@ -105,6 +107,11 @@ pub struct Args {
     /// members of the group may connect too.
     #[arg(long, value_name = "GROUP", requires = "unix")]
     group: Option<String>,
+    /// Answer `GET /metrics` (Prometheus text format) on HOST:PORT, or on a Unix socket at this
+    /// path (one with a `/`; created 0600): requests, bytes, latency and errors per kind,
+    /// connections, remote back-end reconnects (docs/cli.md, "Metrics").
+    #[arg(long, value_name = "HOST:PORT|PATH")]
+    metrics: Option<String>,
     /// Export name (clients asking for the empty name get it too).
     #[arg(long, default_value = "cryptbridge")]
     export_name: String,
@@ -393,7 +400,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         allow_discards = false;
     }
     // From here on, a start that fails removes the files it created (backing, socket).
-    let mut created = CreatedFiles { backing: backing.created().then(|| args.backing.clone()), socket: None };
+    let mut created = CreatedFiles { backing: backing.created().then(|| args.backing.clone()), socket: None, metrics: None };
     if luks.is_none() && args.volume_type.is_none() && !backing.created() {
         refuse_luks_as_plain(&backing, &args.backing)?;
     }
@@ -416,6 +423,15 @@ pub fn run(args: Args) -> Result<ExitCode> {
         }
     };
     tracing::debug!("at most {max_connections} connections");
+    if let Some(addr) = &args.metrics {
+        let info = ExportInfo {
+            export: args.export_name.clone(),
+            cipher: if args.passthrough { "none".into() } else { luks.as_ref().map_or_else(|| args.cipher.clone(), luks::Volume::label) },
+            cpu_level: CpuLevel::active().map_or("unknown", CpuLevel::name).into(),
+            backing: if remote.is_some() { "nbd" } else if std::fs::metadata(&args.backing).is_ok_and(|m| m.file_type().is_block_device()) { "block" } else { "file" }.into(),
+        };
+        created.metrics = metrics::start(addr, info)?;
+    }
     let server = Server::new(
         Arc::clone(&mapping),
         ServerConfig {
@@ -451,7 +467,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
     // nbds:// (nbds+unix://): the URI scheme of NBD over TLS.
     let uri = if tls.is_some() { uri.replacen("nbd", "nbds", 1) } else { uri };
     // Only a socket this run created is removed on exit; an inherited one belongs to its giver.
-    install_signal_handler(Arc::clone(&mapping), created.socket.clone(), rtl.clone())?;
+    let sockets = [created.socket.clone(), created.metrics.clone()].into_iter().flatten().collect();
+    install_signal_handler(Arc::clone(&mapping), sockets, rtl.clone())?;
     if let Some(sim) = rtl {
         report_simulation_speed(sim);
     }
@@ -520,11 +537,13 @@ fn refuse_luks_as_plain(backing: &cryptbridge_bridge::Backing, path: &Path) -> R
 struct CreatedFiles {
     backing: Option<PathBuf>,
     socket: Option<PathBuf>,
+    /// The --metrics Unix socket.
+    metrics: Option<PathBuf>,
 }
 
 impl Drop for CreatedFiles {
     fn drop(&mut self) {
-        for path in [self.backing.take(), self.socket.take()].into_iter().flatten() {
+        for path in [self.backing.take(), self.socket.take(), self.metrics.take()].into_iter().flatten() {
             remove_created(&path);
         }
     }
@@ -540,15 +559,6 @@ fn remove_created(path: &Path) {
 
 fn bind(args: &Args) -> Result<(Listener, String)> {
     if let Some(path) = &args.unix {
-        if let Ok(meta) = std::fs::symlink_metadata(path) {
-            if !meta.file_type().is_socket() {
-                bail!("{} exists and is not a socket; refusing to replace it", path.display());
-            }
-            if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                bail!("another server is listening on {}; refusing to take its socket", path.display());
-            }
-            std::fs::remove_file(path)?; // a stale socket from an earlier run
-        }
         let group = args.group.as_deref().map(unix_socket::parse_group).transpose()?;
         let l = unix_socket::bind(path, group)?;
         if let Some(gid) = group {
@@ -590,12 +600,12 @@ fn log_sim_stats(s: &cryptbridge_engine::SimStats) {
 }
 
 /// SIGINT/SIGTERM: make answered writes durable, remove our socket, then exit cleanly.
-fn install_signal_handler(mapping: Arc<Mapping>, socket: Option<PathBuf>, rtl: Option<Arc<RtlSimBackend>>) -> Result<()> {
+fn install_signal_handler(mapping: Arc<Mapping>, sockets: Vec<PathBuf>, rtl: Option<Arc<RtlSimBackend>>) -> Result<()> {
     ctrlc::set_handler(move || {
         if let Some(sim) = &rtl {
             log_sim_stats(&sim.stats());
         }
-        if let Some(path) = &socket {
+        for path in &sockets {
             let _ = std::fs::remove_file(path); // nothing to do if it is already gone
         }
         let code = match mapping.flush() {

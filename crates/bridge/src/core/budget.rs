@@ -14,6 +14,9 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use crate::metrics;
 
 /// The part of the server-wide budget (1 / this) that only connections holding little may take.
 pub(crate) const RESERVE_DIVISOR: u64 = 8;
@@ -149,10 +152,20 @@ pub(crate) struct Permit {
     global: Arc<Budget>,
     bytes: u64,
     task: bool,
+    /// When the request was admitted (its latency runs from here).
+    pub(crate) admitted: Instant,
+}
+
+impl Permit {
+    fn new(flow: &Arc<Flow>, global: &Arc<Budget>, bytes: u64, task: bool) -> Self {
+        metrics::global().admitted();
+        Self { flow: Arc::clone(flow), global: Arc::clone(global), bytes, task, admitted: Instant::now() }
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
+        metrics::global().released();
         self.global.give(self.bytes);
         let f = &self.flow;
         f.bytes.fetch_sub(self.bytes, SeqCst);
@@ -211,7 +224,7 @@ impl Flow {
         }
         // Counted here before the server-wide wait, so the connection's share is never exceeded
         // while this request waits for the server's.
-        let permit = Permit { flow: Arc::clone(self), global: Arc::clone(global), bytes, task };
+        let permit = Permit::new(self, global, bytes, task);
         global.take(bytes, class, before_wait);
         Some(permit)
     }
@@ -227,7 +240,7 @@ impl Flow {
             return None;
         }
         self.bytes.fetch_add(bytes, SeqCst);
-        Some(Permit { flow: Arc::clone(self), global: Arc::clone(global), bytes, task: false })
+        Some(Permit::new(self, global, bytes, false))
     }
 
     /// Wakes the reader if it waits (after a release, or when the connection fails).

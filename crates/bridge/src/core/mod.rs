@@ -182,7 +182,7 @@ impl Core {
                         tracing::info!(conn = client.id(), "connection lost inside a write payload: {e}");
                         return Intake::Ended;
                     }
-                    return Intake::Answered(client.reply(Outcome { request, result: Err(e), permit: Some(permit) }));
+                    return Intake::Answered(client.reply(Outcome::done(request, Err(e), permit)));
                 }
             }
         }
@@ -244,7 +244,7 @@ impl Core {
         if let Err(e) = &result {
             tracing::error!(conn = client.id(), ?request, "I/O error: {e}");
         }
-        client.reply(Outcome { request, result, permit: Some(permit) })
+        client.reply(Outcome::done(request, result, permit))
     }
 
     /// The run step: `request` through the volume mapping, the engine and the back end, on
@@ -291,7 +291,7 @@ impl Core {
                         if let Err(e) = &result {
                             tracing::error!(conn = again.id(), ?request, "I/O error: {e}");
                         }
-                        let reply = again.reply(Outcome { request, result, permit: Some(permit) });
+                        let reply = again.reply(Outcome::done(request, result, permit));
                         again.deliver(Some(reply));
                     });
                     if let Err(job) = pool.submit(job) {
@@ -304,7 +304,7 @@ impl Core {
             if let Err(e) = &result {
                 tracing::error!(conn = conn.id(), ?request, "I/O error: {e}");
             }
-            let reply = conn.reply(Outcome { request, result, permit: Some(permit) });
+            let reply = conn.reply(Outcome::done(request, result, permit));
             conn.deliver_soon(reply, burst);
         });
     }
@@ -363,5 +363,5 @@ pub(crate) fn answer<C: Client>(client: &C, request: Request, result: io::Result
     if let Err(e) = &result {
         tracing::error!(conn = client.id(), ?request, "I/O error: {e}");
     }
-    client.reply(Outcome { request, result: result.map(|()| Body::Empty), permit: Some(permit) })
+    client.reply(Outcome::done(request, result.map(|()| Body::Empty), permit))
 }

@@ -6,6 +6,7 @@ use std::io;
 
 use super::budget::Permit;
 use crate::mapping::{Extent, ReadData, SealedRead};
+use crate::metrics::{self, OpKind};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Op {
@@ -24,6 +25,19 @@ pub(crate) enum Op {
 }
 
 impl Op {
+    /// Its kind, as the metrics count it.
+    pub(crate) fn kind(self) -> OpKind {
+        match self {
+            Op::Read => OpKind::Read,
+            Op::Write => OpKind::Write,
+            Op::WriteZeroes => OpKind::Zero,
+            Op::Trim => OpKind::Trim,
+            Op::Flush => OpKind::Flush,
+            Op::Cache => OpKind::Cache,
+            Op::BlockStatus => OpKind::BlockStatus,
+        }
+    }
+
     /// Whether the request changes data, or must come after every request that does (FLUSH).
     pub(crate) fn orders(self) -> bool {
         matches!(self, Op::Write | Op::WriteZeroes | Op::Trim | Op::Flush)
@@ -72,4 +86,16 @@ pub(crate) struct Outcome {
     pub(crate) result: io::Result<Body>,
     /// None for a request its front end refused before admitting it.
     pub(crate) permit: Option<Permit>,
+}
+
+impl Outcome {
+    /// The outcome of an admitted request: every one is made here, and counted here, once.
+    pub(crate) fn done(request: Request, result: io::Result<Body>, permit: Permit) -> Self {
+        let bytes = match request.op {
+            Op::Read | Op::Write | Op::Trim | Op::WriteZeroes => u64::from(request.len),
+            Op::Flush | Op::Cache | Op::BlockStatus => 0,
+        };
+        metrics::global().completed(request.op.kind(), bytes, permit.admitted.elapsed(), result.as_ref().map(|_| ()));
+        Self { request, result, permit: Some(permit) }
+    }
 }

@@ -105,10 +105,12 @@ impl<C: Client> Session<C> {
         match core.mapping().own_session() {
             Some(Ok(up)) => {
                 tracing::info!(conn = self.conn, "upstream connection of its own open again");
+                crate::metrics::global().backing_reconnect(true);
                 (self.up, self.retry_at) = (Some(up), None);
             }
             Some(Err(e)) => {
                 tracing::warn!(conn = self.conn, "no upstream connection of its own yet ({e}); using the shared ones");
+                crate::metrics::global().backing_reconnect(false);
                 self.retry_at = Some(Instant::now() + OWN_RETRY);
             }
             None => self.retry_at = None,
@@ -129,7 +131,7 @@ impl<C: Client> Session<C> {
             }
             Err(e) => {
                 tracing::error!(conn = self.conn, ?request, "no memory for the read: {e}");
-                self.replies.push_back(client.reply(Outcome { request, result: Err(e), permit: Some(permit) }));
+                self.replies.push_back(client.reply(Outcome::done(request, Err(e), permit)));
             }
         }
     }
@@ -179,7 +181,7 @@ impl<C: Client> Session<C> {
         if let Err(e) = &result {
             tracing::error!(conn = self.conn, ?request, "I/O error: {e}");
         }
-        self.replies.push_back(client.reply(Outcome { request, result, permit: Some(permit) }));
+        self.replies.push_back(client.reply(Outcome::done(request, result, permit)));
     }
 
     /// Waits until the upstream has answered every request in flight here.
@@ -227,7 +229,7 @@ impl<C: Client> Session<C> {
                 if let Err(e) = &result {
                     tracing::error!(conn = self.conn, ?request, "decryption failed: {e}");
                 }
-                client.reply(Outcome { request, result, permit: Some(permit) })
+                client.reply(Outcome::done(request, result, permit))
             }
             // The server is going away: as good as a lost connection (the shared path resends).
             (kind, Err(e), _) if e.raw_os_error() == Some(libc::ESHUTDOWN) => return self.resend(core, client, Flight { request, permit, kind }),
@@ -242,6 +244,7 @@ impl<C: Client> Session<C> {
     /// Ends the connection of its own: what was in flight on it takes the shared path.
     fn lose(&mut self, core: &Arc<Core>, client: &Arc<C>, why: &str) {
         let Some(mut up) = self.up.take() else { return };
+        crate::metrics::global().own_connection_lost();
         let lost = up.take_lost(why);
         drop(up);
         self.retry_at = Some(Instant::now() + OWN_RETRY);

@@ -4,15 +4,25 @@
 
 use std::ffi::{CStr, CString};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 
 /// Binds and listens on `path`, mode 0600; with `group`, then gives the socket to that group and
-/// widens it to 0660. On failure nothing is left at `path`.
+/// widens it to 0660. A stale socket of an earlier run is replaced; anything else at `path`,
+/// or a socket another server listens on, is refused. On failure nothing is left at `path`.
 pub fn bind(path: &Path, group: Option<libc::gid_t>) -> Result<UnixListener> {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            bail!("{} exists and is not a socket; refusing to replace it", path.display());
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            bail!("another server is listening on {}; refusing to take its socket", path.display());
+        }
+        std::fs::remove_file(path)?; // a stale socket from an earlier run
+    }
     let listener = bind_owner_only(path).with_context(|| format!("cannot listen on {}", path.display()))?;
     if let Some(gid) = group {
         // The socket is 0600 until both steps are done: the group gets in only once it is the

@@ -39,7 +39,8 @@ use crate::core::request::{Body, Op, Outcome, Request};
 use crate::core::session::Session;
 use crate::core::{Admit, Apart, Client, Core, Intake, Source};
 use crate::mapping::{Extent, Mapping, ReadData, SealedRead};
-use crate::nbd::request::{check, errno_of, Rules, Verdict};
+use crate::metrics;
+use crate::nbd::request::{check, errno_of, io_error_of, Rules, Verdict};
 use crate::nbd::transmission::{self, block_status_payload, holds_whole_request, parse_request, ReplyHead, REQUEST_HEADER_LEN};
 use crate::nbd::{
     Negotiated, BASE_ALLOCATION_ID, CMD_BLOCK_STATUS, CMD_CACHE, CMD_FLAG_FUA, CMD_FLAG_REQ_ONE, CMD_FLUSH, CMD_READ, CMD_TRIM,
@@ -591,6 +592,11 @@ impl Connection {
 
     /// The reply to a request `check` refused.
     fn rejected(&self, r: &transmission::Request, errno: u32) -> Reply {
+        let op = match r.command {
+            CMD_READ | CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM | CMD_FLUSH | CMD_CACHE | CMD_BLOCK_STATUS => Some(to_core(r).op.kind()),
+            _ => None,
+        };
+        metrics::global().refused(op, metrics::errno_name(&io_error_of(errno)));
         let structured = self.rules.negotiated.structured && matches!(r.command, CMD_READ | CMD_BLOCK_STATUS);
         Reply { handle: r.handle, error: errno, body: Payload::Empty, chunk_at: structured.then_some(r.offset), _permit: None }
     }

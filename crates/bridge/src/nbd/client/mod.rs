@@ -249,12 +249,14 @@ impl Client {
         match self.reconnect(conn.index) {
             Ok(live) => {
                 tracing::info!(upstream_conn = conn.index, "reconnected to the upstream {}", self.uri);
+                crate::metrics::global().backing_reconnect(true);
                 st.live = Some(Arc::clone(&live));
                 st.last_failure = None;
                 Some(live)
             }
             Err(e) => {
                 tracing::warn!(upstream_conn = conn.index, "cannot reconnect to the upstream {}: {e}", self.uri);
+                crate::metrics::global().backing_reconnect(false);
                 st.last_failure = Some(Instant::now());
                 None
             }

@@ -1,0 +1,298 @@
+//! What the server counts, and its Prometheus endpoint (`serve --metrics`, [`http`]).
+//!
+//! One set of counters per process (a process serves one export), kept in plain atomics so that
+//! counting costs a few uncontended adds per request: the core records every request once, when
+//! its outcome is made ([`Metrics::completed`]); a request its front end refuses before the core
+//! sees it is recorded by that front end ([`Metrics::refused`]). The Prometheus text is made
+//! only when scraped, by `prometheus-client` from a snapshot of the atomics.
+
+pub mod http;
+
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+
+/// The request kinds counted apart, with their label values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpKind {
+    Read,
+    Write,
+    Flush,
+    Trim,
+    Zero,
+    Cache,
+    BlockStatus,
+}
+
+const OPS: [OpKind; 7] = [OpKind::Read, OpKind::Write, OpKind::Flush, OpKind::Trim, OpKind::Zero, OpKind::Cache, OpKind::BlockStatus];
+
+impl OpKind {
+    fn label(self) -> &'static str {
+        match self {
+            OpKind::Read => "read",
+            OpKind::Write => "write",
+            OpKind::Flush => "flush",
+            OpKind::Trim => "trim",
+            OpKind::Zero => "zero",
+            OpKind::Cache => "cache",
+            OpKind::BlockStatus => "block_status",
+        }
+    }
+}
+
+/// Upper bounds of the latency buckets, in seconds: from a cached 4 KiB read to a request that
+/// waited out a slow upstream.
+const BUCKETS: [f64; 16] = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+const BUCKET_NANOS: [u64; 16] = {
+    let mut n = [0u64; 16];
+    let mut i = 0;
+    while i < 16 {
+        n[i] = (BUCKETS[i] * 1e9) as u64;
+        i += 1;
+    }
+    n
+};
+
+#[derive(Default)]
+struct OpStats {
+    completed: AtomicU64,
+    bytes: AtomicU64,
+    nanos: AtomicU64,
+    /// Requests per bucket (not cumulative); the last counts those past every bound.
+    buckets: [AtomicU64; BUCKETS.len() + 1],
+}
+
+/// What the info metric says about the export.
+#[derive(Debug, Clone, Default)]
+pub struct ExportInfo {
+    pub export: String,
+    pub cipher: String,
+    pub cpu_level: String,
+    /// `file`, `block`, `nbd`.
+    pub backing: String,
+}
+
+pub struct Metrics {
+    ops: [OpStats; OPS.len()],
+    /// Failed requests by kind and errno name: rare, so a lock is cheap enough.
+    errors: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
+    in_flight: AtomicI64,
+    connections: AtomicI64,
+    connections_total: AtomicU64,
+    reconnects: AtomicU64,
+    reconnect_failures: AtomicU64,
+    own_connections_lost: AtomicU64,
+    info: OnceLock<ExportInfo>,
+}
+
+/// The process's counters.
+pub fn global() -> &'static Metrics {
+    static METRICS: OnceLock<Metrics> = OnceLock::new();
+    METRICS.get_or_init(|| Metrics {
+        ops: Default::default(),
+        errors: Mutex::default(),
+        in_flight: AtomicI64::new(0),
+        connections: AtomicI64::new(0),
+        connections_total: AtomicU64::new(0),
+        reconnects: AtomicU64::new(0),
+        reconnect_failures: AtomicU64::new(0),
+        own_connections_lost: AtomicU64::new(0),
+        info: OnceLock::new(),
+    })
+}
+
+impl Metrics {
+    /// Names the export in every metric; the first call wins.
+    pub fn describe(&self, info: ExportInfo) {
+        let _ = self.info.set(info);
+    }
+
+    /// A request ended: `bytes` moved (READ/WRITE) or covered (TRIM, WRITE_ZEROES), `took`
+    /// since it was admitted.
+    pub(crate) fn completed(&self, op: OpKind, bytes: u64, took: Duration, result: Result<(), &io::Error>) {
+        let s = &self.ops[op as usize];
+        s.completed.fetch_add(1, Relaxed);
+        s.bytes.fetch_add(bytes, Relaxed);
+        let nanos = took.as_nanos().min(u128::from(u64::MAX)) as u64;
+        s.nanos.fetch_add(nanos, Relaxed);
+        let bucket = BUCKET_NANOS.iter().position(|&b| nanos <= b).unwrap_or(BUCKETS.len());
+        s.buckets[bucket].fetch_add(1, Relaxed);
+        if let Err(e) = result {
+            self.error(op.label(), errno_name(e));
+        }
+    }
+
+    /// A request its front end refused (out of range, read-only, malformed), `op` where the
+    /// front end knows it.
+    pub(crate) fn refused(&self, op: Option<OpKind>, errno: &'static str) {
+        self.error(op.map_or("other", OpKind::label), errno);
+    }
+
+    fn error(&self, op: &'static str, errno: &'static str) {
+        *self.errors.lock().unwrap_or_else(|e| e.into_inner()).entry((op, errno)).or_default() += 1;
+    }
+
+    pub(crate) fn admitted(&self) {
+        self.in_flight.fetch_add(1, Relaxed);
+    }
+
+    pub(crate) fn released(&self) {
+        self.in_flight.fetch_sub(1, Relaxed);
+    }
+
+    pub(crate) fn connection_opened(&self) {
+        self.connections.fetch_add(1, Relaxed);
+        self.connections_total.fetch_add(1, Relaxed);
+    }
+
+    pub(crate) fn connection_closed(&self) {
+        self.connections.fetch_sub(1, Relaxed);
+    }
+
+    /// The remote back end dialled a lost upstream connection again: `ok` whether it worked.
+    pub(crate) fn backing_reconnect(&self, ok: bool) {
+        if ok { &self.reconnects } else { &self.reconnect_failures }.fetch_add(1, Relaxed);
+    }
+
+    /// A client's own upstream connection was lost (its requests took the shared ones).
+    pub(crate) fn own_connection_lost(&self) {
+        self.own_connections_lost.fetch_add(1, Relaxed);
+    }
+
+    /// The Prometheus text exposition of every metric, now.
+    pub fn render(&'static self) -> String {
+        let mut registry = Registry::with_prefix("cryptbridge");
+        registry.register_collector(Box::new(Snapshot(self)));
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &registry);
+        out
+    }
+}
+
+/// The errno name of an error, for the errors metric.
+pub(crate) fn errno_name(e: &io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::EPERM) => "EPERM",
+        Some(libc::EROFS) => "EROFS",
+        Some(libc::EACCES) => "EACCES",
+        Some(libc::ENOSPC) => "ENOSPC",
+        Some(libc::EDQUOT) => "EDQUOT",
+        Some(libc::EINVAL) => "EINVAL",
+        Some(libc::ENOMEM) => "ENOMEM",
+        Some(libc::EOVERFLOW) => "EOVERFLOW",
+        Some(libc::EOPNOTSUPP) => "ENOTSUP",
+        Some(libc::ESHUTDOWN) => "ESHUTDOWN",
+        Some(libc::ETIMEDOUT) => "ETIMEDOUT",
+        _ => "EIO",
+    }
+}
+
+#[derive(Debug)]
+struct Snapshot(&'static Metrics);
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+fn counter(e: &mut DescriptorEncoder, name: &str, help: &str, unit: Option<&Unit>, rows: &[(Vec<(&str, &str)>, u64)]) -> std::fmt::Result {
+    let mut m = e.encode_descriptor(name, help, unit, MetricType::Counter)?;
+    for (labels, v) in rows {
+        ConstCounter::new(*v).encode(m.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+fn gauge(e: &mut DescriptorEncoder, name: &str, help: &str, labels: &[(&str, &str)], v: i64) -> std::fmt::Result {
+    let mut m = e.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    ConstGauge::new(v).encode(m.encode_family(&labels.to_vec())?)
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
+        let m = self.0;
+        let info = m.info.get().cloned().unwrap_or_default();
+        let export = info.export.as_str();
+        let per_op = |f: &dyn Fn(&OpStats) -> u64| -> Vec<(Vec<(&str, &str)>, u64)> {
+            OPS.iter().map(|&op| (vec![("export", export), ("op", op.label())], f(&m.ops[op as usize]))).collect()
+        };
+        counter(&mut e, "requests", "Requests completed (answered, with or without an error).", None, &per_op(&|s| s.completed.load(Relaxed)))?;
+        counter(&mut e, "request", "Bytes of the requests completed: moved for read and write, covered for trim and zero.", Some(&Unit::Bytes), &per_op(&|s| s.bytes.load(Relaxed)))?;
+
+        let mut h = e.encode_descriptor("request_duration", "Time from a request's admission to its outcome.", Some(&Unit::Seconds), MetricType::Histogram)?;
+        for &op in &OPS {
+            let s = &m.ops[op as usize];
+            // Per bucket, as the encoder wants them (it makes them cumulative and adds +Inf);
+            // the count from the same loads, so that no bucket exceeds it.
+            let per_bucket: Vec<(f64, u64)> = BUCKETS.iter().enumerate().map(|(i, &bound)| (bound, s.buckets[i].load(Relaxed))).collect();
+            let count = per_bucket.iter().map(|b| b.1).sum::<u64>() + s.buckets[BUCKETS.len()].load(Relaxed);
+            let sum = s.nanos.load(Relaxed) as f64 / 1e9;
+            let labels = vec![("export", export), ("op", op.label())];
+            h.encode_family(&labels)?.encode_histogram::<NoLabelSet>(sum, count, &per_bucket, None)?;
+        }
+
+        let errors: Vec<(Vec<(&str, &str)>, u64)> = m
+            .errors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(&(op, errno), &v)| (vec![("export", export), ("op", op), ("errno", errno)], v))
+            .collect();
+        counter(&mut e, "request_errors", "Requests answered with an error, by errno (including those refused by the front end).", None, &errors)?;
+        gauge(&mut e, "requests_in_flight", "Requests admitted whose reply is not yet sent.", &[("export", export)], m.in_flight.load(Relaxed))?;
+        gauge(&mut e, "connections", "Client connections open now.", &[("export", export)], m.connections.load(Relaxed))?;
+        counter(&mut e, "connections_accepted", "Client connections accepted.", None, &[(vec![("export", export)], m.connections_total.load(Relaxed))])?;
+        counter(
+            &mut e,
+            "backing_reconnects",
+            "Remote back end: lost upstream connections dialled again, by result.",
+            None,
+            &[(vec![("result", "ok")], m.reconnects.load(Relaxed)), (vec![("result", "failed")], m.reconnect_failures.load(Relaxed))],
+        )?;
+        counter(&mut e, "backing_own_connections_lost", "Remote back end: clients' own upstream connections lost.", None, &[(vec![], m.own_connections_lost.load(Relaxed))])?;
+        let labels = [("export", export), ("cipher", info.cipher.as_str()), ("cpu_level", info.cpu_level.as_str()), ("backing", info.backing.as_str()), ("version", env!("CARGO_PKG_VERSION"))];
+        gauge(&mut e, "info", "The export's cipher, CPU level, back end and the server's version (always 1).", &labels, 1)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_text_has_every_family_and_counts_requests() {
+        let m = global();
+        m.describe(ExportInfo { export: "t".into(), cipher: "aes-xts-plain64".into(), cpu_level: "portable".into(), backing: "file".into() });
+        let before = m.render();
+        m.completed(OpKind::Write, 4096, Duration::from_micros(300), Ok(()));
+        m.completed(OpKind::Write, 4096, Duration::from_secs(20), Err(&io::Error::from_raw_os_error(libc::ENOSPC)));
+        let text = m.render();
+        let value = |text: &str, line: &str| -> f64 {
+            text.lines().find_map(|l| l.strip_prefix(line).map(|v| v.trim().parse::<f64>().unwrap())).unwrap_or(0.0)
+        };
+        let w = "{export=\"t\",op=\"write\"}";
+        assert_eq!(value(&text, &format!("cryptbridge_requests_total{w}")) - value(&before, &format!("cryptbridge_requests_total{w}")), 2.0);
+        assert_eq!(value(&text, &format!("cryptbridge_request_bytes_total{w}")) - value(&before, &format!("cryptbridge_request_bytes_total{w}")), 8192.0);
+        let le = |b: &str| format!("cryptbridge_request_duration_seconds_bucket{{export=\"t\",op=\"write\",le=\"{b}\"}}");
+        assert_eq!(value(&text, &le("0.0005")) - value(&before, &le("0.0005")), 1.0);
+        assert_eq!(value(&text, &le("0.00025")) - value(&before, &le("0.00025")), 0.0);
+        assert_eq!(value(&text, &le("10")) - value(&before, &le("10")), 1.0, "20 s is past the last bound");
+        assert_eq!(value(&text, &le("+Inf")) - value(&before, &le("+Inf")), 2.0);
+        let count = format!("cryptbridge_request_duration_seconds_count{w}");
+        assert_eq!(value(&text, &count), value(&text, &le("+Inf")));
+        assert!(text.contains("cryptbridge_request_errors_total{export=\"t\",op=\"write\",errno=\"ENOSPC\"}"), "{text}");
+        assert!(text.contains("cryptbridge_info{export=\"t\",cipher=\"aes-xts-plain64\",cpu_level=\"portable\""), "{text}");
+    }
+}

@@ -149,3 +149,26 @@ def test_bad_metrics_address_is_a_clear_error(ws):
     with pytest.raises(Exception) as e:
         ws.serve(ws.backing(16 * MiB), key_file, extra=("--metrics", "no-such-host-or-port"))
     assert "--metrics" in str(e.value)
+
+
+def test_contrib_dashboard_and_scrape_config_name_what_the_server_exports(ws):
+    """contrib/grafana-dashboard.json queries only metrics the server exports, and
+    contrib/prometheus.yml scrapes the /metrics path the server answers."""
+    import json
+
+    from conftest import REPO
+
+    key_file, _ = ws.key(64)
+    bridge = ws.serve(ws.backing(16 * MiB), key_file, extra=("--metrics", "127.0.0.1:0"))
+    host, port = tcp_endpoint(bridge)
+    body = http_get(lambda: socket.create_connection((host, port)))[1]
+    families = set(re.findall(r"^# TYPE (\S+) ", body, re.M))
+    dash = json.loads((REPO / "contrib" / "grafana-dashboard.json").read_text())
+    used = set()
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            used |= set(re.findall(r"\b(cryptbridge_[a-z_]+)", t["expr"]))
+    known = families | {f + "_bucket" for f in families}
+    assert used and used <= known, f"the dashboard queries metrics the server lacks: {sorted(used - known)}"
+    scrape = (REPO / "contrib" / "prometheus.yml").read_text()
+    assert "job_name: cryptbridge" in scrape and "metrics_path" not in scrape  # the default, /metrics

@@ -1,0 +1,59 @@
+//! `serve --vhost-user-blk SOCKET`: the volume as a vhost-user-blk device instead of an NBD
+//! export (the bridge's `frontend/vhost_user`). The socket is made as `--unix`'s is (0600,
+//! whatever the umask); the ready line is `ready vhost-user-blk:ABSOLUTE-PATH`.
+
+use std::os::unix::fs::FileTypeExt;
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use cryptbridge_bridge::{serve_vhost_user_blk, Mapping, Server, VhostUserOptions};
+use cryptbridge_engine::RtlSimBackend;
+
+use super::{install_signal_handler, report_simulation_speed, unix_socket, Args, CreatedFiles};
+
+pub(super) fn serve(
+    args: &Args,
+    path: &Path,
+    server: &Arc<Server>,
+    mapping: Arc<Mapping>,
+    rtl: Option<Arc<RtlSimBackend>>,
+    mut created: CreatedFiles,
+    mode: &str,
+) -> Result<ExitCode> {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            bail!("{} exists and is not a socket; refusing to replace it", path.display());
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            bail!("another server is listening on {}; refusing to take its socket", path.display());
+        }
+        std::fs::remove_file(path)?; // a stale socket from an earlier run
+    }
+    let listener = unix_socket::bind(path, None)?;
+    created.socket = Some(path.to_path_buf());
+    let abs = std::fs::canonicalize(path)?;
+    install_signal_handler(Arc::clone(&mapping), created.socket.clone(), rtl.clone())?;
+    if let Some(sim) = rtl {
+        report_simulation_speed(sim);
+    }
+    let options = VhostUserOptions { queues: args.queues as usize, serial: args.export_name.clone() };
+    tracing::info!(
+        "serving {} ({} bytes, {}-byte sectors, {mode}) as vhost-user-blk on {}, {} queue(s)",
+        args.backing.display(),
+        mapping.size(),
+        mapping.sector_size(),
+        abs.display(),
+        options.queues,
+    );
+    {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "ready vhost-user-blk:{}", abs.display()).and_then(|()| out.flush()).context("cannot print the ready line on stdout")?;
+    }
+    created.backing = None;
+    // The socket stays for the signal handler to remove; a failing listener removes it here.
+    serve_vhost_user_blk(server, listener, &options).context("vhost-user-blk")?;
+    Ok(ExitCode::SUCCESS)
+}

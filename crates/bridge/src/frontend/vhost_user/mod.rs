@@ -14,6 +14,8 @@
 
 mod chain;
 mod queue;
+#[cfg(test)]
+mod tests;
 
 use std::io;
 use std::os::unix::net::UnixListener;

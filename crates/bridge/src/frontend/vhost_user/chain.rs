@@ -148,7 +148,7 @@ pub(crate) fn command(layout: &Layout, reader: Option<&mut Reader<'_>>, rules: &
     let range = |len: u64| -> Option<(u64, u32)> {
         let offset = sector.checked_mul(SECTOR)?;
         let end = offset.checked_add(len)?;
-        (len % SECTOR == 0 && len <= u64::from(MAX_REQUEST) && end <= rules.capacity).then_some((offset, len as u32))
+        (len.is_multiple_of(SECTOR) && len <= u64::from(MAX_REQUEST) && end <= rules.capacity).then_some((offset, len as u32))
     };
     match kind {
         VIRTIO_BLK_T_IN => match range(room) {

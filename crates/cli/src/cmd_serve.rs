@@ -112,9 +112,10 @@ pub struct Args {
     #[arg(long, value_name = "SOCKET", conflicts_with_all = ["unix", "group", "tls"])]
     vhost_user_blk: Option<PathBuf>,
     /// With --vhost-user-blk: virtqueues, each served by a worker thread of its own.
+    // u8 (at most 64): Args is the largest variant of the command enum, kept small.
     #[arg(long, value_name = "N", default_value_t = 1, requires = "vhost_user_blk",
-          value_parser = clap::value_parser!(u64).range(1..=cryptbridge_bridge::MAX_VHOST_USER_QUEUES as u64))]
-    queues: u64,
+          value_parser = clap::value_parser!(u8).range(1..=cryptbridge_bridge::MAX_VHOST_USER_QUEUES as i64))]
+    queues: u8,
     /// Export name (clients asking for the empty name get it too).
     #[arg(long, default_value = "cryptbridge")]
     export_name: String,

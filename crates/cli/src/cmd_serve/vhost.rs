@@ -38,7 +38,7 @@ pub(super) fn serve(
     if let Some(sim) = rtl {
         report_simulation_speed(sim);
     }
-    let options = VhostUserOptions { queues: args.queues as usize, serial: args.export_name.clone() };
+    let options = VhostUserOptions { queues: usize::from(args.queues), serial: args.export_name.clone() };
     tracing::info!(
         "serving {} ({} bytes, {}-byte sectors, {mode}) as vhost-user-blk on {}, {} queue(s)",
         args.backing.display(),

@@ -18,6 +18,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -246,4 +247,61 @@ def test_remote_backing_over_vhost_user(ws, client_bin):
     # Stopped before its upstream (the workspace stops them in start order), so its flush on exit
     # finds the upstream there.
     assert b.stop() == 0, b.stderr()[-3000:]
+    assert_no_panic(b.stderr())
+
+
+# A boot sector that prints a line on the first serial port and halts: 16-bit code run by SeaBIOS,
+# which reads it from the disk through its own virtio-blk driver (qemu's vhost-user-blk-pci).
+#   xor ax,ax; mov ds,ax; mov dx,0x3f8; mov si,msg
+#   next: lodsb; test al,al; jz done; out dx,al; jmp next
+#   done: hlt; jmp done
+#   msg: BOOT_LINE, 0
+BOOT_LINE = b"booted from cryptbridge vhost-user-blk\r\n"
+BOOT_CODE = bytes.fromhex("31c08ed8baf803be157cac84c07403eeebf8f4ebfd")
+
+
+def boot_sector() -> bytes:
+    code = BOOT_CODE + BOOT_LINE + b"\0"
+    assert len(BOOT_CODE) == 0x15
+    return code + bytes(510 - len(code)) + b"\x55\xaa"
+
+
+def test_qemu_boots_from_the_device(ws, client_bin):
+    """qemu-system-x86_64 (TCG; no KVM or guest kernel needed) as the front end: its firmware reads
+    a boot sector that a blkio client wrote through the same socket, encrypted on the backing file,
+    and runs it. Skipped where qemu-system-x86_64 is not installed (scripts/install-deps.sh installs
+    it as optional)."""
+    qemu = shutil.which("qemu-system-x86_64")
+    if qemu is None:
+        pytest.skip("qemu-system-x86_64 not installed (Debian: qemu-system-x86)")
+    kf, key = ws.key(64)
+    backing = ws.backing(SIZE)
+    b, sock = serve(ws, backing, key_file=kf)
+    (ws.tmp / "boot").write_bytes(boot_sector())
+    ok(client(client_bin, sock, "write", 0, ws.tmp / "boot", "flush"))
+    assert backing.read_bytes()[:512] == xts(key, 0, boot_sector()), "boot sector not encrypted on disk"
+    serial = ws.tmp / "serial.txt"
+    cmd = [
+        qemu, "-machine", "pc,accel=tcg,memory-backend=mem", "-m", "64M",
+        "-object", "memory-backend-memfd,id=mem,size=64M,share=on",
+        "-chardev", f"socket,id=disk,path={sock}",
+        "-device", "vhost-user-blk-pci,chardev=disk,num-queues=1,bootindex=1",
+        "-display", "none", "-nodefaults", "-monitor", "none", "-no-reboot",
+        "-serial", f"file:{serial}",
+    ]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and p.poll() is None:
+            if serial.exists() and BOOT_LINE in serial.read_bytes():
+                break
+            time.sleep(0.1)
+        out = serial.read_bytes() if serial.exists() else b""
+    finally:
+        p.kill()
+        _, err = p.communicate(timeout=30)
+    assert BOOT_LINE in out, f"qemu did not boot from the device; serial: {out[-500:]!r}\nqemu: {err.decode(errors='replace')[-2000:]}"
+    # The bridge takes the next front end after qemu is gone.
+    ok(client(client_bin, sock, "read", 0, 512, ws.tmp / "back"))
+    assert (ws.tmp / "back").read_bytes() == boot_sector()
     assert_no_panic(b.stderr())

@@ -290,8 +290,9 @@ pub fn serve_vhost_user_blk(server: &Server, listener: UnixListener, options: &V
             Ok(()) => tracing::info!(conn, "vhost-user front end disconnected"),
             Err(e) => tracing::info!(conn, "vhost-user front end connection ended: {e}"),
         }
-        // Its requests still running finish before the next front end sets the device up.
+        // Ends the queues' worker threads (nothing more is taken), then waits for the requests
+        // still running before the next front end sets the device up.
+        drop(daemon);
         blk.stop_all();
-        drop(daemon); // ends the queues' worker threads
     }
 }

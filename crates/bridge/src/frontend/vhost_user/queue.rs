@@ -175,6 +175,8 @@ impl Queue {
             }
         };
         let mem = chain.memory();
+        // The driver could rewrite the descriptors meanwhile (each walk reads them again): every
+        // access stays checked against guest memory, so that costs it at most its own request.
         let mut reader = Reader::new(mem, chain.clone()).ok();
         let command = chain::command(&layout, reader.as_mut(), &self.rules);
         let in_flight = InFlight { chain: chain.clone(), status: layout.status };
@@ -203,8 +205,8 @@ impl Queue {
         // reads from guest memory without failing.
         let Some(reader) = reader.as_mut() else { return self.refuse(handle, replies) };
         let mut source = Payload { reader };
-        let queue = Arc::clone(self);
-        let mut before_wait = || queue.deliver(replies.drain(..));
+        // Waiting for a permit: what this thread holds back goes out first (its permits too).
+        let mut before_wait = || self.deliver(replies.drain(..));
         let admit = Admit::Wait { before_wait: &mut before_wait };
         match self.core.intake(self, request, admit, &mut source, None, cork) {
             Intake::Answered(reply) => replies.push(reply),

@@ -6,8 +6,9 @@ hypervisor does (memfd regions, virtqueues with event idx), with no VM.
 What is checked: the on-disk bytes against AES-XTS from Python `cryptography` (tweak = the 512-byte
 unit number, little-endian: plain64), reads back, several queues at once, FLUSH, the config space
 the driver sees, read-only exports, DISCARD/WRITE_ZEROES only with --allow-discards, a front end
-that disconnects (mid-request too) and the next one that connects to the same socket, and the
-socket's mode. Malformed descriptor chains (loops, bad indirect tables, wrong direction, out of
+that disconnects (mid-request too) and the next one that connects to the same socket, the
+socket's mode, a LUKS2 volume and a remote back end; and qemu-system-x86_64 (TCG) as the front end,
+its firmware booting a sector written through the device (skipped where qemu is not installed). Malformed descriptor chains (loops, bad indirect tables, wrong direction, out of
 guest memory) cannot be made through libblkio; the Rust unit tests in
 crates/bridge/src/frontend/vhost_user/tests.rs feed them to the device's checks.
 """

@@ -109,7 +109,7 @@ pub struct Args {
     /// Serve the volume as a vhost-user-blk device on this Unix socket instead of NBD, for qemu,
     /// cloud-hypervisor or libblkio (see docs/vhost-user.md). The socket is created mode 0600,
     /// whatever the umask; one front end at a time, and after it leaves the next may connect.
-    #[arg(long, value_name = "SOCKET", conflicts_with_all = ["unix", "group", "tls"])]
+    #[arg(long, value_name = "SOCKET", conflicts_with_all = ["listen", "unix", "group", "tls"])]
     vhost_user_blk: Option<PathBuf>,
     /// With --vhost-user-blk: virtqueues, each served by a worker thread of its own.
     // u8 (at most 64): Args is the largest variant of the command enum, kept small.
@@ -446,6 +446,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         },
     );
     if let Some(path) = &args.vhost_user_blk {
+        if activated.is_some() {
+            tracing::info!("socket activation: the inherited socket is not served with --vhost-user-blk");
+        }
         return vhost::serve(&args, path, &server, mapping, rtl, created, &format!("{mode}{}", if read_only { ", read-only" } else { "" }));
     }
     let socket_activated = activated.is_some();

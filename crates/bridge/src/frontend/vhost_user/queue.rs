@@ -28,6 +28,10 @@ pub(crate) type AtomicMem = GuestMemoryAtomic<Mem>;
 pub(crate) type Vring = VringRwLock<AtomicMem>;
 type Chain = DescriptorChain<GuestMemoryLoadGuard<Mem>>;
 
+/// Replies answered on the worker thread go on the used ring (with one notification) after
+/// every chain on the avail ring is taken, or after this many.
+const REPLY_BATCH: usize = 32;
+
 /// A request taken off the avail ring and not yet on the used ring.
 struct InFlight {
     chain: Chain,
@@ -159,6 +163,11 @@ impl Queue {
             };
             let Some(chain) = chain else { return };
             self.take(chain, replies, cork);
+            // A long ring: the first answers need not wait for the last chains to be read.
+            if replies.len() >= REPLY_BATCH {
+                cork.flush();
+                self.deliver(replies.drain(..));
+            }
         }
     }
 

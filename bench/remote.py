@@ -27,6 +27,14 @@ upstream not counted) per GiB moved (MB/s x (runtime + ramp)) is reported beside
 (median) next to the cipher's own cost per GiB from `cryptbridge bench cipher` (one thread, the
 volume's cipher, key and sector size, the CPU level the servers run; measured once per run).
 
+With --peers, a second `nbdkit memory` upstream holds a LUKS1 volume (qemu-img create -f luks:
+aes-256 xts-plain64, 512-bit key, sha256; the same bytes a cryptsetup LUKS1 volume has), and three
+encrypting servers in front of it join the rotation: "bridge-luks" (`cryptbridge serve --type
+luks`), "nbdkit-luks" (`nbdkit --filter=luks nbd socket=...`) and "qemu-luks" (`qemu-nbd
+--image-opts driver=luks,file.driver=nbd,...`). The report adds, per profile, their MB/s and CPU
+s/GiB and bridge-luks / the faster peer (median of same-repeat ratios); the issue's targets: >= 3x
+the faster peer, and CPU per request below qemu-nbd's.
+
 With --baseline BINARY a second bridge, "bridge@base", runs from BINARY with the same arguments
 (its own socket, the same upstream) and joins the rotation next to "bridge": a before/after
 check of two builds in one run. The report gets an "after / before" section: per profile, the
@@ -77,6 +85,28 @@ TARGET = 0.8
 PROFILE_KEYS = ["seq1m_q8t1_read", "seq1m_q8t1_write", "rnd4k_q32t1_read", "rnd4k_q32t1_write"]
 
 
+PASSPHRASE = "cryptbridge-bench-passphrase"
+
+
+def qemu_opt_escape(s) -> str:
+    return str(s).replace(",", ",,")
+
+
+def make_luks1_image(path: Path, size: int, passfile: Path) -> None:
+    """A sparse LUKS1 image (aes-256 xts-plain64, 512-bit key, sha256) with `size` bytes of payload."""
+    # qemu calibrates PBKDF2 against CPU time and fails on a loaded machine that gives it too
+    # little within iter-time: longer times then.
+    for iter_ms in (50, 200, 1000):
+        argv = ["qemu-img", "create", "-q", "-f", "luks", "--object", f"secret,id=sec0,file={qemu_opt_escape(passfile)},format=raw",
+                "-o", f"key-secret=sec0,cipher-alg=aes-256,cipher-mode=xts,ivgen-alg=plain64,hash-alg=sha256,iter-time={iter_ms}",
+                str(path), str(size)]
+        r = run(argv, timeout=300)
+        if r.returncode == 0:
+            return
+        path.unlink(missing_ok=True)
+    raise RuntimeError(f"{shjoin(argv)} failed: {r.stderr.strip()}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", type=Path, default=DEFAULT_BINARY)
@@ -89,6 +119,8 @@ def main() -> int:
     ap.add_argument("--backing-connections", type=int, default=None, help="serve --backing-connections (default: the bridge's)")
     ap.add_argument("--profiles", default=",".join(PROFILE_KEYS), help="comma-separated profile keys")
     ap.add_argument("--proxy", action="store_true", help="add nbdkit's NBD proxy (nbdkit nbd) as a third server (see above)")
+    ap.add_argument("--peers", action="store_true",
+                    help="add the encrypting peers on a LUKS1 volume of a second nbdkit memory upstream (see above)")
     ap.add_argument("--no-passthrough", action="store_true",
                     help="leave the passthrough bridge (serve --passthrough) out of the rotation; no encryption overhead table")
     ap.add_argument("--cipher-seconds", type=float, default=None,
@@ -140,6 +172,26 @@ def main() -> int:
         pt_argv = [args.binary, "serve", "--backing", f"nbd+unix:///?socket={up_sock}", "--passthrough", "--unix", pt_sock]
         if args.backing_connections:
             pt_argv += ["--backing-connections", str(args.backing_connections)]
+    peer_argv: dict[str, list] = {}
+    up2_sock, luks_img, passfile = rundir / "up-luks.sock", rundir / "luks.img", rundir / "luks.pass"
+    if args.peers:
+        for tool in ("qemu-img", "qemu-nbd"):
+            if not tool_version([tool, "--version"]):
+                warn(f"{tool} not found (--peers)")
+                return 1
+        fd = os.open(passfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(PASSPHRASE)
+        peer_argv = {
+            "bridge-luks": [args.binary, "serve", "--type", "luks", "--backing", f"nbd+unix:///?socket={up2_sock}",
+                            "--header", rundir / "luks.hdr", "--key-file", passfile, "--unix", rundir / "bridge-luks.sock"],
+            "nbdkit-luks": ["nbdkit", "-f", "-U", rundir / "nbdkit-luks.sock", "--filter=luks", "nbd", f"socket={up2_sock}",
+                            f"passphrase=+{passfile}"],
+            "qemu-luks": ["qemu-nbd", "--persistent", "--shared=8", "--socket", rundir / "qemu-luks.sock",
+                          "--cache=writeback", "--aio=threads",
+                          "--object", f"secret,id=sec0,file={qemu_opt_escape(passfile)},format=raw", "--image-opts",
+                          f"driver=luks,key-secret=sec0,file.driver=nbd,file.server.type=unix,file.server.path={qemu_opt_escape(up2_sock)}"],
+        }
     uris = {"direct": f"nbd+unix:///?socket={up_sock}", "bridge": f"nbd+unix:///?socket={cb_sock}"}
     if pt_argv:
         uris["bridge-pt"] = f"nbd+unix:///?socket={pt_sock}"
@@ -147,10 +199,13 @@ def main() -> int:
         uris["bridge@base"] = f"nbd+unix:///?socket={base_sock}"
     if args.proxy:
         uris["proxy"] = f"nbd+unix:///?socket={px_sock}"
+    for who in peer_argv:
+        uris[who] = f"nbd+unix:///?socket={rundir / (who + '.sock')}"  # each peer's --unix/-U/--socket above
     state = {
         "environment": environment(args.binary),
         "commands": {"upstream": shjoin(up_argv), "bridge": shjoin(cb_argv)} | ({"proxy": shjoin(px_argv)} if args.proxy else {})
-        | ({"bridge@base": shjoin(base_argv)} if base_argv else {}) | ({"bridge-pt": shjoin(pt_argv)} if pt_argv else {}),
+        | ({"bridge@base": shjoin(base_argv)} if base_argv else {}) | ({"bridge-pt": shjoin(pt_argv)} if pt_argv else {})
+        | {who: shjoin(a) for who, a in peer_argv.items()},
         "config": {"size": args.size, "repeats": args.repeats, "runtime": args.runtime, "ramp": args.ramp},
         "results": {},
     }
@@ -164,8 +219,32 @@ def main() -> int:
         state["cipher_cost"] = cost
         if "error" in cost:
             warn(f"bench cipher: {cost['error']}")
-    up = cb = px = base = pt = None
+    up = cb = px = base = pt = up2 = None
+    peers: dict = {}
     try:
+        if peer_argv:
+            make_luks1_image(luks_img, size_bytes, passfile)
+            # The bridge reads a LUKS header over NBD only from a local copy (--header): the
+            # volume's header area, the same bytes as at the start of the upstream.
+            with open(luks_img, "rb") as f, open(rundir / "luks.hdr", "wb") as h:
+                h.write(f.read(luks_img.stat().st_size - size_bytes))
+            with open(logdir / "remote-upstream-luks.log", "wb") as err:
+                up2 = spawn(["nbdkit", "-f", "-U", up2_sock, "memory", str(luks_img.stat().st_size)], stdout=err, stderr=err)
+            wait_listening(up2_sock, up2, "nbdkit memory (LUKS1 volume)")
+            r = run(["nbdcopy", "--flush", luks_img, f"nbd+unix:///?socket={up2_sock}"], timeout=600)
+            if r.returncode != 0:
+                warn(f"copying the LUKS1 volume to its upstream failed: {r.stderr.strip()[-400:]}")
+                return 1
+            luks_img.unlink()
+            for who, argv in peer_argv.items():
+                with open(logdir / f"remote-{who}.log", "wb") as err:
+                    peers[who] = spawn(argv, stdout=err, stderr=err)
+                wait_listening(Path(uris[who].split("socket=", 1)[1]), peers[who], who)
+            log("filling the LUKS1 volume through bridge-luks")
+            r = run(["nbdcopy", "--flush", "--", "[", "nbdkit", "-r", "pattern", args.size, "]", uris["bridge-luks"]], timeout=600)
+            if r.returncode != 0:
+                warn(f"fill failed: {r.stderr.strip()[-400:]}")
+                return 1
         with open(logdir / "remote-upstream.log", "wb") as err:
             up = spawn(up_argv, stdout=err, stderr=err)
         wait_listening(up_sock, up, "nbdkit memory")
@@ -190,6 +269,7 @@ def main() -> int:
             warn(f"fill failed: {r.stderr.strip()[-400:]}")
             return 1
         pids = {"direct": up.pid, "bridge": cb.pid} | ({"proxy": px.pid} if px else {}) | ({"bridge@base": base.pid} if base else {}) | ({"bridge-pt": pt.pid} if pt else {})
+        pids |= {who: p.pid for who, p in peers.items()}
         servers = list(uris)
         for rep in range(args.repeats):
             for pi, prof in enumerate(profiles):
@@ -204,6 +284,9 @@ def main() -> int:
     except BenchInterrupted as e:
         warn(f"interrupted: {e}")
     finally:
+        for p in peers.values():
+            kill_group(p)
+        kill_group(up2)
         kill_group(px)
         kill_group(pt)
         kill_group(base)
@@ -249,6 +332,31 @@ def main() -> int:
             bridge_px = median([b["mbps"] / x["mbps"] for _, b, x in triples])
             summary[prof.key] |= {"proxy_mbps": median(px), "proxy_ratio": px_direct, "bridge_over_proxy": bridge_px}
             lines.append(f"| {prof.label} | {fmt(median(px), 0)} | {fmt(px_direct, 2)} | {fmt(bridge_px, 2)} |")
+    if peer_argv:
+        lines += [
+            "",
+            "Encrypting servers on the same LUKS1 volume (aes-256 xts-plain64, 512-bit key) of a second `nbdkit memory` "
+            "upstream: bridge-luks (`serve --type luks`), nbdkit's luks filter over its nbd plugin, qemu-nbd driver=luks "
+            "over file.driver=nbd. Ratio: median over repeats of bridge-luks / the faster peer in the same repeat; "
+            "CPU: server process utime+stime per GiB moved, medians.",
+            "",
+            "| Profile | bridge-luks MB/s | nbdkit-luks MB/s | qemu-luks MB/s | bridge-luks / faster peer | target | | "
+            "bridge-luks CPU s/GiB | nbdkit-luks CPU s/GiB | qemu-luks CPU s/GiB | bridge CPU < qemu-nbd |",
+            "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
+        ]
+        for prof in profiles:
+            res = state["results"].get(prof.key, {})
+            ok = lambda who: [s for s in res.get(who, []) if s["ok"]]  # noqa: E731
+            mb = {who: median([s["mbps"] for s in ok(who)]) for who in peer_argv}
+            cpu = {who: median([s.get("server_cpu_s_per_gib") for s in ok(who)]) for who in peer_argv}
+            ratios = [b["mbps"] / max(n["mbps"], q["mbps"]) for b, n, q in zip(res.get("bridge-luks", []), res.get("nbdkit-luks", []), res.get("qemu-luks", []))
+                      if b["ok"] and n["ok"] and q["ok"] and max(n["mbps"], q["mbps"]) > 0]
+            ratio = median(ratios)
+            cheaper = None if cpu["bridge-luks"] is None or cpu["qemu-luks"] is None else cpu["bridge-luks"] < cpu["qemu-luks"]
+            summary[prof.key]["peers"] = {"mbps": mb, "cpu_s_per_gib": cpu, "bridge_over_faster_peer": ratio, "ratios": ratios}
+            lines.append(f"| {prof.label} | {fmt(mb['bridge-luks'], 0)} | {fmt(mb['nbdkit-luks'], 0)} | {fmt(mb['qemu-luks'], 0)} | "
+                         f"{fmt(ratio, 2)} | 3 | {verdict(ratio, 3.0)} | {fmt(cpu['bridge-luks'], 3)} | {fmt(cpu['nbdkit-luks'], 3)} | "
+                         f"{fmt(cpu['qemu-luks'], 3)} | {'yes' if cheaper else 'no' if cheaper is not None else '?'} |")
     lines += [
         "",
         "Every server, MB/s and server CPU s/GiB (utime+stime of the server process from /proc over the job, ramp "

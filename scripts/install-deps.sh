@@ -44,6 +44,7 @@ declare -A OPT_CMD_PKG=(
     [cryptsetup]=cryptsetup-bin
     [mkfs.xfs]=xfsprogs       # test_luks.py: luks format names an XFS signature it would overwrite
     [mkfs.btrfs]=btrfs-progs  # ... and a btrfs one
+    [qemu-system-x86_64]=qemu-system-x86  # test_vhost_user.py: its firmware boots from the vhost-user-blk device
 )
 
 # `make run` and the commands its banner prints (nbdinfo, nbdcopy, nbdfuse, losetup, mkfs.ext4,
@@ -55,6 +56,7 @@ if ((run_only)); then
             *) unset "CMD_PKG[$cmd]" ;;
         esac
     done
+    unset "OPT_CMD_PKG[qemu-system-x86_64]"
 fi
 
 have_cmd() {

@@ -177,6 +177,15 @@ impl Server {
         &self.export
     }
 
+    pub fn config(&self) -> &ServerConfig {
+        &self.config
+    }
+
+    /// The core, for a front end other than NBD's (vhost-user-blk) to serve the same volume.
+    pub(crate) fn core(&self) -> &Arc<Core> {
+        &self.core
+    }
+
     /// Connections open now.
     pub fn connections(&self) -> usize {
         self.open.load(Ordering::SeqCst)

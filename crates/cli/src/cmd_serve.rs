@@ -21,6 +21,7 @@ mod activation;
 mod luks;
 mod metrics;
 mod unix_socket;
+mod vhost;
 
 /// `--type`: how the backing store holds the volume.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -112,6 +113,16 @@ pub struct Args {
     /// connections, remote back-end reconnects (docs/cli.md, "Metrics").
     #[arg(long, value_name = "HOST:PORT|PATH")]
     metrics: Option<String>,
+    /// Serve the volume as a vhost-user-blk device on this Unix socket instead of NBD, for qemu,
+    /// cloud-hypervisor or libblkio (see docs/vhost-user.md). The socket is created mode 0600,
+    /// whatever the umask; one front end at a time, and after it leaves the next may connect.
+    #[arg(long, value_name = "SOCKET", conflicts_with_all = ["listen", "unix", "group", "tls"])]
+    vhost_user_blk: Option<PathBuf>,
+    /// With --vhost-user-blk: virtqueues, each served by a worker thread of its own.
+    // u8: at most MAX_VHOST_USER_QUEUES (64).
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "vhost_user_blk",
+          value_parser = clap::value_parser!(u8).range(1..=cryptbridge_bridge::MAX_VHOST_USER_QUEUES as i64))]
+    queues: u8,
     /// Export name (clients asking for the empty name get it too).
     #[arg(long, default_value = "cryptbridge")]
     export_name: String,
@@ -450,6 +461,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
             ..ServerConfig::new(args.export_name.clone(), format!("cryptbridge {mode}"))
         },
     );
+    if let Some(path) = &args.vhost_user_blk {
+        if activated.is_some() {
+            tracing::info!("socket activation: the inherited socket is not served with --vhost-user-blk");
+        }
+        return vhost::serve(&args, path, &server, mapping, rtl, created, &format!("{mode}{}", if read_only { ", read-only" } else { "" }));
+    }
     let socket_activated = activated.is_some();
     let (listener, uri) = match activated {
         Some(inherited) => {

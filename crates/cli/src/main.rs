@@ -42,7 +42,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve a backing file or block device over NBD, encrypting every sector on its way to it.
-    Serve(cmd_serve::Args),
+    Serve(Box<cmd_serve::Args>),
     /// Write a new random raw key file (mode 0600).
     Keygen(cmd_keygen::Args),
     /// LUKS1/LUKS2 volumes: dump a header, format a volume (cryptsetup compatible).
@@ -79,7 +79,7 @@ fn main() -> ExitCode {
     };
     init_logging(cli.verbose);
     let result = match cli.command {
-        Command::Serve(args) => cmd_serve::run(args),
+        Command::Serve(args) => cmd_serve::run(*args),
         Command::Keygen(args) => cmd_keygen::run(args),
         Command::Luks(cmd) => cmd_luks::run(cmd),
         Command::Cipher(args) => cmd_cipher::run(args),

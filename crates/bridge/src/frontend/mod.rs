@@ -4,7 +4,8 @@
 //! calls [`crate::core::Core::intake`] for every request it reads; it owns its sockets and its
 //! reply writer, nothing else.
 //!
-//! Today: NBD ([`nbd`], with the wire protocol in [`crate::nbd`]). A second front end
-//! (vhost-user-blk) is a new module here beside it.
+//! NBD ([`nbd`], with the wire protocol in [`crate::nbd`]) and vhost-user-blk ([`vhost_user`],
+//! on rust-vmm's vhost-user-backend).
 
 pub(crate) mod nbd;
+pub(crate) mod vhost_user;

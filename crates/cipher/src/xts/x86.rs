@@ -1,8 +1,9 @@
 //! XTS-AES-128/256 on x86-64, one kernel compiled for each level: `aesni` (8 blocks in flight in
 //! xmm registers), `vaes256` (16 in ymm) and `vaes512` (32 in zmm). Tweaks live in vector
-//! registers, are XORed in the same pass as the AES rounds and advance by one carry-less multiply
-//! per register and loop iteration, so the data is read and written once; this is what lets XTS
-//! run near raw AES-ECB speed.
+//! registers, are XORed in the same pass as the AES rounds and advance between the rounds (by one
+//! carry-less multiply per register and loop iteration on the wide levels, by a multiply-by-x
+//! chain at `aesni`: see `impl XtsVec for Xmm`), so the data is read and written once; this is
+//! what lets XTS run near raw AES-ECB speed.
 //!
 //! AES-192 and ciphertext stealing are `mod.rs`'s (the stealing calls back here for its blocks).
 
@@ -241,9 +242,9 @@ impl XtsVec for Zmm {
 }
 
 /// Eight AES rounds (`$op`: `aesenc` or `aesdec`) on `$x[0..8]` with round key `$k`, as one
-/// `asm!` statement. With `step`, the same statement also makes block `$j`'s last-round key
-/// (`$t ^ $kl`, into `$l`) and advances its tweak `$t` by x^8 (byte shifts and one carry-less
-/// multiply by `$poly` = 0x87), between the AES instructions.
+/// `asm!` statement. With `chain`, the same statement also multiplies the tweak `$c` by x
+/// (IEEE 1619's shift with the carry folded back as 0x87; `$mask` holds 0x87 and the carry
+/// from the low qword into the high one), between the AES instructions.
 macro_rules! aes8 {
     ($op:literal, $k:expr, $x:ident) => {
         core::arch::asm!(
@@ -284,18 +285,21 @@ macro_rules! aes8 {
     };
 }
 
-/// At `aesni` there are sixteen xmm registers for eight blocks, eight tweaks, eight last-round
-/// keys and the round key, so some values live on the stack; left to itself, the compiler then
-/// orders the code to shorten register lifetimes, running one block through many rounds before
-/// the next, and the eight dependency chains no longer overlap in the CPU's scheduler. Here each
-/// round of the eight blocks is one `asm!` statement, which fixes the round-major order (every
-/// AES instruction of round r before any of round r + 1), and the tweak work of block r - 1 sits
-/// inside round r's statement, spread one block per round over the first eight rounds rather
-/// than in a burst. Eight chains cover the `aesenc`/`aesdec` latency times the number of AES
-/// units on both vendors (4 x 2 on Zen 3 to 5, 3 x 2 on Golden Cove, 4 x 1 before Ice Lake),
-/// and the x^8 step keeps the tweaks independent of each other: its byte shifts and carry-less
-/// multiply go to the shuffle port on Intel, away from the two AES ports. Decryption runs the
-/// same code with `aesdec`.
+/// At `aesni` sixteen xmm registers hold eight blocks, the round key and the tweaks, so some
+/// values live on the stack; left to itself, the compiler then orders the code to shorten
+/// register lifetimes, running one block through many rounds before the next, and how much the
+/// eight dependency chains still overlap in the CPU's scheduler depends on the build (encrypt
+/// and decrypt came out differently). Here each round of the eight blocks is one `asm!`
+/// statement, which fixes the round-major order (every AES instruction of round r before any of
+/// round r + 1) for both directions alike.
+///
+/// Eight chains are what both vendors need in flight: `aesenc`/`aesdec` latency times AES
+/// units, 4 x 2 on AMD Zen 3 to 5, 3 x 2 on Intel Golden Cove and later, 4 x 1 before Ice
+/// Lake. The next iteration's tweaks are one serial multiply by x per round over the first
+/// eight rounds (shuffle, shift, and, add, xor: five plain SSE2 operations; the carry-less x^8
+/// step of the wide levels measured slower here, as the compiler's order did before). The chain
+/// has latency to spare: a round of eight blocks takes at least four cycles on every target,
+/// about as long as one multiply step.
 impl XtsVec for Xmm {
     #[inline(always)]
     unsafe fn iteration<const NR: usize, const DEC: bool, const NEXT: u8>(rk: &[Self; 15], tw: &mut [Self; 8], q: *mut u8, t_next: __m128i) {

@@ -1,8 +1,9 @@
 //! XTS-AES-128/256 on x86-64, one kernel compiled for each level: `aesni` (8 blocks in flight in
 //! xmm registers), `vaes256` (16 in ymm) and `vaes512` (32 in zmm). Tweaks live in vector
-//! registers, are XORed in the same pass as the AES rounds and advance by one carry-less multiply
-//! per register and loop iteration, so the data is read and written once; this is what lets XTS
-//! run near raw AES-ECB speed.
+//! registers, are XORed in the same pass as the AES rounds and advance between the rounds (by one
+//! carry-less multiply per register and loop iteration on the wide levels, by a multiply-by-x
+//! chain at `aesni`: see `impl XtsVec for Xmm`), so the data is read and written once; this is
+//! what lets XTS run near raw AES-ECB speed.
 //!
 //! AES-192 and ciphertext stealing are `mod.rs`'s (the stealing calls back here for its blocks).
 
@@ -152,7 +153,7 @@ const NEXT_NONE: u8 = 2; // nothing follows
 /// iteration. The last iteration leaves in `tw` what `LAST` says (`t_next` is the next data
 /// unit's initial tweak for `NEXT_FRESH`).
 #[inline(always)]
-unsafe fn bulk<V: AesVec, const NR: usize, const DEC: bool, const LAST: u8>(
+unsafe fn bulk<V: XtsVec, const NR: usize, const DEC: bool, const LAST: u8>(
     rk: &[V; 15],
     tw: &mut [V; 8],
     p: *mut u8,
@@ -164,10 +165,10 @@ unsafe fn bulk<V: AesVec, const NR: usize, const DEC: bool, const LAST: u8>(
     // function of V's level.
     unsafe {
         for it in 0..iters.saturating_sub(1) {
-            iteration::<V, NR, DEC, NEXT_ADVANCE>(rk, tw, p.add(8 * reg * it), t_next);
+            V::iteration::<NR, DEC, NEXT_ADVANCE>(rk, tw, p.add(8 * reg * it), t_next);
         }
         if iters > 0 {
-            iteration::<V, NR, DEC, LAST>(rk, tw, p.add(8 * reg * (iters - 1)), t_next);
+            V::iteration::<NR, DEC, LAST>(rk, tw, p.add(8 * reg * (iters - 1)), t_next);
         }
     }
 }
@@ -216,9 +217,141 @@ unsafe fn iteration<V: AesVec, const NR: usize, const DEC: bool, const NEXT: u8>
     }
 }
 
+/// The loop iteration of each level: the generic [`iteration`] where the registers are wide
+/// (`vaes256`, `vaes512`), a hand-ordered one at `aesni`.
+trait XtsVec: AesVec {
+    /// As [`iteration`]: `q` points at `8 LANES` blocks, `tw` holds their tweaks and is left as
+    /// `NEXT` says.
+    unsafe fn iteration<const NR: usize, const DEC: bool, const NEXT: u8>(rk: &[Self; 15], tw: &mut [Self; 8], q: *mut u8, t_next: __m128i);
+}
+
+impl XtsVec for Ymm {
+    #[inline(always)]
+    unsafe fn iteration<const NR: usize, const DEC: bool, const NEXT: u8>(rk: &[Self; 15], tw: &mut [Self; 8], q: *mut u8, t_next: __m128i) {
+        // SAFETY: the caller's contract is `iteration`'s.
+        unsafe { iteration::<Self, NR, DEC, NEXT>(rk, tw, q, t_next) }
+    }
+}
+
+impl XtsVec for Zmm {
+    #[inline(always)]
+    unsafe fn iteration<const NR: usize, const DEC: bool, const NEXT: u8>(rk: &[Self; 15], tw: &mut [Self; 8], q: *mut u8, t_next: __m128i) {
+        // SAFETY: the caller's contract is `iteration`'s.
+        unsafe { iteration::<Self, NR, DEC, NEXT>(rk, tw, q, t_next) }
+    }
+}
+
+/// Eight AES rounds (`$op`: `aesenc` or `aesdec`) on `$x[0..8]` with round key `$k`, as one
+/// `asm!` statement. With `chain`, the same statement also multiplies the tweak `$c` by x
+/// (IEEE 1619's shift with the carry folded back as 0x87; `$mask` holds 0x87 and the carry
+/// from the low qword into the high one), between the AES instructions.
+macro_rules! aes8 {
+    ($op:literal, $k:expr, $x:ident) => {
+        core::arch::asm!(
+            concat!($op, " {x0}, {k}"),
+            concat!($op, " {x1}, {k}"),
+            concat!($op, " {x2}, {k}"),
+            concat!($op, " {x3}, {k}"),
+            concat!($op, " {x4}, {k}"),
+            concat!($op, " {x5}, {k}"),
+            concat!($op, " {x6}, {k}"),
+            concat!($op, " {x7}, {k}"),
+            k = in(xmm_reg) $k,
+            x0 = inout(xmm_reg) $x[0], x1 = inout(xmm_reg) $x[1], x2 = inout(xmm_reg) $x[2], x3 = inout(xmm_reg) $x[3],
+            x4 = inout(xmm_reg) $x[4], x5 = inout(xmm_reg) $x[5], x6 = inout(xmm_reg) $x[6], x7 = inout(xmm_reg) $x[7],
+            options(pure, nomem, nostack, preserves_flags),
+        )
+    };
+    ($op:literal, $k:expr, $x:ident, chain: $c:expr, $mask:expr) => {
+        core::arch::asm!(
+            concat!($op, " {x0}, {k}"),
+            "pshufd {s}, {c}, 0x13",
+            concat!($op, " {x1}, {k}"),
+            concat!($op, " {x2}, {k}"),
+            "paddq {c}, {c}",
+            concat!($op, " {x3}, {k}"),
+            "psrad {s}, 31",
+            concat!($op, " {x4}, {k}"),
+            concat!($op, " {x5}, {k}"),
+            "pand {s}, {mask}",
+            concat!($op, " {x6}, {k}"),
+            concat!($op, " {x7}, {k}"),
+            "pxor {c}, {s}",
+            k = in(xmm_reg) $k, mask = in(xmm_reg) $mask, c = inout(xmm_reg) $c, s = out(xmm_reg) _,
+            x0 = inout(xmm_reg) $x[0], x1 = inout(xmm_reg) $x[1], x2 = inout(xmm_reg) $x[2], x3 = inout(xmm_reg) $x[3],
+            x4 = inout(xmm_reg) $x[4], x5 = inout(xmm_reg) $x[5], x6 = inout(xmm_reg) $x[6], x7 = inout(xmm_reg) $x[7],
+            options(pure, nomem, nostack, preserves_flags),
+        )
+    };
+}
+
+/// At `aesni` sixteen xmm registers hold eight blocks, the round key and the tweaks, so some
+/// values live on the stack; left to itself, the compiler then orders the code to shorten
+/// register lifetimes, running one block through many rounds before the next, and how much the
+/// eight dependency chains still overlap in the CPU's scheduler depends on the build (encrypt
+/// and decrypt came out differently). Here each round of the eight blocks is one `asm!`
+/// statement, which fixes the round-major order (every AES instruction of round r before any of
+/// round r + 1) for both directions alike.
+///
+/// Eight chains are what both vendors need in flight: `aesenc`/`aesdec` latency times AES
+/// units, 4 x 2 on AMD Zen 3 to 5, 3 x 2 on Intel Golden Cove and later, 4 x 1 before Ice
+/// Lake. The next iteration's tweaks are one serial multiply by x per round over the first
+/// eight rounds (shuffle, shift, and, add, xor: five plain SSE2 operations; the carry-less x^8
+/// step of the wide levels measured slower here, as the compiler's order did before). The chain
+/// has latency to spare: a round of eight blocks takes at least four cycles on every target,
+/// about as long as one multiply step.
+impl XtsVec for Xmm {
+    #[inline(always)]
+    unsafe fn iteration<const NR: usize, const DEC: bool, const NEXT: u8>(rk: &[Self; 15], tw: &mut [Self; 8], q: *mut u8, t_next: __m128i) {
+        // SAFETY: `q` points at 128 bytes of the caller's data; inlined into an `aesni` function,
+        // whose features (SSE2, AES-NI) are all the `asm!` statements use.
+        unsafe {
+            let mut t = [_mm_setzero_si128(); 8];
+            let mut x = [_mm_setzero_si128(); 8];
+            let k0 = rk[0].lane0();
+            for j in 0..8 {
+                t[j] = tw[j].lane0();
+                x[j] = _mm_xor_si128(_mm_xor_si128(_mm_loadu_si128(q.add(16 * j).cast()), t[j]), k0);
+            }
+            // The next iteration's tweaks, one multiply by x per round after another: from the
+            // last tweak of this iteration, or for a fresh data unit from its initial tweak,
+            // which is already the first.
+            let mask = _mm_set_epi32(0, 1, 0, 0x87);
+            let mut next = t;
+            let (mut c, first_step) = if NEXT == NEXT_FRESH { (t_next, 2) } else { (t[7], 1) };
+            next[0] = c;
+            for r in 1..NR {
+                let k = rk[r].lane0();
+                if NEXT != NEXT_NONE && (first_step..=8).contains(&r) {
+                    if DEC {
+                        aes8!("aesdec", k, x, chain: c, mask);
+                    } else {
+                        aes8!("aesenc", k, x, chain: c, mask);
+                    }
+                    next[r - 1] = c;
+                } else if DEC {
+                    aes8!("aesdec", k, x);
+                } else {
+                    aes8!("aesenc", k, x);
+                }
+            }
+            let kl = rk[NR].lane0();
+            for j in 0..8 {
+                let out = if DEC { _mm_aesdeclast_si128(x[j], kl) } else { _mm_aesenclast_si128(x[j], kl) };
+                _mm_storeu_si128(q.add(16 * j).cast(), _mm_xor_si128(out, t[j]));
+            }
+            if NEXT != NEXT_NONE {
+                for j in 0..8 {
+                    tw[j] = Xmm::splat(next[j]);
+                }
+            }
+        }
+    }
+}
+
 /// Whole blocks of one tweak chain starting at `*t`, which is left at the tweak after them.
 #[inline(always)]
-unsafe fn blocks<V: AesVec, const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15], t: &mut u128, data: &mut [u8]) {
+unsafe fn blocks<V: XtsVec, const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 15], t: &mut u128, data: &mut [u8]) {
     let blocks = data.len() / 16;
     let per_iter = 8 * V::LANES;
     let ptr = data.as_mut_ptr();
@@ -263,7 +396,7 @@ unsafe fn blocks<V: AesVec, const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 
 const TWEAK_REGS: usize = 4;
 
 #[inline(always)]
-unsafe fn units<V: AesVec, const NR: usize, const DEC: bool>(
+unsafe fn units<V: XtsVec, const NR: usize, const DEC: bool>(
     keys: &[[u8; 16]; 15],
     tweak_keys: &[[u8; 16]; 15],
     run: UnitRun,

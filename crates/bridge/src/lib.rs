@@ -28,7 +28,7 @@ mod transport;
 
 pub use aligned::PooledBuf;
 pub use backing::{Backing, BackingOptions};
-pub use mapping::{BadWindow, Extent, Mapping};
+pub use mapping::{BadRegions, BadWindow, Extent, Mapping, Region};
 pub use nbd::tls::{TlsError, TlsMode, TlsPolicy};
 pub use server::{default_max_connections, raise_open_file_limit, Server, ServerConfig, MAX_REQUEST};
 pub use transport::Listener;

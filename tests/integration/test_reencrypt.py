@@ -16,10 +16,11 @@ import struct
 import subprocess
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
-from conftest import MiB, assert_no_panic
+from conftest import MiB, assert_no_panic, cb
 from nbd_client import NBDClient
 from test_luks import FAST_PBKDF2, PASS, cryptsetup, data_layout, luks_format, need, rewrite_luks2, serve_fails, serve_luks, sparse, volume_key, write_file
 
@@ -57,13 +58,14 @@ def active_segments(meta) -> list:
     return [s for _, s in sorted(meta["segments"].items(), key=lambda kv: int(kv[0])) if not backups & set(s.get("flags", []))]
 
 
-def volume_with_plaintext(ws, *fmt) -> tuple[Path, Path, bytes, int]:
-    """A LUKS2 image (`fmt` options) whose data area holds random plaintext, encrypted here."""
+def volume_with_plaintext(ws, *fmt, header: Optional[Path] = None) -> tuple[Path, Path, bytes, int]:
+    """A LUKS2 image (`fmt` options; its header in `header` if given) whose data area holds random
+    plaintext, encrypted here."""
     img = sparse(ws.tmp / "v.img", IMAGE)
     pw = write_file(ws.tmp / "pass", PASS)
-    luks_format(img, pw, "--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2, *fmt)
-    key = volume_key(img, pw)
-    offset, sector = data_layout(img)
+    luks_format(img, pw, "--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2, *fmt, header=header)
+    key = volume_key(header or img, pw)
+    offset, sector = data_layout(header or img)
     plain = os.urandom(IMAGE - offset)
     with open(img, "r+b") as f:
         f.seek(offset)
@@ -71,23 +73,23 @@ def volume_with_plaintext(ws, *fmt) -> tuple[Path, Path, bytes, int]:
     return img, pw, plain, offset
 
 
-def interrupt_reencryption(img: Path, pw: Path, *opts) -> None:
+def interrupt_reencryption(img: Path, pw: Path, *opts, header: Optional[Path] = None) -> None:
     """Runs `cryptsetup reencrypt` and sends SIGINT once the header shows progress; it stops at its
     next commit point, part of the volume under each key."""
     p = subprocess.Popen(
         [need("cryptsetup"), "reencrypt", "--batch-mode", "--force-offline-reencrypt", "--hotzone-size", "128K", "--key-file", pw,
-         "--pbkdf", "pbkdf2", *FAST_PBKDF2, *opts, img],
+         "--pbkdf", "pbkdf2", *FAST_PBKDF2, *(["--header", header] if header else []), *opts, img],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and p.poll() is None:
-        meta = header_json(img)
+        meta = header_json(header or img)
         if meta and "requirements" in meta["config"] and len(active_segments(meta)) == 2:
             break
         time.sleep(0.002)
     p.send_signal(signal.SIGINT)
     p.wait(timeout=60)
-    meta = header_json(img)
+    meta = header_json(header or img)
     assert meta and "requirements" in meta["config"], "cryptsetup finished before SIGINT stopped it"
     assert len(active_segments(meta)) == 2, f"cryptsetup stopped before any progress: {meta['segments']}"
 
@@ -109,6 +111,10 @@ def test_interrupted_reencryption_serves_every_byte_and_writes_under_the_right_k
     interrupt_reencryption(img, pw, "--sector-size", "512", "--key-size", "256")
     done = int(active_segments(header_json(img))[0]["size"])
     assert 0 < done < len(plain)
+
+    dump = json.loads(cb("luks", "dump", "--json", str(img), check=True).stdout)
+    assert dump["refused"] is None and dump["reencryption"]["done"] == done, dump["reencryption"]
+    assert [r["data_segment"]["sector_size"] for r in dump["reencryption"]["regions"]] == [512, 4096]
 
     b = serve_luks(ws, img, pw)
     assert read_all(b.uri, len(plain)) == plain, "the bridge does not read what the header says is where"
@@ -198,9 +204,42 @@ def test_keyslot_commands_still_refuse_a_volume_in_reencryption(ws):
     pw = write_file(ws.tmp / "pass", PASS)
     luks_format(img, pw, "--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2)
     cryptsetup("reencrypt", "--init-only", "--batch-mode", "--force-offline-reencrypt", "--key-file", pw, "--pbkdf", "pbkdf2", *FAST_PBKDF2, img)
-    from conftest import cb
-
     before = hashlib.sha256(img.read_bytes()).hexdigest()
     p = cb("luks", "add-key", "--key-file", str(pw), str(img), str(pw))
     assert p.returncode == 1 and b"reencryption is in progress" in p.stderr, p.stderr
     assert hashlib.sha256(img.read_bytes()).hexdigest() == before
+
+
+def test_interrupted_decryption_serves_plaintext_and_ciphertext_regions(ws):
+    """`reencrypt --decrypt` (cryptsetup 2.6 decrypts volumes with a detached header) stopped part
+    way: the decrypted part is a linear (plaintext) segment, the rest is still under the key; both
+    read as the plaintext, and a write to the decrypted part lands on disk as plaintext."""
+    need("cryptsetup")
+    hdr = ws.tmp / "hdr.img"
+    img, pw, plain, offset = volume_with_plaintext(ws, "--sector-size", "4096", header=hdr)
+    interrupt_reencryption(img, pw, "--decrypt", header=hdr)
+    segs = active_segments(header_json(hdr))
+    # It runs backward: the end of the device is decrypted first.
+    assert [sg["type"] for sg in segs] == ["crypt", "linear"], segs
+    assert next(v for v in header_json(hdr)["keyslots"].values() if v["type"] == "reencrypt")["direction"] == "backward"
+    boundary = int(segs[0]["size"])
+    assert int(segs[1]["offset"]) == boundary
+    b = serve_luks(ws, img, pw, "--header", hdr)
+    assert read_all(b.uri, len(plain)) == plain
+    patch = os.urandom(8192)
+    at = (boundary + len(plain)) // 2
+    with NBDClient(b.uri) as c:
+        c.connect()
+        c.write(at, patch)  # the decrypted part
+        c.write(boundary - 100, patch)  # across the boundary
+        c.flush()
+    assert b.stop() == 0
+    expect = bytearray(plain)
+    expect[at : at + 8192] = patch
+    expect[boundary - 100 : boundary - 100 + 8192] = patch
+    with open(img, "rb") as f:
+        f.seek(boundary)
+        assert f.read() == bytes(expect[boundary:]), "the decrypted part is not plaintext on disk"
+    b = serve_luks(ws, img, pw, "--header", hdr)
+    assert read_all(b.uri, len(plain)) == bytes(expect)
+    assert b.stop() == 0

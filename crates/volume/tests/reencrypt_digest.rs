@@ -69,7 +69,8 @@ fn keys_swapped_or_wrong_fail_the_digest() {
 
 #[test]
 fn every_field_the_digest_covers_is_bound() {
-    let edits: Vec<(&str, Box<dyn Fn(&mut Value)>)> = vec![
+    type Edit = Box<dyn Fn(&mut Value)>;
+    let edits: Vec<(&str, Edit)> = vec![
         ("direction", Box::new(|m| m["keyslots"]["2"]["direction"] = "backward".into())),
         ("resilience hash", Box::new(|m| m["keyslots"]["2"]["area"]["hash"] = "sha512".into())),
         ("resilience sector", Box::new(|m| m["keyslots"]["2"]["area"]["sector_size"] = 512.into())),

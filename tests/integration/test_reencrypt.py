@@ -243,3 +243,112 @@ def test_interrupted_decryption_serves_plaintext_and_ciphertext_regions(ws):
     b = serve_luks(ws, img, pw, "--header", hdr)
     assert read_all(b.uri, len(plain)) == bytes(expect)
     assert b.stop() == 0
+
+
+# --- luks reencrypt: continuing what cryptsetup started --------------------------------------------
+
+
+@pytest.mark.parametrize("resilience", ["checksum", "none"])
+def test_cryptbridge_finishes_what_cryptsetup_initialized(ws, resilience):
+    """`cryptsetup reencrypt --init-only` (a new 256-bit key with 512-byte sectors) ->
+    `cryptbridge luks reencrypt` -> cryptsetup sees a finished volume (no requirement, one
+    segment, the old keyslot gone) and the data area decrypts to the plaintext with the key
+    `cryptsetup luksDump --dump-volume-key` prints (independent XTS)."""
+    need("cryptsetup")
+    img, pw, plain, offset = volume_with_plaintext(ws, "--sector-size", "4096", "--key-size", "512")
+    cryptsetup("reencrypt", "--init-only", "--batch-mode", "--force-offline-reencrypt", "--key-file", pw, "--pbkdf", "pbkdf2", *FAST_PBKDF2,
+               "--resilience", resilience, "--key-size", "256", "--sector-size", "512", img)  # fmt: skip
+    p = cb("luks", "reencrypt", "--resume-only", "--batch-mode", "--json", "--hotzone-size", "1M", "--key-file", str(pw), str(img), timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert_no_panic(p.stderr.decode())
+    lines = [json.loads(x) for x in p.stdout.decode().splitlines()]
+    assert lines and lines[-1]["done"] == lines[-1]["size"] == len(plain), lines[-3:]
+    meta = header_json(img)
+    assert "requirements" not in meta["config"], meta["config"]
+    assert list(meta["segments"]) == ["0"] and meta["segments"]["0"]["size"] == "dynamic"
+    assert [v["type"] for v in meta["keyslots"].values()] == ["luks2"], meta["keyslots"]
+    dump = cryptsetup("luksDump", img).stdout.decode()
+    assert "reencrypt" not in dump.lower().replace("reencryption", ""), dump
+    new_key = volume_key(img, pw)
+    assert len(new_key) == 32
+    assert data_layout(img) == (offset, 512)
+    with open(img, "rb") as f:
+        f.seek(offset)
+        raw = f.read(len(plain))
+    assert xts_sectors(new_key, raw, 512, 0, False) == plain, "the data area does not decrypt with the new key"
+    assert cryptsetup("open", "--test-passphrase", "--key-file", pw, img, check=False).returncode == 0
+
+
+def test_cryptsetup_finishes_what_cryptbridge_stopped(ws):
+    """cryptbridge stopped by SIGINT at a commit point (checksum resilience) -> `cryptsetup
+    reencrypt --resume-only` finishes -> the data decrypts with the new key. And a second
+    cryptbridge run while the first holds cryptsetup's reencryption lock is refused."""
+    need("cryptsetup")
+    img, pw, plain, offset = volume_with_plaintext(ws)
+    cryptsetup("reencrypt", "--init-only", "--batch-mode", "--force-offline-reencrypt", "--key-file", pw, "--pbkdf", "pbkdf2", *FAST_PBKDF2, img)
+    from conftest import require_binary
+
+    p = subprocess.Popen([require_binary(), "luks", "reencrypt", "--json", "--threads", "1", "--hotzone-size", "64K", "--key-file", pw, img],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    first = p.stdout.readline()
+    assert first, p.stderr.read()
+    second = cb("luks", "reencrypt", "--key-file", str(pw), str(img))
+    assert second.returncode == 1 and b"already running" in second.stderr, second.stderr
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert_no_panic(err.decode())
+    meta = header_json(img)
+    segs = active_segments(meta)
+    assert "requirements" in meta["config"] and len(segs) == 2, "cryptbridge did not stop part way"
+    assert not any("in-reencryption" in sg.get("flags", []) for sg in segs)
+    cryptsetup("reencrypt", "--resume-only", "--batch-mode", "--force-offline-reencrypt", "--key-file", pw, img, timeout=300)
+    assert "requirements" not in header_json(img)["config"]
+    new_key = volume_key(img, pw)
+    with open(img, "rb") as f:
+        f.seek(offset)
+        raw = f.read(len(plain))
+    assert xts_sectors(new_key, raw, data_layout(img)[1], 0, False) == plain
+
+
+def test_cryptsetup_recovers_a_hotzone_cryptbridge_left_by_kill_9(ws):
+    """cryptbridge killed with SIGKILL while a hotzone is flagged `in-reencryption` (checksum
+    resilience): cryptsetup recovers the hotzone from our checksums and metadata and finishes; every
+    byte then decrypts to the plaintext with the new key."""
+    need("cryptsetup")
+    img, pw, plain, offset = volume_with_plaintext(ws)
+    cryptsetup("reencrypt", "--init-only", "--batch-mode", "--force-offline-reencrypt", "--key-file", pw, "--pbkdf", "pbkdf2", *FAST_PBKDF2, img)
+    from conftest import require_binary
+
+    p = subprocess.Popen([require_binary(), "luks", "reencrypt", "--json", "--threads", "1", "--hotzone-size", "256K", "--key-file", pw, img],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    caught = False
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and p.poll() is None:
+        # Stopped while we look, so that what we see is what it leaves when killed.
+        p.send_signal(signal.SIGSTOP)
+        meta = header_json(img)
+        if meta and any("in-reencryption" in sg.get("flags", []) for sg in meta["segments"].values()):
+            caught = True
+            break
+        p.send_signal(signal.SIGCONT)
+        time.sleep(0.003)
+    p.kill()
+    p.wait(timeout=30)
+    assert caught, "never saw a hotzone flagged in-reencryption"
+    meta = header_json(img)
+    assert "requirements" in meta["config"], "the run finished before it was killed"
+    hot = [sg for sg in active_segments(meta) if "in-reencryption" in sg.get("flags", [])]
+    assert hot, "killed outside a hotzone"
+    # Served? No: a crashed hotzone is refused until it is recovered.
+    refused_unchanged(ws, img, pw, "--resume-only")
+    # cryptsetup recovers a crashed hotzone in `repair` (offline), then resumes.
+    cryptsetup("repair", "--batch-mode", "--key-file", pw, img, timeout=300)
+    assert not any("in-reencryption" in sg.get("flags", []) for sg in active_segments(header_json(img)))
+    cryptsetup("reencrypt", "--resume-only", "--batch-mode", "--force-offline-reencrypt", "--key-file", pw, img, timeout=300)
+    assert "requirements" not in header_json(img)["config"]
+    new_key = volume_key(img, pw)
+    with open(img, "rb") as f:
+        f.seek(offset)
+        raw = f.read(len(plain))
+    assert xts_sectors(new_key, raw, data_layout(img)[1], 0, False) == plain, "a sector is wrong after cryptsetup's recovery"

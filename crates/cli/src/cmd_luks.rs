@@ -16,6 +16,8 @@ use serde_json::{json, Value};
 
 use crate::passphrase;
 
+mod reencrypt;
+
 #[derive(clap::Subcommand)]
 #[allow(clippy::large_enum_variant)] // parsed once from the command line
 pub enum Command {
@@ -46,6 +48,10 @@ pub enum Command {
     /// Check a passphrase without changing or serving anything (as `cryptsetup open
     /// --test-passphrase`): exit status 0 if it opens a keyslot, 1 if not.
     TestPassphrase(TestPassphraseArgs),
+    /// Continue a LUKS2 reencryption that `cryptsetup reencrypt --init-only` started or that was
+    /// stopped cleanly (as `cryptsetup reencrypt --resume-only`): forward, old key to new key,
+    /// resilience none or checksum, with cryptsetup's commit points and lock.
+    Reencrypt(reencrypt::ReencryptArgs),
 }
 
 #[derive(clap::Args)]
@@ -219,6 +225,7 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
         Command::KillSlot(a) => kill_slot(a),
         Command::ChangeKey(a) => change_key(a),
         Command::TestPassphrase(a) => test_passphrase(a),
+        Command::Reencrypt(a) => reencrypt::run(a),
     }
 }
 

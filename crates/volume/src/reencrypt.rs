@@ -555,3 +555,244 @@ fn serialize(out: &mut Vec<u8>, o: &Map<String, Value>, key: &str, kind: Kind) -
     }
     Ok(())
 }
+
+// --- running a reencryption (forward, data in place) ---------------------------------------------
+
+/// What `luks reencrypt` needs to continue a reencryption that cryptsetup (or a previous run)
+/// left cleanly: forward, old key to new key, the data staying where it is.
+#[derive(Debug, Clone)]
+pub struct ForwardPlan {
+    /// Where the data starts on the data device.
+    pub data_offset: u64,
+    /// Bytes of the volume already under the new key.
+    pub done: u64,
+    pub old_cipher: String,
+    pub old_sector_size: usize,
+    pub new_cipher: String,
+    pub new_sector_size: usize,
+    /// Checksum resilience: its hash and block size; `None`: resilience `none`.
+    pub checksum: Option<(crate::hash::Hash, usize)>,
+    /// The `backup-previous` and `backup-final` segments as stored: copied unchanged into every
+    /// metadata written (their ids change with the segment list; the digest covers their content).
+    backups: [Value; 2],
+}
+
+fn crypt_segment(offset: u64, size: Option<u64>, iv_tweak: u64, encryption: &str, sector_size: usize, hot: bool) -> Value {
+    let mut o = serde_json::json!({
+        "type": "crypt",
+        "offset": offset.to_string(),
+        "size": size.map_or("dynamic".to_string(), |s| s.to_string()),
+        "iv_tweak": iv_tweak.to_string(),
+        "encryption": encryption,
+        "sector_size": sector_size,
+    });
+    if hot {
+        o["flags"] = serde_json::json!(["in-reencryption"]);
+    }
+    o
+}
+
+impl Luks2Header {
+    /// The plan to continue `state`, or a refusal naming what is not supported yet.
+    pub fn forward_plan(&self, state: &Reencryption) -> Result<ForwardPlan> {
+        if let Some(h) = state.hotzone {
+            return Err(unsupported(hotzone_refusal(h)));
+        }
+        if state.keyslot.mode != Mode::Reencrypt || state.keyslot.direction != ReencryptDirection::Forward {
+            return Err(unsupported(format!(
+                "`luks reencrypt` continues forward reencryptions (old key to new key) only, not {:?} {:?}; use `cryptsetup reencrypt --resume-only`",
+                state.keyslot.mode, state.keyslot.direction
+            )));
+        }
+        let checksum = match &state.keyslot.resilience {
+            Resilience::None => None,
+            Resilience::Checksum { hash, sector_size } => Some((crate::hash::Hash::from_name(hash)?, *sector_size as usize)),
+            other => {
+                return Err(unsupported(format!(
+                    "`luks reencrypt` supports resilience none and checksum so far, not {}; use `cryptsetup reencrypt --resume-only`",
+                    other.name()
+                )))
+            }
+        };
+        if state.backup_moved.is_some() {
+            return Err(unsupported("a moved segment (datashift) is not supported by `luks reencrypt` yet".into()));
+        }
+        let (old, new) = (&self.segments[&state.backup_previous], &self.segments[&state.backup_final]);
+        if old.offset != new.offset || old.size.is_some() || new.size.is_some() || old.iv_tweak != 0 || new.iv_tweak != 0 {
+            return Err(unsupported("`luks reencrypt` needs the old and new data at the same offset over the whole device".into()));
+        }
+        let regions = self.check_regions(state)?;
+        let done = match regions.as_slice() {
+            [only] if only.digest == state.old_digest && only.offset == old.offset => 0,
+            [first, second] if first.digest == state.new_digest && second.digest == state.old_digest && first.offset == new.offset => {
+                let done = first.size.expect("checked: only the last is dynamic");
+                if second.offset != old.offset + done || second.iv_tweak != done / 512 || second.size.is_some() {
+                    return Err(corrupt("the old segment does not continue where the new one ends".into()));
+                }
+                done
+            }
+            _ => return Err(unsupported("segment layout not supported by `luks reencrypt`".into())),
+        };
+        Ok(ForwardPlan {
+            data_offset: old.offset,
+            done,
+            old_cipher: old.encryption.clone(),
+            old_sector_size: old.sector_size,
+            new_cipher: new.encryption.clone(),
+            new_sector_size: new.sector_size,
+            checksum,
+            backups: [Value::Object(self.raw_segment(state.backup_previous)?.clone()), Value::Object(self.raw_segment(state.backup_final)?.clone())],
+        })
+    }
+
+    /// The metadata while the hotzone `[done, done + len)` is rewritten (`hot`), or once it is
+    /// (`done + len` under the new key), as cryptsetup lays it out (`plan` from the header as the
+    /// run found it: segment ids change from one metadata to the next): new, hotzone (flagged
+    /// `in-reencryption`, under both digests), old, then the backup segments; every active
+    /// segment's IV continues its place in the volume.
+    pub fn step_metadata(&self, state: &Reencryption, plan: &ForwardPlan, done: u64, len: u64, data_size: u64, hot: bool) -> Result<Value> {
+        let d = plan.data_offset;
+        let (old_d, new_d) = (state.old_digest.expect("reencrypt mode"), state.new_digest.expect("reencrypt mode"));
+        let mut segs: Vec<(Value, Vec<u32>)> = Vec::new();
+        let end = done + len;
+        let old_after = (end < data_size).then(|| crypt_segment(d + end, None, end / 512, &plan.old_cipher, plan.old_sector_size, false));
+        if hot {
+            if done > 0 {
+                segs.push((crypt_segment(d, Some(done), 0, &plan.new_cipher, plan.new_sector_size, false), vec![new_d]));
+            }
+            segs.push((crypt_segment(d + done, Some(len), done / 512, &plan.new_cipher, plan.new_sector_size, true), vec![new_d, old_d]));
+        } else {
+            let size = old_after.is_some().then_some(end);
+            segs.push((crypt_segment(d, size, 0, &plan.new_cipher, plan.new_sector_size, false), vec![new_d]));
+        }
+        if let Some(o) = old_after {
+            segs.push((o, vec![old_d]));
+        }
+        segs.push((plan.backups[0].clone(), vec![old_d]));
+        segs.push((plan.backups[1].clone(), vec![new_d]));
+        let mut json = self.json.clone();
+        let mut segments = Map::new();
+        let mut by_digest: BTreeMap<u32, Vec<Value>> = BTreeMap::new();
+        for (i, (seg, digests)) in segs.into_iter().enumerate() {
+            segments.insert(i.to_string(), seg);
+            for dg in digests {
+                by_digest.entry(dg).or_default().push(Value::String(i.to_string()));
+            }
+        }
+        json["segments"] = Value::Object(segments);
+        let digests = json["digests"].as_object_mut().ok_or_else(|| corrupt("digests is not an object".into()))?;
+        for (id, o) in digests.iter_mut() {
+            let id: u32 = id.parse().map_err(|_| corrupt(format!("digest id `{id}`")))?;
+            o["segments"] = Value::Array(by_digest.remove(&id).unwrap_or_default());
+        }
+        Ok(json)
+    }
+
+    /// The metadata of the finished volume: the new segment alone, the old keyslots, the
+    /// reencrypt keyslot, their digests, the backup segments and the requirement gone (as
+    /// cryptsetup leaves it). Also the keyslot areas to wipe once it is written.
+    pub fn finished_metadata(&self, state: &Reencryption, plan: &ForwardPlan) -> Result<(Value, Vec<(u64, u64)>)> {
+        let (old_d, new_d) = (state.old_digest.expect("reencrypt mode"), state.new_digest.expect("reencrypt mode"));
+        let mut json = self.json.clone();
+        let mut gone: Vec<u32> = vec![state.keyslot.id];
+        if old_d != new_d {
+            gone.extend(self.digests[&old_d].keyslots.iter().copied());
+        }
+        let mut wipe = Vec::new();
+        for id in &gone {
+            if let Some(k) = self.keyslots.get(id) {
+                match &k.luks2 {
+                    Some(l) => wipe.push((l.area_offset, l.area_size)),
+                    None => wipe.push((state.keyslot.area_offset, state.keyslot.area_size)),
+                }
+            }
+            json["keyslots"].as_object_mut().ok_or_else(|| corrupt("keyslots is not an object".into()))?.remove(&id.to_string());
+        }
+        let mut segments = Map::new();
+        segments.insert("0".into(), crypt_segment(plan.data_offset, None, 0, &plan.new_cipher, plan.new_sector_size, false));
+        json["segments"] = Value::Object(segments);
+        let digests = json["digests"].as_object_mut().ok_or_else(|| corrupt("digests is not an object".into()))?;
+        digests.retain(|id, _| id.parse::<u32>().is_ok_and(|i| i != state.digest && (i != old_d || old_d == new_d)));
+        for (id, o) in digests.iter_mut() {
+            let keep = id.parse::<u32>().ok() == Some(new_d);
+            o["segments"] = if keep { serde_json::json!(["0"]) } else { serde_json::json!([]) };
+            if let Some(list) = o.get_mut("keyslots").and_then(Value::as_array_mut) {
+                list.retain(|v| v.as_str().and_then(|s| s.parse::<u32>().ok()).is_none_or(|k| !gone.contains(&k)));
+            }
+        }
+        if let Some(tokens) = json["tokens"].as_object_mut() {
+            for t in tokens.values_mut() {
+                if let Some(list) = t.get_mut("keyslots").and_then(Value::as_array_mut) {
+                    list.retain(|v| v.as_str().and_then(|s| s.parse::<u32>().ok()).is_none_or(|k| !gone.contains(&k)));
+                }
+            }
+        }
+        if let Some(config) = json["config"].as_object_mut() {
+            config.remove("requirements");
+        }
+        Ok((json, wipe))
+    }
+}
+
+/// Writes `json` as the next metadata of `h` (both copies, synced; seqid + 1) under the header
+/// device's `flock`, and returns the header as written. The metadata must parse back.
+pub fn write_metadata(file: &std::fs::File, name: &str, h: &Luks2Header, json: Value) -> Result<Luks2Header> {
+    let binary = crate::luks2::BinaryHeader { seqid: h.binary.seqid + 1, hdr_offset: 0, ..h.binary.clone() };
+    let next = Luks2Header::from_json(binary.clone(), json.clone())?;
+    let (primary, secondary) = crate::luks2::encode_copies(&binary, &json)?;
+    let _lock = crate::format::DeviceLock::exclusive(file, name)?;
+    crate::format::write_synced(file, &primary, 0, &format!("the primary LUKS2 header of {name}"))?;
+    crate::format::write_synced(file, &secondary, binary.hdr_size, &format!("the secondary LUKS2 header of {name}"))?;
+    Ok(next)
+}
+
+/// Overwrites `[offset, offset + len)` of the header device with random bytes (a keyslot area
+/// that held key material).
+pub fn wipe_area(file: &std::fs::File, name: &str, offset: u64, len: u64) -> Result<()> {
+    let mut noise = vec![0u8; usize::try_from(len).map_err(|_| corrupt(format!("area of {len} bytes")))?];
+    crate::format::os_random(&mut noise)?;
+    crate::format::write_synced(file, &noise, offset, &format!("a keyslot area of {name} (wiping it)"))
+}
+
+/// cryptsetup's reencryption lock: `flock` on `/run/cryptsetup/LN_LUKS2-reencryption-UUID`, held
+/// for the whole run, so that cryptsetup and cryptbridge never run one reencryption twice.
+pub struct ReencryptionLock {
+    _file: std::fs::File,
+    pub path: std::path::PathBuf,
+}
+
+impl ReencryptionLock {
+    pub fn take(uuid: &str) -> Result<Self> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        if uuid.is_empty() || uuid.contains('/') {
+            return Err(corrupt(format!("UUID `{uuid}` cannot name a lock")));
+        }
+        let dir = std::path::Path::new("/run/cryptsetup");
+        if !dir.exists() {
+            std::fs::DirBuilder::new().mode(0o700).recursive(true).create(dir).map_err(crate::error::io_err(format!("cannot create {}", dir.display())))?;
+        }
+        let path = dir.join(format!("LN_LUKS2-reencryption-{uuid}"));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&path)
+            .map_err(crate::error::io_err(format!("cannot open the reencryption lock {}", path.display())))?;
+        // SAFETY: flock on a descriptor `file` keeps open; plain flags.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                return Err(VolumeError::Invalid(format!(
+                    "a reencryption of this volume is already running (another process holds {})",
+                    path.display()
+                )));
+            }
+            return Err(VolumeError::Io { what: format!("cannot lock {}", path.display()), error: e });
+        }
+        Ok(ReencryptionLock { _file: file, path })
+    }
+}

@@ -158,7 +158,7 @@ fn corrupt(why: String) -> VolumeError {
 pub fn hotzone_refusal(segment: u32) -> String {
     format!(
         "LUKS2 reencryption was interrupted in the middle of a step (segment {segment} is flagged `in-reencryption`): \
-         its hotzone must be recovered first; run `cryptsetup reencrypt --resume-only` (or `cryptbridge luks reencrypt --resume-only` once available)"
+         its hotzone must be recovered first: run `cryptsetup repair` (offline; then `cryptsetup reencrypt --resume-only` or `cryptbridge luks reencrypt --resume-only` continues), or `cryptsetup reencrypt --resume-only` on an active device"
     )
 }
 

@@ -174,6 +174,8 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
                 hash.digest_into(&[b], &mut sums[i * hl..(i + 1) * hl]);
             }
             hfile.write_all_at(&sums, state.keyslot.area_offset).context("cannot write the resilience checksums")?;
+            // Durable before the metadata that points at them.
+            hfile.sync_data().context("cannot sync the resilience checksums")?;
             // Commit point: the hotzone is marked, its old ciphertext identified by the hashes.
             h = reencrypt::write_metadata(&hfile, &name, &h, h.step_metadata(&state, &plan, done, len, data_size, true)?)?;
         }

@@ -88,11 +88,12 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
     let Header::Luks2(h) = Header::read(&hfile).with_context(|| name.clone())? else {
         bail!("{name}: LUKS1 has no reencryption; only LUKS2 volumes are re-encrypted");
     };
-    let Some(state) = h.reencryption().with_context(|| name.clone())? else {
+    if h.reencryption().with_context(|| name.clone())?.is_none() {
         bail!("{name}: no reencryption in progress; initialize one with `cryptsetup reencrypt --init-only` (initializing here is not implemented yet)");
-    };
-    // Refusals first, before the lock, the passphrase or any write.
-    h.forward_plan(&state).with_context(|| format!("{name} cannot be re-encrypted here"))?;
+    }
+    // The lock before any judgement of the state: while another run holds it, the header may
+    // show its hotzone, which is theirs to finish, not a crash. Nothing is written before the
+    // refusals below.
     let lock = ReencryptionLock::take(&h.binary.uuid).with_context(|| name.clone())?;
     // Under the lock, the header as it is now (another run may have moved it on).
     let Header::Luks2(h) = Header::read(&hfile).with_context(|| name.clone())? else { unreachable!("still LUKS2") };

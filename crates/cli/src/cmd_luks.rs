@@ -16,6 +16,8 @@ use serde_json::{json, Value};
 
 use crate::passphrase;
 
+mod reencrypt;
+
 #[derive(clap::Subcommand)]
 #[allow(clippy::large_enum_variant)] // parsed once from the command line
 pub enum Command {
@@ -46,6 +48,10 @@ pub enum Command {
     /// Check a passphrase without changing or serving anything (as `cryptsetup open
     /// --test-passphrase`): exit status 0 if it opens a keyslot, 1 if not.
     TestPassphrase(TestPassphraseArgs),
+    /// Continue a LUKS2 reencryption that `cryptsetup reencrypt --init-only` started or that was
+    /// stopped cleanly (as `cryptsetup reencrypt --resume-only`): forward, old key to new key,
+    /// resilience none or checksum, with cryptsetup's commit points and lock.
+    Reencrypt(reencrypt::ReencryptArgs),
 }
 
 #[derive(clap::Args)]
@@ -219,6 +225,7 @@ pub fn run(cmd: Command) -> Result<ExitCode> {
         Command::KillSlot(a) => kill_slot(a),
         Command::ChangeKey(a) => change_key(a),
         Command::TestPassphrase(a) => test_passphrase(a),
+        Command::Reencrypt(a) => reencrypt::run(a),
     }
 }
 
@@ -238,6 +245,10 @@ fn dump(a: DumpArgs) -> Result<ExitCode> {
     let file = std::fs::File::open(&a.device).with_context(|| format!("cannot open {}", a.device.display()))?;
     let header = Header::read(&file).with_context(|| format!("{}", a.device.display()))?;
     let serve = header.data_segment();
+    let reencryption = match &header {
+        Header::Luks2(h) => reencryption_summary(h),
+        Header::Luks1(_) => None,
+    };
     if a.json {
         let mut v = match &header {
             Header::Luks1(h) => luks1_json(h),
@@ -256,6 +267,10 @@ fn dump(a: DumpArgs) -> Result<ExitCode> {
         v["warnings"] = json!(header.warnings());
         v["data_segment"] = serve.as_ref().map_or(Value::Null, segment_json);
         v["refused"] = serve.as_ref().err().map_or(Value::Null, |e| json!(e.to_string()));
+        if let Some(r) = &reencryption {
+            v["reencryption"] = r.json.clone();
+            v["refused"] = r.refused.as_ref().map_or(Value::Null, |e| json!(e));
+        }
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(ExitCode::SUCCESS);
     }
@@ -276,7 +291,11 @@ fn dump(a: DumpArgs) -> Result<ExitCode> {
     for w in header.warnings() {
         out += &format!("Warning:       {w}\n");
     }
+    if let Some(r) = &reencryption {
+        out += &r.text;
+    }
     match &serve {
+        _ if reencryption.is_some() => {}
         Ok(seg) => out += &format!(
             "Served as:     {} {}-bit, {}-byte sectors, IV plain64 in 512-byte units, data at byte {}\n",
             seg.cipher,
@@ -288,6 +307,64 @@ fn dump(a: DumpArgs) -> Result<ExitCode> {
     }
     std::io::stdout().lock().write_all(out.as_bytes())?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// What `luks dump` says of a reencryption in progress: its state and what serve makes of it.
+struct ReencryptionSummary {
+    text: String,
+    json: Value,
+    refused: Option<String>,
+}
+
+fn reencryption_summary(h: &luks2::Luks2Header) -> Option<ReencryptionSummary> {
+    let state = match h.reencryption() {
+        Ok(None) => return None,
+        Ok(Some(s)) => s,
+        Err(e) => {
+            let why = e.to_string();
+            return Some(ReencryptionSummary { text: format!("Served as:     refused: {why}\n"), json: Value::Null, refused: Some(why) });
+        }
+    };
+    let regions = h.check_regions(&state);
+    let refused = match (&state.hotzone, &regions) {
+        (Some(seg), _) => Some(cryptbridge_volume::reencrypt::hotzone_refusal(*seg)),
+        (None, Err(e)) => Some(e.to_string()),
+        (None, Ok(_)) => None,
+    };
+    let regions = regions.unwrap_or_default();
+    let done: u64 = regions.iter().filter(|r| r.digest == state.new_digest).filter_map(|r| r.size).sum();
+    let describe = |r: &cryptbridge_volume::reencrypt::Region| match &r.crypt {
+        Some(c) => format!("{} {}-bit, {}-byte sectors at byte {} (digest {})", c.cipher, c.key_bytes * 8, c.sector_size, r.offset, r.digest.unwrap_or(0)),
+        None => format!("plaintext at byte {}", r.offset),
+    };
+    let mode = format!("{:?}", state.keyslot.mode).to_lowercase();
+    let direction = format!("{:?}", state.keyslot.direction).to_lowercase();
+    let mut text = format!(
+        "Reencryption:  {mode}, {direction}, resilience {}, {done} bytes done{}\n",
+        state.keyslot.resilience.name(),
+        state.hotzone.map_or(String::new(), |s| format!(", interrupted inside a step (segment {s})"))
+    );
+    match &refused {
+        Some(why) => text += &format!("Served as:     refused: {why}\n"),
+        None => {
+            text += "Served as:     both keys, the reencryption digest checked when opened:\n";
+            for r in &regions {
+                text += &format!("               from byte {}: {}\n", r.logical_offset, describe(r));
+            }
+        }
+    }
+    let json = json!({
+        "version": state.version,
+        "mode": mode,
+        "direction": direction,
+        "resilience": state.keyslot.resilience.name(),
+        "keyslot": state.keyslot.id,
+        "done": done,
+        "hotzone": state.hotzone,
+        "regions": regions.iter().map(|r| json!({"from": r.logical_offset, "segment": r.segment_id, "offset": r.offset,
+            "size": r.size.map_or(json!("dynamic"), |s| json!(s)), "data_segment": r.crypt.as_ref().map_or(Value::Null, segment_json)})).collect::<Vec<_>>(),
+    });
+    Some(ReencryptionSummary { text, json, refused })
 }
 
 fn hexs(b: &[u8]) -> String {

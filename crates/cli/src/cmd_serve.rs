@@ -415,7 +415,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if luks.is_none() && args.volume_type.is_none() && !backing.created() {
         refuse_luks_as_plain(&backing, &args.backing)?;
     }
-    let mapping = Arc::new(luks::window(luks.as_ref(), Mapping::new(backing, engine), &args.backing)?);
+    let mapping = Arc::new(luks::window(luks.as_mut(), backing, engine, &args.backing)?);
     let mode = if args.passthrough { "passthrough (plaintext)".to_string() } else { format!("{} {key_bits}-bit", luks.as_ref().map_or_else(|| args.cipher.clone(), luks::Volume::label)) };
     // One descriptor per connection (two with its own upstream connection): the soft limit
     // (often 1024) would refuse connections long before threads or memory run out.

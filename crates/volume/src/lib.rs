@@ -20,6 +20,7 @@ pub mod keyslots;
 pub mod luks1;
 pub mod luks2;
 pub mod probe;
+pub mod reencrypt;
 pub mod secret;
 
 use std::fmt;

@@ -567,13 +567,13 @@ impl Luks2Header {
     /// [`Self::data_segment`] checks them except for the data cipher.
     fn segment_parts(&self) -> Result<(u32, &Segment, usize)> {
         if !self.config.requirements.is_empty() {
+            // An unknown requirement is refused as such; a reencryption by what it means here.
+            crate::reencrypt::requirement_version(&self.config.requirements)?;
             let what = self.config.requirements.join(", ");
-            let hint = if self.config.requirements.iter().any(|r| r.contains("reencrypt")) {
-                " (a reencryption is in progress; finish it with `cryptsetup reencrypt` first)"
-            } else {
-                ""
-            };
-            return Err(VolumeError::Unsupported(format!("LUKS2 requirement `{what}` is not supported{hint}")));
+            return Err(VolumeError::Unsupported(format!(
+                "LUKS2 requirement `{what}`: a reencryption is in progress; finish it with `cryptsetup reencrypt --resume-only` first \
+                 (`cryptbridge serve --type luks` can serve the volume meanwhile)"
+            )));
         }
         if let Some((id, _)) = self.keyslots.iter().find(|(_, k)| k.kind == "reencrypt") {
             return Err(VolumeError::Unsupported(format!("LUKS2 keyslot {id} is a reencryption keyslot: a reencryption is in progress")));

@@ -15,9 +15,11 @@ fn cryptsetup() -> Option<PathBuf> {
 fn main() {
     let args = libtest_mimic::Arguments::from_args();
     type Check = fn(&Path);
-    let tests: [(&str, Check); 2] = [
+    let tests: [(&str, Check); 4] = [
         ("cryptsetup_headers_open_with_the_same_key", cryptsetup_headers_open_with_the_same_key),
         ("volumes_formatted_here_open_in_cryptsetup", volumes_formatted_here_open_in_cryptsetup),
+        ("reencryption_initialized_by_cryptsetup_parses_and_verifies", reencryption_initialized_by_cryptsetup_parses_and_verifies),
+        ("reencryption_interrupted_by_sigint_maps_both_keys", reencryption_interrupted_by_sigint_maps_both_keys),
     ];
     let cs = cryptsetup();
     let trials = tests
@@ -44,7 +46,17 @@ fn run(cmd: &mut Command) -> String {
 
 /// The volume key as `luksDump --dump-volume-key` prints it (hex pairs after "MK dump:").
 fn dumped_key(cs: &Path, image: &Path, pass: &Path) -> Vec<u8> {
-    let out = run(Command::new(cs).args(["luksDump", "--dump-volume-key", "--batch-mode", "--key-file"]).arg(pass).arg(image));
+    dumped_slot_key(cs, image, pass, None)
+}
+
+/// The key `--key-slot slot` opens, as `luksDump --dump-volume-key` prints it.
+fn dumped_slot_key(cs: &Path, image: &Path, pass: &Path, slot: Option<u32>) -> Vec<u8> {
+    let mut cmd = Command::new(cs);
+    cmd.args(["luksDump", "--dump-volume-key", "--batch-mode", "--key-file"]).arg(pass);
+    if let Some(s) = slot {
+        cmd.args(["--key-slot", &s.to_string()]);
+    }
+    let out = run(cmd.arg(image));
     let dump = out.split("MK dump:").nth(1).expect("an MK dump section");
     let hex: String = dump.split_whitespace().filter(|w| w.len() == 2 && w.chars().all(|c| c.is_ascii_hexdigit())).collect();
     hex::decode(hex).expect("hex")
@@ -109,4 +121,138 @@ fn volumes_formatted_here_open_in_cryptsetup(cs: &Path) {
         let unlocked = Header::read(&file).unwrap().unlock(&file, b"formatted here", None).unwrap();
         assert_eq!(dumped_key(cs, &image, &pass), unlocked.volume_key.as_slice(), "LUKS{version}/{sector}");
     }
+}
+
+const FAST_PBKDF2: [&str; 4] = ["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"];
+
+fn format_luks2(cs: &Path, image: &Path, pass: &Path, size: u64, extra: &[&str]) {
+    std::fs::File::create(image).unwrap().set_len(size).unwrap();
+    run(Command::new(cs).args(["luksFormat", "--batch-mode", "--type", "luks2", "--key-file"]).arg(pass).args(FAST_PBKDF2).args(extra).arg(image));
+}
+
+fn luks2(image: &Path) -> (std::fs::File, cryptbridge_volume::luks2::Luks2Header) {
+    let file = std::fs::File::open(image).unwrap();
+    match Header::read(&file).unwrap() {
+        Header::Luks2(h) => (file, h),
+        Header::Luks1(_) => panic!("{}: LUKS1", image.display()),
+    }
+}
+
+fn reencryption_initialized_by_cryptsetup_parses_and_verifies(cs: &Path) {
+    use cryptbridge_volume::reencrypt::{Mode, ReencryptDirection, Resilience};
+    let dir = tempfile::tempdir().unwrap();
+    let pass = dir.path().join("pass");
+    std::fs::write(&pass, b"reencrypt me").unwrap();
+    let cases: [(&str, &[&str], &str); 4] = [
+        ("checksum", &[], "checksum"),
+        ("none", &["--resilience", "none"], "none"),
+        ("journal", &["--resilience", "journal"], "journal"),
+        ("new-cipher-512", &["--key-size", "256", "--sector-size", "512"], "checksum"),
+    ];
+    for (name, opts, resilience) in cases {
+        let image = dir.path().join(format!("{name}.img"));
+        format_luks2(cs, &image, &pass, 32 << 20, &[]);
+        let old_key = dumped_key(cs, &image, &pass);
+        run(Command::new(cs)
+            .args(["reencrypt", "--init-only", "--force-offline-reencrypt", "--batch-mode", "--key-file"])
+            .arg(&pass)
+            .args(FAST_PBKDF2)
+            .args(opts)
+            .arg(&image));
+        let (file, h) = luks2(&image);
+        let r = h.reencryption().unwrap().unwrap_or_else(|| panic!("{name}: no reencryption found"));
+        assert_eq!(r.version, 2, "{name}");
+        assert_eq!((r.keyslot.mode, r.keyslot.direction, r.keyslot.resilience.name()), (Mode::Reencrypt, ReencryptDirection::Forward, resilience), "{name}");
+        if let Resilience::Checksum { hash, sector_size } = &r.keyslot.resilience {
+            assert_eq!(hash, "sha256", "{name}");
+            assert!(*sector_size >= 512, "{name}");
+        }
+        assert!(r.hotzone.is_none(), "{name}");
+        // Keyslot commands and the single-segment path still refuse it, saying why.
+        let e = h.keyslot_check().unwrap_err().to_string();
+        assert!(e.contains("reencryption is in progress"), "{name}: {e}");
+        let u = h.unlock_reencryption(&file, b"reencrypt me", None).unwrap();
+        assert_eq!(u.keys[&r.old_digest.unwrap()].as_slice(), old_key.as_slice(), "{name}: old key");
+        let new_slot = *h.digests[&r.new_digest.unwrap()].keyslots.first().unwrap();
+        assert_eq!(u.keys[&r.new_digest.unwrap()].as_slice(), dumped_slot_key(cs, &image, &pass, Some(new_slot)).as_slice(), "{name}: new key");
+        // Nothing is re-encrypted yet: one region, all under the old key.
+        assert_eq!(u.regions.len(), 1, "{name}: {:?}", u.regions);
+        assert_eq!((u.regions[0].logical_offset, u.regions[0].digest), (0, r.old_digest), "{name}");
+        let e = h.unlock_reencryption(&file, b"wrong", None).unwrap_err();
+        assert!(matches!(e, VolumeError::WrongPassphrase(_)), "{name}: {e}");
+    }
+}
+
+/// Runs `cryptsetup reencrypt` and interrupts it with SIGINT once its header shows progress
+/// (it stops at its next commit point): the header then maps part of the device under each key.
+pub fn interrupted_reencryption(cs: &Path, image: &Path, pass: &Path, extra: &[&str]) {
+    let mut child = Command::new(cs)
+        .args(["reencrypt", "--force-offline-reencrypt", "--batch-mode", "--hotzone-size", "256K", "--key-file"])
+        .arg(pass)
+        .args(FAST_PBKDF2)
+        .args(extra)
+        .arg(image)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    loop {
+        // A header read while cryptsetup rewrites it may be torn (bad checksum): look again.
+        let progressed = std::fs::File::open(image).ok().and_then(|f| match Header::read(&f) {
+            Ok(Header::Luks2(h)) => h.reencryption().ok().flatten().map(|r| h.check_regions(&r).is_ok_and(|v| v.len() == 2)),
+            _ => None,
+        });
+        if progressed == Some(true) || started.elapsed() > std::time::Duration::from_secs(60) {
+            break;
+        }
+        if child.try_wait().unwrap().is_some() {
+            panic!("cryptsetup reencrypt ended before it could be interrupted; use a larger image");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // SAFETY: the pid is our own child's, which has not been waited for yet.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    child.wait().unwrap();
+    let (_, h) = luks2(image);
+    let r = h.reencryption().unwrap().expect("cryptsetup finished the whole reencryption despite SIGINT; use a larger image");
+    assert_eq!(h.check_regions(&r).unwrap().len(), 2, "cryptsetup stopped before any progress");
+}
+
+fn reencryption_interrupted_by_sigint_maps_both_keys(cs: &Path) {
+    let dir = tempfile::tempdir().unwrap();
+    let pass = dir.path().join("pass");
+    std::fs::write(&pass, b"half way").unwrap();
+    let image = dir.path().join("half.img");
+    format_luks2(cs, &image, &pass, 256 << 20, &["--sector-size", "4096"]);
+    let old_key = dumped_key(cs, &image, &pass);
+    interrupted_reencryption(cs, &image, &pass, &["--sector-size", "512", "--key-size", "256"]);
+    let (file, h) = luks2(&image);
+    let r = h.reencryption().unwrap().unwrap();
+    let u = h.unlock_reencryption(&file, b"half way", None).unwrap();
+    assert_eq!(u.keys[&r.old_digest.unwrap()].as_slice(), old_key.as_slice());
+    assert_eq!(u.keys[&r.new_digest.unwrap()].len(), 32);
+    let (new, old) = (&u.regions[0], &u.regions[1]);
+    let done = new.size.expect("the re-encrypted part has a size");
+    let data = new.offset;
+    assert_eq!((new.logical_offset, new.digest, new.iv_tweak), (0, r.new_digest, 0));
+    assert_eq!((new.crypt.as_ref().unwrap().sector_size, new.crypt.as_ref().unwrap().key_bytes), (512, 32));
+    assert_eq!((old.logical_offset, old.offset, old.iv_tweak, old.size, old.digest), (done, data + done, done / 512, None, r.old_digest));
+    assert_eq!(old.crypt.as_ref().unwrap().sector_size, 4096);
+
+    // The digest binds the metadata: change what it covers and the volume is refused.
+    let json = {
+        let mut j = h.json.clone();
+        let slot = r.keyslot.id.to_string();
+        j["keyslots"][&slot]["direction"] = serde_json::json!("backward");
+        j
+    };
+    let (primary, secondary) = cryptbridge_volume::luks2::encode_copies(&h.binary, &json).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&image).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &primary, 0).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &secondary, h.binary.hdr_size).unwrap();
+    drop(f);
+    let (file, h) = luks2(&image);
+    let e = h.unlock_reencryption(&file, b"half way", None).unwrap_err().to_string();
+    assert!(e.contains("reencryption metadata is invalid"), "{e}");
 }

@@ -1,0 +1,798 @@
+//! LUKS2 reencryption metadata, as cryptsetup 2.x writes it while `cryptsetup reencrypt` runs or
+//! after it stopped: the `online-reencrypt-v2`/`-v3` requirement, the `reencrypt` keyslot (mode,
+//! direction, resilience area), the segment list (the active segments, a hotzone flagged
+//! `in-reencryption` after a crash, the `backup-previous`, `backup-final` and
+//! `backup-moved-segment` segments) and the reencryption digest.
+//!
+//! The reencryption digest is a PBKDF2 digest, assigned to the `reencrypt` keyslot, over a byte
+//! string that concatenates both volume keys with the metadata that says where each key applies.
+//! Nothing of that metadata may be trusted before the digest matches: anyone who can write the
+//! header could otherwise move the reencryption point and have sectors decrypted (and rewritten)
+//! under the wrong key. The byte string is built exactly as cryptsetup builds it
+//! (`lib/luks2/luks2_reencrypt_digest.c`), from the JSON values as stored.
+
+use std::collections::BTreeMap;
+
+use serde_json::{Map, Value};
+
+use crate::cipher_spec::crypto_api_name;
+use crate::device::ReadAt;
+use crate::error::{Result, VolumeError};
+use crate::luks2::{Luks2Header, Segment};
+use crate::{DataSegment, Secret};
+
+/// The requirements this module understands, with the version byte each puts in the digest.
+const KNOWN_REQUIREMENTS: [(&str, u8); 2] = [("online-reencrypt-v2", 2), ("online-reencrypt-v3", 3)];
+
+/// cryptsetup refuses longer strings when it serializes them (its MAX_STR).
+const MAX_STR: usize = 64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Old key to new key.
+    Reencrypt,
+    /// Plaintext (a `linear` segment) to encrypted.
+    Encrypt,
+    /// Encrypted to plaintext.
+    Decrypt,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReencryptDirection {
+    /// From the start of the device: new data before the reencryption point, old after.
+    Forward,
+    /// From the end: old data before the point, new after.
+    Backward,
+}
+
+/// How a hotzone is protected while it is rewritten (the reencrypt keyslot's area).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resilience {
+    None,
+    /// Hashes of the old ciphertext of each `sector_size` block of the hotzone.
+    Checksum { hash: String, sector_size: u32 },
+    /// The whole hotzone copied into the area.
+    Journal,
+    /// The data moves by `shift_size` bytes (encrypt with `--reduce-device-size`, decrypt of such
+    /// a volume).
+    Datashift { shift_size: u64 },
+    DatashiftChecksum { hash: String, sector_size: u32, shift_size: u64 },
+    DatashiftJournal { shift_size: u64 },
+}
+
+impl Resilience {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Resilience::None => "none",
+            Resilience::Checksum { .. } => "checksum",
+            Resilience::Journal => "journal",
+            Resilience::Datashift { .. } => "datashift",
+            Resilience::DatashiftChecksum { .. } => "datashift-checksum",
+            Resilience::DatashiftJournal { .. } => "datashift-journal",
+        }
+    }
+}
+
+/// The `reencrypt` keyslot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReencryptKeyslot {
+    pub id: u32,
+    pub mode: Mode,
+    pub direction: ReencryptDirection,
+    /// The resilience area in the keyslots area, in bytes.
+    pub area_offset: u64,
+    pub area_size: u64,
+    pub resilience: Resilience,
+}
+
+/// A reencryption recorded in a LUKS2 header, parsed but not yet verified: only
+/// [`Luks2Header::unlock_reencryption`] checks the digest, which needs the volume keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reencryption {
+    /// 2 for `online-reencrypt-v2`, 3 for `-v3`: the second byte of the digested string.
+    pub version: u8,
+    pub keyslot: ReencryptKeyslot,
+    /// The digest assigned to the reencrypt keyslot.
+    pub digest: u32,
+    /// The digest of the old key (`None` when encrypting: the old data is plaintext).
+    pub old_digest: Option<u32>,
+    /// The digest of the new key (`None` when decrypting).
+    pub new_digest: Option<u32>,
+    pub backup_previous: u32,
+    pub backup_final: u32,
+    pub backup_moved: Option<u32>,
+    /// The segments that map the device now, in order (their ids).
+    pub active: Vec<u32>,
+    /// A segment flagged `in-reencryption`: a step was cut off and must be recovered first.
+    pub hotzone: Option<u32>,
+}
+
+/// One stretch of the volume as the device maps it during a reencryption.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Region {
+    pub segment_id: u32,
+    /// Where it starts in the volume (the export), in bytes.
+    pub logical_offset: u64,
+    /// Where it starts on the data device, in bytes.
+    pub offset: u64,
+    /// `None`: to the end of the device.
+    pub size: Option<u64>,
+    /// How it is encrypted; `None`: a `linear` segment, plaintext.
+    pub crypt: Option<DataSegment>,
+    /// dm-crypt's IV offset of the region's first byte, in 512-byte units.
+    pub iv_tweak: u64,
+    /// The digest (and so the key) the region is under; `None` for a linear region.
+    pub digest: Option<u32>,
+}
+
+/// A volume in reencryption, opened: its keys by digest id, the digest verified.
+pub struct UnlockedReencryption {
+    pub state: Reencryption,
+    pub regions: Vec<Region>,
+    /// The volume keys by digest id (old and new; one when both are the same).
+    pub keys: BTreeMap<u32, Secret>,
+    /// The keyslots that opened them.
+    pub keyslots: Vec<u32>,
+}
+
+impl std::fmt::Debug for UnlockedReencryption {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnlockedReencryption")
+            .field("state", &self.state)
+            .field("regions", &self.regions)
+            .field("keys", &format_args!("<{} keys, redacted>", self.keys.len()))
+            .field("keyslots", &self.keyslots)
+            .finish()
+    }
+}
+
+fn unsupported(why: String) -> VolumeError {
+    VolumeError::Unsupported(why)
+}
+
+fn corrupt(why: String) -> VolumeError {
+    VolumeError::Corrupt(format!("LUKS2 reencryption metadata: {why}"))
+}
+
+/// The message for a hotzone a crash left behind.
+pub fn hotzone_refusal(segment: u32) -> String {
+    format!(
+        "LUKS2 reencryption was interrupted in the middle of a step (segment {segment} is flagged `in-reencryption`): \
+         its hotzone must be recovered first: run `cryptsetup repair` (offline; then `cryptsetup reencrypt --resume-only` or `cryptbridge luks reencrypt --resume-only` continues), or `cryptsetup reencrypt --resume-only` on an active device"
+    )
+}
+
+/// The reencryption version of the requirements, or a refusal of any requirement not understood.
+pub fn requirement_version(requirements: &[String]) -> Result<Option<u8>> {
+    let mut version = None;
+    for r in requirements {
+        match KNOWN_REQUIREMENTS.iter().find(|(n, _)| n == r) {
+            Some((_, v)) => version = Some(*v),
+            None if r == "online-reencrypt" || r == "offline-reencrypt" => {
+                return Err(unsupported(format!(
+                    "LUKS2 requirement `{r}` (a reencryption in the format of cryptsetup before 2.2) is not supported; finish it with `cryptsetup reencrypt --resume-only`"
+                )))
+            }
+            None => return Err(unsupported(format!("LUKS2 requirement `{r}` is not supported"))),
+        }
+    }
+    Ok(version)
+}
+
+fn seg_has_flag(s: &Segment, flag: &str) -> bool {
+    s.flags.iter().any(|f| f == flag)
+}
+
+const BACKUP_FLAGS: [&str; 3] = ["backup-previous", "backup-final", "backup-moved-segment"];
+
+impl Luks2Header {
+    /// The reencryption this header records, or `None` when there is none. Refuses what is not
+    /// understood (unknown requirements, a malformed reencrypt keyslot or segment list).
+    pub fn reencryption(&self) -> Result<Option<Reencryption>> {
+        let version = requirement_version(&self.config.requirements)?;
+        let reenc_slots: Vec<u32> = self.keyslots.iter().filter(|(_, k)| k.kind == "reencrypt").map(|(id, _)| *id).collect();
+        let Some(version) = version else {
+            if let Some(id) = reenc_slots.first() {
+                return Err(corrupt(format!("keyslot {id} is a reencryption keyslot but no reencryption requirement is set")));
+            }
+            return Ok(None);
+        };
+        let id = match reenc_slots.as_slice() {
+            [id] => *id,
+            [] => return Err(corrupt("the reencryption requirement is set but there is no reencrypt keyslot".into())),
+            more => return Err(corrupt(format!("{} reencrypt keyslots", more.len()))),
+        };
+        let keyslot = self.parse_reencrypt_keyslot(id)?;
+        let digest = self
+            .digests
+            .iter()
+            .find(|(_, d)| d.keyslots.contains(&id))
+            .map(|(d, _)| *d)
+            .ok_or_else(|| corrupt(format!("no digest is assigned to the reencrypt keyslot {id}")))?;
+        if self.digests[&digest].kind != "pbkdf2" {
+            return Err(unsupported(format!("LUKS2 reencryption digest {digest} has type `{}`; only pbkdf2 exists", self.digests[&digest].kind)));
+        }
+        let by_flag = |flag: &str| self.segments.iter().find(|(_, s)| seg_has_flag(s, flag)).map(|(id, _)| *id);
+        let backup_previous = by_flag("backup-previous").ok_or_else(|| corrupt("no `backup-previous` segment".into()))?;
+        let backup_final = by_flag("backup-final").ok_or_else(|| corrupt("no `backup-final` segment".into()))?;
+        let backup_moved = by_flag("backup-moved-segment");
+        let digest_of = |seg: u32| self.digests.iter().find(|(_, d)| d.segments.contains(&seg)).map(|(id, _)| *id);
+        let old_digest = digest_of(backup_previous);
+        let new_digest = digest_of(backup_final);
+        for (seg, d, what) in [(backup_previous, old_digest, "old"), (backup_final, new_digest, "new")] {
+            let kind = self.segments[&seg].kind.as_str();
+            match (kind, d) {
+                ("crypt", None) => return Err(corrupt(format!("the {what} key's segment {seg} has no digest"))),
+                ("linear", Some(_)) => return Err(corrupt(format!("the {what} segment {seg} is linear yet has a key digest"))),
+                ("crypt" | "linear", _) => {}
+                (other, _) => return Err(unsupported(format!("LUKS2 segment {seg} has type `{other}`; only crypt and linear are supported"))),
+            }
+        }
+        match (keyslot.mode, old_digest.is_some(), new_digest.is_some()) {
+            (Mode::Reencrypt, true, true) | (Mode::Encrypt, false, true) | (Mode::Decrypt, true, false) => {}
+            (mode, old, new) => {
+                return Err(corrupt(format!("mode {mode:?} does not fit the backup segments (old key: {old}, new key: {new})")))
+            }
+        }
+        let active: Vec<u32> =
+            self.segments.iter().filter(|(_, s)| !BACKUP_FLAGS.iter().any(|f| seg_has_flag(s, f))).map(|(id, _)| *id).collect();
+        if active.is_empty() {
+            return Err(corrupt("no active data segment".into()));
+        }
+        let hotzone = active.iter().copied().find(|id| seg_has_flag(&self.segments[id], "in-reencryption"));
+        for (sid, s) in &self.segments {
+            if s.integrity {
+                return Err(unsupported(format!("LUKS2 segment {sid} uses authenticated encryption (dm-integrity); not supported")));
+            }
+            if let Some(f) = s.flags.iter().find(|f| !BACKUP_FLAGS.contains(&f.as_str()) && f.as_str() != "in-reencryption") {
+                return Err(unsupported(format!("LUKS2 segment {sid} has flag `{f}`, which is not supported")));
+            }
+        }
+        Ok(Some(Reencryption { version, keyslot, digest, old_digest, new_digest, backup_previous, backup_final, backup_moved, active, hotzone }))
+    }
+
+    fn parse_reencrypt_keyslot(&self, id: u32) -> Result<ReencryptKeyslot> {
+        let o = self.raw_keyslot(id)?;
+        let what = format!("keyslot {id}");
+        let s = |o: &Map<String, Value>, k: &str, what: &str| -> Result<String> {
+            o.get(k).and_then(Value::as_str).map(str::to_string).ok_or_else(|| corrupt(format!("{what} has no string `{k}`")))
+        };
+        let n = |o: &Map<String, Value>, k: &str, what: &str| -> Result<u64> {
+            let v = s(o, k, what)?;
+            if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(corrupt(format!("{what}.{k} `{v}` is not a number")));
+            }
+            v.parse().map_err(|_| corrupt(format!("{what}.{k} `{v}` is out of range")))
+        };
+        let mode = match s(o, "mode", &what)?.as_str() {
+            "reencrypt" => Mode::Reencrypt,
+            "encrypt" => Mode::Encrypt,
+            "decrypt" => Mode::Decrypt,
+            m => return Err(unsupported(format!("LUKS2 reencryption mode `{m}` is not supported"))),
+        };
+        let direction = match s(o, "direction", &what)?.as_str() {
+            "forward" => ReencryptDirection::Forward,
+            "backward" => ReencryptDirection::Backward,
+            d => return Err(unsupported(format!("LUKS2 reencryption direction `{d}` is not supported"))),
+        };
+        let area_what = format!("{what}.area");
+        let area = o.get("area").and_then(Value::as_object).ok_or_else(|| corrupt(format!("{what} has no area")))?;
+        let hash_and_size = || -> Result<(String, u32)> {
+            let hash = s(area, "hash", &area_what)?;
+            let ss = area
+                .get("sector_size")
+                .and_then(Value::as_u64)
+                .and_then(|v| u32::try_from(v).ok())
+                .filter(|v| v.is_power_of_two() && (512..=(1 << 16)).contains(v))
+                .ok_or_else(|| corrupt(format!("{area_what}.sector_size is missing or invalid")))?;
+            Ok((hash, ss))
+        };
+        let resilience = match s(area, "type", &area_what)?.as_str() {
+            "none" => Resilience::None,
+            "journal" => Resilience::Journal,
+            "checksum" => {
+                let (hash, sector_size) = hash_and_size()?;
+                Resilience::Checksum { hash, sector_size }
+            }
+            "datashift" => Resilience::Datashift { shift_size: n(area, "shift_size", &area_what)? },
+            "datashift-journal" => Resilience::DatashiftJournal { shift_size: n(area, "shift_size", &area_what)? },
+            "datashift-checksum" => {
+                let (hash, sector_size) = hash_and_size()?;
+                Resilience::DatashiftChecksum { hash, sector_size, shift_size: n(area, "shift_size", &area_what)? }
+            }
+            t => return Err(unsupported(format!("LUKS2 reencryption resilience `{t}` is not supported"))),
+        };
+        Ok(ReencryptKeyslot {
+            id,
+            mode,
+            direction,
+            area_offset: n(area, "offset", &area_what)?,
+            area_size: n(area, "size", &area_what)?,
+            resilience,
+        })
+    }
+
+    fn raw_keyslot(&self, id: u32) -> Result<&Map<String, Value>> {
+        self.json
+            .get("keyslots")
+            .and_then(|k| k.get(id.to_string()))
+            .and_then(Value::as_object)
+            .ok_or_else(|| corrupt(format!("keyslot {id} is missing")))
+    }
+
+    fn raw_segment(&self, id: u32) -> Result<&Map<String, Value>> {
+        self.json
+            .get("segments")
+            .and_then(|k| k.get(id.to_string()))
+            .and_then(Value::as_object)
+            .ok_or_else(|| corrupt(format!("segment {id} is missing")))
+    }
+
+    /// The byte string the reencryption digest covers: `v`, `'0' + version`, the old key, the new
+    /// key (left out when it is the old one), the reencrypt keyslot's fields and the backup
+    /// segments' fields, each as cryptsetup serializes it.
+    pub fn reencryption_digest_input(&self, r: &Reencryption, old: Option<&[u8]>, new: Option<&[u8]>) -> Result<Secret> {
+        let mut out: Vec<u8> = vec![0x76, 0x30 + r.version];
+        if let Some(k) = old {
+            out.extend_from_slice(k);
+        }
+        if r.new_digest.is_some() && r.new_digest != r.old_digest {
+            out.extend_from_slice(new.ok_or_else(|| VolumeError::Invalid("the new volume key is needed".into()))?);
+        }
+        let bad = |what: &str| corrupt(format!("{what} cannot be serialized for the reencryption digest"));
+        let keyslot = self.raw_keyslot(r.keyslot.id)?;
+        let area = keyslot.get("area").and_then(Value::as_object).ok_or_else(|| bad("the reencrypt keyslot's area"))?;
+        let mut fields: Vec<(&Map<String, Value>, &str, Kind)> =
+            vec![(keyslot, "mode", Kind::Str), (keyslot, "direction", Kind::Str), (area, "type", Kind::Str), (area, "offset", Kind::U64), (area, "size", Kind::U64)];
+        match r.keyslot.resilience {
+            Resilience::Checksum { .. } => fields.extend([(area, "hash", Kind::Str), (area, "sector_size", Kind::U32)]),
+            Resilience::Datashift { .. } | Resilience::DatashiftJournal { .. } => fields.push((area, "shift_size", Kind::U64)),
+            Resilience::DatashiftChecksum { .. } => {
+                fields.extend([(area, "hash", Kind::Str), (area, "sector_size", Kind::U32), (area, "shift_size", Kind::U64)])
+            }
+            Resilience::None | Resilience::Journal => {}
+        }
+        for (o, key, kind) in fields {
+            serialize(&mut out, o, key, kind).map_err(|_| bad(&format!("the reencrypt keyslot's `{key}`")))?;
+        }
+        let mut segs = vec![r.backup_previous, r.backup_final];
+        segs.extend(r.backup_moved);
+        for id in segs {
+            let o = self.raw_segment(id)?;
+            let mut fields = vec![("type", Kind::Str), ("offset", Kind::U64), ("size", Kind::SizeOrDynamic)];
+            match o.get("type").and_then(Value::as_str) {
+                Some("crypt") => fields.extend([("iv_tweak", Kind::U64), ("encryption", Kind::Str), ("sector_size", Kind::U32)]),
+                Some("linear") => {}
+                _ => return Err(bad(&format!("segment {id}"))),
+            }
+            for (key, kind) in fields {
+                serialize(&mut out, o, key, kind).map_err(|_| bad(&format!("segment {id}'s `{key}`")))?;
+            }
+        }
+        let secret = Secret::from_slice(&out);
+        zeroize::Zeroize::zeroize(&mut out);
+        Ok(secret)
+    }
+
+    /// Opens both volume keys of a volume in reencryption with `passphrase` and verifies the
+    /// reencryption digest with them before anything else is derived from the metadata; then the
+    /// regions the device maps. A hotzone left by a crash is refused (it needs recovery).
+    pub fn unlock_reencryption(&self, dev: &dyn ReadAt, passphrase: &[u8], slot: Option<u32>) -> Result<UnlockedReencryption> {
+        let state = self.reencryption()?.ok_or_else(|| VolumeError::Invalid("no reencryption is in progress".into()))?;
+        // Refuse what cannot be served before any key derivation.
+        if let Some(h) = state.hotzone {
+            return Err(unsupported(hotzone_refusal(h)));
+        }
+        self.check_regions(&state)?;
+        if let Some(s) = slot {
+            if !self.keyslots.contains_key(&s) {
+                return Err(VolumeError::NoKeyslot(format!("keyslot {s} is not active")));
+            }
+        }
+        let mut keys = BTreeMap::new();
+        let mut keyslots = Vec::new();
+        let digests: Vec<u32> = {
+            let mut d: Vec<u32> = state.old_digest.into_iter().chain(state.new_digest).collect();
+            d.dedup();
+            d
+        };
+        for d in digests {
+            let (key, ks) = self.unlock_digest(dev, d, passphrase, slot)?;
+            keys.insert(d, key);
+            keyslots.push(ks);
+        }
+        let input = self.reencryption_digest_input(
+            &state,
+            state.old_digest.map(|d| keys[&d].as_slice()),
+            state.new_digest.map(|d| keys[&d].as_slice()),
+        )?;
+        if !self.verify_key(&self.digests[&state.digest], &input)? {
+            return Err(VolumeError::Corrupt(
+                "LUKS2 reencryption metadata is invalid: the reencryption digest does not match the keys and metadata (refusing to use it)".into(),
+            ));
+        }
+        drop(input);
+        let regions = self.check_regions(&state)?;
+        Ok(UnlockedReencryption { state, regions, keys, keyslots })
+    }
+
+    /// The key of digest `d` from `passphrase`: `slot` if it holds that key, else every keyslot
+    /// that does in cryptsetup's order.
+    fn unlock_digest(&self, dev: &dyn ReadAt, d: u32, passphrase: &[u8], slot: Option<u32>) -> Result<(Secret, u32)> {
+        let digest = &self.digests[&d];
+        let key_bytes = digest.keyslots.iter().filter_map(|k| self.keyslots.get(k)).map(|k| k.key_size).next();
+        let candidates: Vec<u32> = match slot {
+            Some(s) if digest.keyslots.contains(&s) => vec![s],
+            _ => {
+                let mut c: Vec<u32> = digest.keyslots.iter().copied().filter(|k| self.keyslots[k].priority == 2).collect();
+                c.extend(digest.keyslots.iter().copied().filter(|k| self.keyslots[k].priority == 1));
+                c
+            }
+        };
+        let mut tried = Vec::new();
+        let mut first_error = None;
+        for s in candidates {
+            if self.keyslots[&s].kind != "luks2" {
+                continue;
+            }
+            match self.keyslot_key(dev, s, passphrase) {
+                Ok(key) => {
+                    tried.push(s);
+                    if Some(key.len()) == key_bytes && self.verify_key(digest, &key)? {
+                        return Ok((key, s));
+                    }
+                }
+                Err(e @ VolumeError::Io { .. }) => return Err(e),
+                Err(e) => {
+                    tracing::warn!("LUKS2 keyslot {s} cannot be used: {e}");
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        match first_error {
+            Some(e) if tried.is_empty() => Err(e),
+            _ if tried.is_empty() => Err(VolumeError::NoKeyslot(format!("no keyslot holds the key of digest {d}"))),
+            _ => Err(VolumeError::WrongPassphrase(tried)),
+        }
+    }
+
+    /// The active segments as regions of the volume, checked (no gaps: each starts where the
+    /// previous ends; only the last may be dynamic).
+    pub fn check_regions(&self, state: &Reencryption) -> Result<Vec<Region>> {
+        let mut out = Vec::new();
+        let mut logical = 0u64;
+        for (i, &id) in state.active.iter().enumerate() {
+            let s = &self.segments[&id];
+            let last = i + 1 == state.active.len();
+            let size = match (s.size, last) {
+                (None, false) => return Err(corrupt(format!("segment {id} is dynamic but not the last one"))),
+                (Some(0), _) => return Err(corrupt(format!("segment {id} is empty"))),
+                (size, _) => size,
+            };
+            let digest = self.digests.iter().find(|(_, d)| d.segments.contains(&id)).map(|(d, _)| *d);
+            let crypt = match s.kind.as_str() {
+                "crypt" => {
+                    let d = digest.ok_or_else(|| corrupt(format!("segment {id} has no digest")))?;
+                    if Some(d) != state.old_digest && Some(d) != state.new_digest {
+                        return Err(corrupt(format!("segment {id} is under digest {d}, neither the old nor the new key")));
+                    }
+                    if !matches!(s.sector_size, 512 | 1024 | 2048 | 4096) {
+                        return Err(corrupt(format!("segment {id} has sector size {}", s.sector_size)));
+                    }
+                    let ss = s.sector_size as u64;
+                    if !s.offset.is_multiple_of(ss) || size.is_some_and(|z| !z.is_multiple_of(ss)) || !logical.is_multiple_of(ss) {
+                        return Err(corrupt(format!("segment {id}: offset, size or position is not a multiple of its sector size")));
+                    }
+                    if !s.iv_tweak.is_multiple_of(ss / 512) {
+                        return Err(corrupt(format!("segment {id}: iv_tweak {} is not a whole number of its sectors", s.iv_tweak)));
+                    }
+                    let key_bytes = self.digests[&d]
+                        .keyslots
+                        .iter()
+                        .filter_map(|k| self.keyslots.get(k))
+                        .find(|k| k.kind == "luks2")
+                        .map(|k| k.key_size)
+                        .ok_or_else(|| unsupported(format!("LUKS2: no keyslot holds the key of segment {id}")))?;
+                    Some(DataSegment {
+                        cipher: s.encryption.clone(),
+                        crypto_api: crypto_api_name(&s.encryption)?,
+                        key_bytes,
+                        sector_size: s.sector_size,
+                        iv_large_sectors: false,
+                        offset: s.offset,
+                        size,
+                    })
+                }
+                "linear" => None,
+                other => return Err(unsupported(format!("LUKS2 segment {id} has type `{other}`; only crypt and linear are supported"))),
+            };
+            out.push(Region { segment_id: id, logical_offset: logical, offset: s.offset, size, crypt, iv_tweak: s.iv_tweak, digest });
+            if let Some(z) = size {
+                logical = logical.checked_add(z).ok_or_else(|| corrupt("segment sizes overflow".into()))?;
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    /// A JSON string, copied as it is (at most 64 bytes).
+    Str,
+    /// A 64-bit number stored as a decimal string, big-endian.
+    U64,
+    /// A segment size: "dynamic" as text, else as [`Kind::U64`].
+    SizeOrDynamic,
+    /// A JSON integer, big-endian 32 bits.
+    U32,
+}
+
+fn serialize(out: &mut Vec<u8>, o: &Map<String, Value>, key: &str, kind: Kind) -> std::result::Result<(), ()> {
+    let v = o.get(key).ok_or(())?;
+    let as_u64 = |s: &str| -> std::result::Result<u64, ()> {
+        if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(());
+        }
+        s.parse::<u64>().map_err(|_| ())
+    };
+    match kind {
+        Kind::Str => {
+            let s = v.as_str().ok_or(())?;
+            if s.is_empty() || s.len() > MAX_STR {
+                return Err(());
+            }
+            out.extend_from_slice(s.as_bytes());
+        }
+        Kind::U64 => out.extend_from_slice(&as_u64(v.as_str().ok_or(())?)?.to_be_bytes()),
+        Kind::SizeOrDynamic => match v.as_str().ok_or(())? {
+            "dynamic" => out.extend_from_slice(b"dynamic"),
+            s => out.extend_from_slice(&as_u64(s)?.to_be_bytes()),
+        },
+        Kind::U32 => {
+            let n = v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or(())?;
+            out.extend_from_slice(&n.to_be_bytes());
+        }
+    }
+    Ok(())
+}
+
+// --- running a reencryption (forward, data in place) ---------------------------------------------
+
+/// What `luks reencrypt` needs to continue a reencryption that cryptsetup (or a previous run)
+/// left cleanly: forward, old key to new key, the data staying where it is.
+#[derive(Debug, Clone)]
+pub struct ForwardPlan {
+    /// Where the data starts on the data device.
+    pub data_offset: u64,
+    /// Bytes of the volume already under the new key.
+    pub done: u64,
+    pub old_cipher: String,
+    pub old_sector_size: usize,
+    pub new_cipher: String,
+    pub new_sector_size: usize,
+    /// Checksum resilience: its hash and block size; `None`: resilience `none`.
+    pub checksum: Option<(crate::hash::Hash, usize)>,
+    /// The `backup-previous` and `backup-final` segments as stored: copied unchanged into every
+    /// metadata written (their ids change with the segment list; the digest covers their content).
+    backups: [Value; 2],
+}
+
+fn crypt_segment(offset: u64, size: Option<u64>, iv_tweak: u64, encryption: &str, sector_size: usize, hot: bool) -> Value {
+    let mut o = serde_json::json!({
+        "type": "crypt",
+        "offset": offset.to_string(),
+        "size": size.map_or("dynamic".to_string(), |s| s.to_string()),
+        "iv_tweak": iv_tweak.to_string(),
+        "encryption": encryption,
+        "sector_size": sector_size,
+    });
+    if hot {
+        o["flags"] = serde_json::json!(["in-reencryption"]);
+    }
+    o
+}
+
+impl Luks2Header {
+    /// The plan to continue `state`, or a refusal naming what is not supported yet.
+    pub fn forward_plan(&self, state: &Reencryption) -> Result<ForwardPlan> {
+        if let Some(h) = state.hotzone {
+            return Err(unsupported(hotzone_refusal(h)));
+        }
+        if state.keyslot.mode != Mode::Reencrypt || state.keyslot.direction != ReencryptDirection::Forward {
+            return Err(unsupported(format!(
+                "`luks reencrypt` continues forward reencryptions (old key to new key) only, not {:?} {:?}; use `cryptsetup reencrypt --resume-only`",
+                state.keyslot.mode, state.keyslot.direction
+            )));
+        }
+        let checksum = match &state.keyslot.resilience {
+            Resilience::None => None,
+            Resilience::Checksum { hash, sector_size } => Some((crate::hash::Hash::from_name(hash)?, *sector_size as usize)),
+            other => {
+                return Err(unsupported(format!(
+                    "`luks reencrypt` supports resilience none and checksum so far, not {}; use `cryptsetup reencrypt --resume-only`",
+                    other.name()
+                )))
+            }
+        };
+        if state.backup_moved.is_some() {
+            return Err(unsupported("a moved segment (datashift) is not supported by `luks reencrypt` yet".into()));
+        }
+        let (old, new) = (&self.segments[&state.backup_previous], &self.segments[&state.backup_final]);
+        if old.offset != new.offset || old.size.is_some() || new.size.is_some() || old.iv_tweak != 0 || new.iv_tweak != 0 {
+            return Err(unsupported("`luks reencrypt` needs the old and new data at the same offset over the whole device".into()));
+        }
+        let regions = self.check_regions(state)?;
+        let done = match regions.as_slice() {
+            [only] if only.digest == state.old_digest && only.offset == old.offset => 0,
+            [first, second] if first.digest == state.new_digest && second.digest == state.old_digest && first.offset == new.offset => {
+                let done = first.size.expect("checked: only the last is dynamic");
+                if second.offset != old.offset + done || second.iv_tweak != done / 512 || second.size.is_some() {
+                    return Err(corrupt("the old segment does not continue where the new one ends".into()));
+                }
+                done
+            }
+            _ => return Err(unsupported("segment layout not supported by `luks reencrypt`".into())),
+        };
+        Ok(ForwardPlan {
+            data_offset: old.offset,
+            done,
+            old_cipher: old.encryption.clone(),
+            old_sector_size: old.sector_size,
+            new_cipher: new.encryption.clone(),
+            new_sector_size: new.sector_size,
+            checksum,
+            backups: [Value::Object(self.raw_segment(state.backup_previous)?.clone()), Value::Object(self.raw_segment(state.backup_final)?.clone())],
+        })
+    }
+
+    /// The metadata while the hotzone `[done, done + len)` is rewritten (`hot`), or once it is
+    /// (`done + len` under the new key), as cryptsetup lays it out (`plan` from the header as the
+    /// run found it: segment ids change from one metadata to the next): new, hotzone (flagged
+    /// `in-reencryption`, under both digests), old, then the backup segments; every active
+    /// segment's IV continues its place in the volume.
+    pub fn step_metadata(&self, state: &Reencryption, plan: &ForwardPlan, done: u64, len: u64, data_size: u64, hot: bool) -> Result<Value> {
+        let d = plan.data_offset;
+        let (old_d, new_d) = (state.old_digest.expect("reencrypt mode"), state.new_digest.expect("reencrypt mode"));
+        let mut segs: Vec<(Value, Vec<u32>)> = Vec::new();
+        let end = done + len;
+        let old_after = (end < data_size).then(|| crypt_segment(d + end, None, end / 512, &plan.old_cipher, plan.old_sector_size, false));
+        if hot {
+            if done > 0 {
+                segs.push((crypt_segment(d, Some(done), 0, &plan.new_cipher, plan.new_sector_size, false), vec![new_d]));
+            }
+            segs.push((crypt_segment(d + done, Some(len), done / 512, &plan.new_cipher, plan.new_sector_size, true), vec![new_d, old_d]));
+        } else {
+            let size = old_after.is_some().then_some(end);
+            segs.push((crypt_segment(d, size, 0, &plan.new_cipher, plan.new_sector_size, false), vec![new_d]));
+        }
+        if let Some(o) = old_after {
+            segs.push((o, vec![old_d]));
+        }
+        segs.push((plan.backups[0].clone(), vec![old_d]));
+        segs.push((plan.backups[1].clone(), vec![new_d]));
+        let mut json = self.json.clone();
+        let mut segments = Map::new();
+        let mut by_digest: BTreeMap<u32, Vec<Value>> = BTreeMap::new();
+        for (i, (seg, digests)) in segs.into_iter().enumerate() {
+            segments.insert(i.to_string(), seg);
+            for dg in digests {
+                by_digest.entry(dg).or_default().push(Value::String(i.to_string()));
+            }
+        }
+        json["segments"] = Value::Object(segments);
+        let digests = json["digests"].as_object_mut().ok_or_else(|| corrupt("digests is not an object".into()))?;
+        for (id, o) in digests.iter_mut() {
+            let id: u32 = id.parse().map_err(|_| corrupt(format!("digest id `{id}`")))?;
+            o["segments"] = Value::Array(by_digest.remove(&id).unwrap_or_default());
+        }
+        Ok(json)
+    }
+
+    /// The metadata of the finished volume: the new segment alone, the old keyslots, the
+    /// reencrypt keyslot, their digests, the backup segments and the requirement gone (as
+    /// cryptsetup leaves it). Also the keyslot areas to wipe once it is written.
+    pub fn finished_metadata(&self, state: &Reencryption, plan: &ForwardPlan) -> Result<(Value, Vec<(u64, u64)>)> {
+        let (old_d, new_d) = (state.old_digest.expect("reencrypt mode"), state.new_digest.expect("reencrypt mode"));
+        let mut json = self.json.clone();
+        let mut gone: Vec<u32> = vec![state.keyslot.id];
+        if old_d != new_d {
+            gone.extend(self.digests[&old_d].keyslots.iter().copied());
+        }
+        let mut wipe = Vec::new();
+        for id in &gone {
+            if let Some(k) = self.keyslots.get(id) {
+                match &k.luks2 {
+                    Some(l) => wipe.push((l.area_offset, l.area_size)),
+                    None => wipe.push((state.keyslot.area_offset, state.keyslot.area_size)),
+                }
+            }
+            json["keyslots"].as_object_mut().ok_or_else(|| corrupt("keyslots is not an object".into()))?.remove(&id.to_string());
+        }
+        let mut segments = Map::new();
+        segments.insert("0".into(), crypt_segment(plan.data_offset, None, 0, &plan.new_cipher, plan.new_sector_size, false));
+        json["segments"] = Value::Object(segments);
+        let digests = json["digests"].as_object_mut().ok_or_else(|| corrupt("digests is not an object".into()))?;
+        digests.retain(|id, _| id.parse::<u32>().is_ok_and(|i| i != state.digest && (i != old_d || old_d == new_d)));
+        for (id, o) in digests.iter_mut() {
+            let keep = id.parse::<u32>().ok() == Some(new_d);
+            o["segments"] = if keep { serde_json::json!(["0"]) } else { serde_json::json!([]) };
+            if let Some(list) = o.get_mut("keyslots").and_then(Value::as_array_mut) {
+                list.retain(|v| v.as_str().and_then(|s| s.parse::<u32>().ok()).is_none_or(|k| !gone.contains(&k)));
+            }
+        }
+        if let Some(tokens) = json["tokens"].as_object_mut() {
+            for t in tokens.values_mut() {
+                if let Some(list) = t.get_mut("keyslots").and_then(Value::as_array_mut) {
+                    list.retain(|v| v.as_str().and_then(|s| s.parse::<u32>().ok()).is_none_or(|k| !gone.contains(&k)));
+                }
+            }
+        }
+        if let Some(config) = json["config"].as_object_mut() {
+            config.remove("requirements");
+        }
+        Ok((json, wipe))
+    }
+}
+
+/// Writes `json` as the next metadata of `h` (both copies, synced; seqid + 1) under the header
+/// device's `flock`, and returns the header as written. The metadata must parse back.
+pub fn write_metadata(file: &std::fs::File, name: &str, h: &Luks2Header, json: Value) -> Result<Luks2Header> {
+    let binary = crate::luks2::BinaryHeader { seqid: h.binary.seqid + 1, hdr_offset: 0, ..h.binary.clone() };
+    let next = Luks2Header::from_json(binary.clone(), json.clone())?;
+    let (primary, secondary) = crate::luks2::encode_copies(&binary, &json)?;
+    let _lock = crate::format::DeviceLock::exclusive(file, name)?;
+    crate::format::write_synced(file, &primary, 0, &format!("the primary LUKS2 header of {name}"))?;
+    crate::format::write_synced(file, &secondary, binary.hdr_size, &format!("the secondary LUKS2 header of {name}"))?;
+    Ok(next)
+}
+
+/// Overwrites `[offset, offset + len)` of the header device with random bytes (a keyslot area
+/// that held key material).
+pub fn wipe_area(file: &std::fs::File, name: &str, offset: u64, len: u64) -> Result<()> {
+    let mut noise = vec![0u8; usize::try_from(len).map_err(|_| corrupt(format!("area of {len} bytes")))?];
+    crate::format::os_random(&mut noise)?;
+    crate::format::write_synced(file, &noise, offset, &format!("a keyslot area of {name} (wiping it)"))
+}
+
+/// cryptsetup's reencryption lock: `flock` on `/run/cryptsetup/LN_LUKS2-reencryption-UUID`, held
+/// for the whole run, so that cryptsetup and cryptbridge never run one reencryption twice.
+pub struct ReencryptionLock {
+    _file: std::fs::File,
+    pub path: std::path::PathBuf,
+}
+
+impl ReencryptionLock {
+    pub fn take(uuid: &str) -> Result<Self> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        if uuid.is_empty() || uuid.contains('/') {
+            return Err(corrupt(format!("UUID `{uuid}` cannot name a lock")));
+        }
+        let dir = std::path::Path::new("/run/cryptsetup");
+        if !dir.exists() {
+            std::fs::DirBuilder::new().mode(0o700).recursive(true).create(dir).map_err(crate::error::io_err(format!("cannot create {}", dir.display())))?;
+        }
+        let path = dir.join(format!("LN_LUKS2-reencryption-{uuid}"));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&path)
+            .map_err(crate::error::io_err(format!("cannot open the reencryption lock {}", path.display())))?;
+        // SAFETY: flock on a descriptor `file` keeps open; plain flags.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                return Err(VolumeError::Invalid(format!(
+                    "a reencryption of this volume is already running (another process holds {})",
+                    path.display()
+                )));
+            }
+            return Err(VolumeError::Io { what: format!("cannot lock {}", path.display()), error: e });
+        }
+        Ok(ReencryptionLock { _file: file, path })
+    }
+}

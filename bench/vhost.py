@@ -12,6 +12,9 @@ bridge.py's cpu regime) is served by `cryptbridge serve` four ways:
   vhost-pt   --vhost-user-blk SOCK --passthrough
   nbd-pt     --unix SOCK --passthrough
 
+After every write job the file is synced (fdatasync, outside the measured time, as bridge.py
+does): otherwise the next job pays for the writeback of this one's dirty pages.
+
 A served image is locked (one writer at a time), so the four share the file by taking turns: each
 server is started for its own job and stopped after it. NBD jobs are fio (ioengine=nbd on the unix
 socket, one job, one connection: bridge.py's `fio_job`); vhost-user jobs are
@@ -87,6 +90,7 @@ from bridge import (  # noqa: E402
     machine_cpu_ticks,
     parse_size,
     prepare_plain,
+    sync_file,
     warm_file,
 )
 
@@ -295,6 +299,7 @@ def check_tools(binary: Path, client: Path) -> list[str]:
 
 
 def main() -> int:
+    global PROFILES  # --profiles narrows the module-wide list every report walks
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", type=Path, default=DEFAULT_BINARY)
     ap.add_argument("--client", type=Path, default=DEFAULT_CLIENT, help="the vhost_blk_bench example")
@@ -303,11 +308,19 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=None, help="repeats, medians reported (default 3; quick 1)")
     ap.add_argument("--size", default=None, help="export size (default 1G; quick 128M)")
     ap.add_argument("--queues", type=int, default=1, help="vhost-user queues (server --queues and client)")
+    ap.add_argument("--profiles", default=None,
+                    help="comma list of profiles to run (default all): " + ",".join(p.key for p in PROFILES))
     ap.add_argument("--quick", action="store_true", help="smoke run: short jobs, 1 repeat, small file")
     ap.add_argument("--workdir", type=Path, default=OUT / "work")
     ap.add_argument("--out-json", type=Path, default=OUT / "vhost.json")
     ap.add_argument("--out-md", type=Path, default=OUT / "vhost.md")
     args = ap.parse_args()
+    if args.profiles:
+        wanted = args.profiles.split(",")
+        unknown = sorted(set(wanted) - {p.key for p in PROFILES})
+        if unknown:
+            ap.error(f"unknown profile(s): {', '.join(unknown)}")
+        PROFILES = [p for p in PROFILES if p.key in wanted]
     q = args.quick
     args.runtime = args.runtime if args.runtime is not None else (1.0 if q else 4.0)
     args.ramp = args.ramp if args.ramp is not None else (0.3 if q else 1.0)
@@ -385,6 +398,8 @@ def main() -> int:
                             s["error"] = f"bridge exited {srv.proc.returncode} during the job"
                     finally:
                         srv.stop()
+                    if prof.writes:
+                        sync_file(backing)  # the next job starts without this one's dirty pages
                     if s.get("mbps"):
                         s["client_cpu_s_per_gib"] = round(client_s / (s["mbps"] * 1e6 * (args.runtime + args.ramp) / (1 << 30)), 4)
                     s["repeat"] = rep

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use blkio::{Blkio, Blkioq, Completion, ReqFlags};
 
 #[derive(Clone, Copy, PartialEq)]
-enum Rw {
+enum Pattern {
     Read,
     Write,
     RandRead,
@@ -34,7 +34,7 @@ struct Opts {
     socket: String,
     bs: usize,
     iodepth: usize,
-    rw: Rw,
+    rw: Pattern,
     rwmixread: u32,
     runtime: f64,
     ramp: f64,
@@ -62,7 +62,7 @@ fn parse_args() -> Result<Opts, String> {
         socket: String::new(),
         bs: 4096,
         iodepth: 32,
-        rw: Rw::RandRead,
+        rw: Pattern::RandRead,
         rwmixread: 50,
         runtime: 5.0,
         ramp: 1.0,
@@ -79,11 +79,11 @@ fn parse_args() -> Result<Opts, String> {
             "--iodepth" => o.iodepth = parse_size(&val()?)? as usize,
             "--rw" => {
                 o.rw = match val()?.as_str() {
-                    "read" => Rw::Read,
-                    "write" => Rw::Write,
-                    "randread" => Rw::RandRead,
-                    "randwrite" => Rw::RandWrite,
-                    "randrw" => Rw::RandRw,
+                    "read" => Pattern::Read,
+                    "write" => Pattern::Write,
+                    "randread" => Pattern::RandRead,
+                    "randwrite" => Pattern::RandWrite,
+                    "randrw" => Pattern::RandRw,
                     other => return Err(format!("--rw {other}: read|write|randread|randwrite|randrw")),
                 }
             }
@@ -139,7 +139,7 @@ fn drive(q: &mut Blkioq, o: &Opts, base: usize, depth: usize, blocks: u64, seq_s
     let mut is_read = vec![true; depth];
     let mut submit = |q: &mut Blkioq, slot: usize, started: &mut [Instant], is_read: &mut [bool]| {
         let block = match o.rw {
-            Rw::Read | Rw::Write => {
+            Pattern::Read | Pattern::Write => {
                 let b = seq;
                 seq = (seq + 1) % blocks;
                 b
@@ -147,9 +147,9 @@ fn drive(q: &mut Blkioq, o: &Opts, base: usize, depth: usize, blocks: u64, seq_s
             _ => rng.next() % blocks,
         };
         let read = match o.rw {
-            Rw::Read | Rw::RandRead => true,
-            Rw::Write | Rw::RandWrite => false,
-            Rw::RandRw => (rng.next() % 100) < u64::from(o.rwmixread),
+            Pattern::Read | Pattern::RandRead => true,
+            Pattern::Write | Pattern::RandWrite => false,
+            Pattern::RandRw => (rng.next() % 100) < u64::from(o.rwmixread),
         };
         let addr = base + slot * o.bs;
         let offset = block * o.bs as u64;
@@ -285,11 +285,11 @@ fn run(o: &Opts) -> Result<String, String> {
     let secs = o.runtime.max(1e-9);
     let bytes = total.read_bytes + total.write_bytes;
     let rw = match o.rw {
-        Rw::Read => "read",
-        Rw::Write => "write",
-        Rw::RandRead => "randread",
-        Rw::RandWrite => "randwrite",
-        Rw::RandRw => "randrw",
+        Pattern::Read => "read",
+        Pattern::Write => "write",
+        Pattern::RandRead => "randread",
+        Pattern::RandWrite => "randwrite",
+        Pattern::RandRw => "randrw",
     };
     Ok(format!(
         concat!(

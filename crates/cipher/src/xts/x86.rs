@@ -1,9 +1,9 @@
 //! XTS-AES-128/256 on x86-64, one kernel compiled for each level: `aesni` (8 blocks in flight in
-//! xmm registers), `vaes256` (16 in ymm) and `vaes512` (32 in zmm). Tweaks live in vector
-//! registers, are XORed in the same pass as the AES rounds and advance between the rounds (by one
-//! carry-less multiply per register and loop iteration on the wide levels, by a multiply-by-x
-//! chain at `aesni`: see `impl XtsVec for Xmm`), so the data is read and written once; this is
-//! what lets XTS run near raw AES-ECB speed.
+//! xmm registers), `vaes256` (16 in ymm) and `vaes512` (32 in zmm). Tweaks are XORed in the same
+//! pass as the AES rounds and advance between the rounds (by one carry-less multiply per vector
+//! register and loop iteration on the wide levels; at `aesni` by a multiply-by-x chain in
+//! general-purpose registers, stored for the next iteration: see `iteration_xmm`), so the data is
+//! read and written once; this is what lets XTS run near raw AES-ECB speed.
 //!
 //! AES-192 and ciphertext stealing are `mod.rs`'s (the stealing calls back here for its blocks).
 
@@ -375,8 +375,8 @@ unsafe fn iteration_xmm<const NR: usize, const DEC: bool, const NEXT: u8>(
         if NEXT == NEXT_FRESH {
             *st = fresh;
         }
-        for r in 1..NR {
-            let k = rk[r].lane0();
+        for (r, k) in rk.iter().enumerate().take(NR).skip(1) {
+            let k = k.lane0();
             if DEC {
                 aes8!("aesdec", k, x);
             } else {

@@ -1,16 +1,16 @@
 //! XTS-AES-128/256 on x86-64, one kernel compiled for each level: `aesni` (8 blocks in flight in
-//! xmm registers), `vaes256` (16 in ymm) and `vaes512` (32 in zmm). Tweaks live in vector
-//! registers, are XORed in the same pass as the AES rounds and advance between the rounds (by one
-//! carry-less multiply per register and loop iteration on the wide levels, by a multiply-by-x
-//! chain at `aesni`: see `impl XtsVec for Xmm`), so the data is read and written once; this is
-//! what lets XTS run near raw AES-ECB speed.
+//! xmm registers), `vaes256` (16 in ymm) and `vaes512` (32 in zmm). Tweaks are XORed in the same
+//! pass as the AES rounds and advance between the rounds (by one carry-less multiply per vector
+//! register and loop iteration on the wide levels; at `aesni` by a multiply-by-x chain in
+//! general-purpose registers, stored for the next iteration: see `iteration_xmm`), so the data is
+//! read and written once; this is what lets XTS run near raw AES-ECB speed.
 //!
 //! AES-192 and ciphertext stealing are `mod.rs`'s (the stealing calls back here for its blocks).
 
 use core::arch::x86_64::*;
 
 use super::Direction;
-use crate::arch::x86::aes::{expand, RoundKeys};
+use crate::arch::x86::aes::{aes8, expand, RoundKeys};
 use crate::arch::x86::simd::{first_tweaks, mul_x_lanes, rounds, splat_keys, AesVec, Xmm, Ymm, Zmm};
 use crate::arch::x86::{call_kernel, kernel_aesni, kernel_vaes256, kernel_vaes512};
 use crate::CpuLevel;
@@ -153,7 +153,7 @@ const NEXT_NONE: u8 = 2; // nothing follows
 /// iteration. The last iteration leaves in `tw` what `LAST` says (`t_next` is the next data
 /// unit's initial tweak for `NEXT_FRESH`).
 #[inline(always)]
-unsafe fn bulk<V: XtsVec, const NR: usize, const DEC: bool, const LAST: u8>(
+unsafe fn bulk<V: AesVec, const NR: usize, const DEC: bool, const LAST: u8>(
     rk: &[V; 15],
     tw: &mut [V; 8],
     p: *mut u8,
@@ -165,10 +165,10 @@ unsafe fn bulk<V: XtsVec, const NR: usize, const DEC: bool, const LAST: u8>(
     // function of V's level.
     unsafe {
         for it in 0..iters.saturating_sub(1) {
-            V::iteration::<NR, DEC, NEXT_ADVANCE>(rk, tw, p.add(8 * reg * it), t_next);
+            iteration::<V, NR, DEC, NEXT_ADVANCE>(rk, tw, p.add(8 * reg * it), t_next);
         }
         if iters > 0 {
-            V::iteration::<NR, DEC, LAST>(rk, tw, p.add(8 * reg * (iters - 1)), t_next);
+            iteration::<V, NR, DEC, LAST>(rk, tw, p.add(8 * reg * (iters - 1)), t_next);
         }
     }
 }
@@ -217,72 +217,28 @@ unsafe fn iteration<V: AesVec, const NR: usize, const DEC: bool, const NEXT: u8>
     }
 }
 
-/// The loop iteration of each level: the generic [`iteration`] where the registers are wide
-/// (`vaes256`, `vaes512`), a hand-ordered one at `aesni`.
+/// The loop of each level: the generic [`bulk`] where the registers are wide (`vaes256`,
+/// `vaes512`), a hand-ordered one at `aesni`.
 trait XtsVec: AesVec {
-    /// As [`iteration`]: `q` points at `8 LANES` blocks, `tw` holds their tweaks and is left as
-    /// `NEXT` says.
-    unsafe fn iteration<const NR: usize, const DEC: bool, const NEXT: u8>(rk: &[Self; 15], tw: &mut [Self; 8], q: *mut u8, t_next: __m128i);
+    /// As [`bulk`]: `iters` iterations of `8 LANES` blocks at `p`, `tw` holding the tweaks of
+    /// the first and left as `LAST` says.
+    unsafe fn bulk<const NR: usize, const DEC: bool, const LAST: u8>(rk: &[Self; 15], tw: &mut [Self; 8], p: *mut u8, iters: usize, t_next: __m128i);
 }
 
 impl XtsVec for Ymm {
     #[inline(always)]
-    unsafe fn iteration<const NR: usize, const DEC: bool, const NEXT: u8>(rk: &[Self; 15], tw: &mut [Self; 8], q: *mut u8, t_next: __m128i) {
-        // SAFETY: the caller's contract is `iteration`'s.
-        unsafe { iteration::<Self, NR, DEC, NEXT>(rk, tw, q, t_next) }
+    unsafe fn bulk<const NR: usize, const DEC: bool, const LAST: u8>(rk: &[Self; 15], tw: &mut [Self; 8], p: *mut u8, iters: usize, t_next: __m128i) {
+        // SAFETY: the caller's contract is `bulk`'s.
+        unsafe { bulk::<Self, NR, DEC, LAST>(rk, tw, p, iters, t_next) }
     }
 }
 
 impl XtsVec for Zmm {
     #[inline(always)]
-    unsafe fn iteration<const NR: usize, const DEC: bool, const NEXT: u8>(rk: &[Self; 15], tw: &mut [Self; 8], q: *mut u8, t_next: __m128i) {
-        // SAFETY: the caller's contract is `iteration`'s.
-        unsafe { iteration::<Self, NR, DEC, NEXT>(rk, tw, q, t_next) }
+    unsafe fn bulk<const NR: usize, const DEC: bool, const LAST: u8>(rk: &[Self; 15], tw: &mut [Self; 8], p: *mut u8, iters: usize, t_next: __m128i) {
+        // SAFETY: the caller's contract is `bulk`'s.
+        unsafe { bulk::<Self, NR, DEC, LAST>(rk, tw, p, iters, t_next) }
     }
-}
-
-/// Eight AES rounds (`$op`: `aesenc` or `aesdec`) on `$x[0..8]` with round key `$k`, as one
-/// `asm!` statement. With `chain`, the same statement also multiplies the tweak `$c` by x
-/// (IEEE 1619's shift with the carry folded back as 0x87; `$mask` holds 0x87 and the carry
-/// from the low qword into the high one), between the AES instructions.
-macro_rules! aes8 {
-    ($op:literal, $k:expr, $x:ident) => {
-        core::arch::asm!(
-            concat!($op, " {x0}, {k}"),
-            concat!($op, " {x1}, {k}"),
-            concat!($op, " {x2}, {k}"),
-            concat!($op, " {x3}, {k}"),
-            concat!($op, " {x4}, {k}"),
-            concat!($op, " {x5}, {k}"),
-            concat!($op, " {x6}, {k}"),
-            concat!($op, " {x7}, {k}"),
-            k = in(xmm_reg) $k,
-            x0 = inout(xmm_reg) $x[0], x1 = inout(xmm_reg) $x[1], x2 = inout(xmm_reg) $x[2], x3 = inout(xmm_reg) $x[3],
-            x4 = inout(xmm_reg) $x[4], x5 = inout(xmm_reg) $x[5], x6 = inout(xmm_reg) $x[6], x7 = inout(xmm_reg) $x[7],
-            options(pure, nomem, nostack, preserves_flags),
-        )
-    };
-    ($op:literal, $k:expr, $x:ident, chain: $c:expr, $mask:expr) => {
-        core::arch::asm!(
-            concat!($op, " {x0}, {k}"),
-            "pshufd {s}, {c}, 0x13",
-            concat!($op, " {x1}, {k}"),
-            concat!($op, " {x2}, {k}"),
-            "paddq {c}, {c}",
-            concat!($op, " {x3}, {k}"),
-            "psrad {s}, 31",
-            concat!($op, " {x4}, {k}"),
-            concat!($op, " {x5}, {k}"),
-            "pand {s}, {mask}",
-            concat!($op, " {x6}, {k}"),
-            concat!($op, " {x7}, {k}"),
-            "pxor {c}, {s}",
-            k = in(xmm_reg) $k, mask = in(xmm_reg) $mask, c = inout(xmm_reg) $c, s = out(xmm_reg) _,
-            x0 = inout(xmm_reg) $x[0], x1 = inout(xmm_reg) $x[1], x2 = inout(xmm_reg) $x[2], x3 = inout(xmm_reg) $x[3],
-            x4 = inout(xmm_reg) $x[4], x5 = inout(xmm_reg) $x[5], x6 = inout(xmm_reg) $x[6], x7 = inout(xmm_reg) $x[7],
-            options(pure, nomem, nostack, preserves_flags),
-        )
-    };
 }
 
 /// At `aesni` sixteen xmm registers hold eight blocks, the round key and the tweaks, so some
@@ -302,49 +258,142 @@ macro_rules! aes8 {
 /// about as long as one multiply step.
 impl XtsVec for Xmm {
     #[inline(always)]
-    unsafe fn iteration<const NR: usize, const DEC: bool, const NEXT: u8>(rk: &[Self; 15], tw: &mut [Self; 8], q: *mut u8, t_next: __m128i) {
-        // SAFETY: `q` points at 128 bytes of the caller's data; inlined into an `aesni` function,
-        // whose features (SSE2, AES-NI) are all the `asm!` statements use.
+    unsafe fn bulk<const NR: usize, const DEC: bool, const LAST: u8>(rk: &[Self; 15], tw: &mut [Self; 8], p: *mut u8, iters: usize, t_next: __m128i) {
+        // SAFETY: the caller passes `iters` whole iterations of 128 bytes at `p`; inlined into
+        // an `aesni` function, whose features (SSE2, SSE4.1, AES-NI) are all this uses. The
+        // tweak buffers are local arrays of 16-byte elements, written and read whole.
         unsafe {
-            let mut t = [_mm_setzero_si128(); 8];
-            let mut x = [_mm_setzero_si128(); 8];
-            let k0 = rk[0].lane0();
-            for j in 0..8 {
-                t[j] = tw[j].lane0();
-                x[j] = _mm_xor_si128(_mm_xor_si128(_mm_loadu_si128(q.add(16 * j).cast()), t[j]), k0);
+            if iters == 0 {
+                return;
             }
-            // The next iteration's tweaks, one multiply by x per round after another: from the
-            // last tweak of this iteration, or for a fresh data unit from its initial tweak,
-            // which is already the first.
-            let mask = _mm_set_epi32(0, 1, 0, 0x87);
-            let mut next = t;
-            let (mut c, first_step) = if NEXT == NEXT_FRESH { (t_next, 2) } else { (t[7], 1) };
-            next[0] = c;
-            for r in 1..NR {
-                let k = rk[r].lane0();
-                if NEXT != NEXT_NONE && (first_step..=8).contains(&r) {
-                    if DEC {
-                        aes8!("aesdec", k, x, chain: c, mask);
-                    } else {
-                        aes8!("aesenc", k, x, chain: c, mask);
-                    }
-                    next[r - 1] = c;
-                } else if DEC {
-                    aes8!("aesdec", k, x);
-                } else {
-                    aes8!("aesenc", k, x);
+            // Two sets of eight tweaks: the current iteration's, read by its first and last
+            // rounds, and the next one's, written during the current one's rounds.
+            let mut bufs = [[_mm_setzero_si128(); 8]; 2];
+            for (b, t) in bufs[0].iter_mut().zip(tw.iter()) {
+                *b = t.lane0();
+            }
+            let last = tw[7].lane0();
+            let mut st = TweakGpr { lo: _mm_cvtsi128_si64(last) as u64, hi: _mm_extract_epi64::<1>(last) as u64 };
+            let fresh = TweakGpr { lo: _mm_cvtsi128_si64(t_next) as u64, hi: _mm_extract_epi64::<1>(t_next) as u64 };
+            let base = bufs.as_mut_ptr().cast::<__m128i>();
+            for it in 0..iters - 1 {
+                let (cur, nxt) = (base.add(8 * (it & 1)), base.add(8 * (!it & 1)));
+                iteration_xmm::<NR, DEC, NEXT_ADVANCE>(rk, p.add(128 * it), cur, nxt, &mut st, fresh);
+            }
+            let it = iters - 1;
+            let (cur, nxt) = (base.add(8 * (it & 1)), base.add(8 * (!it & 1)));
+            iteration_xmm::<NR, DEC, LAST>(rk, p.add(128 * it), cur, nxt, &mut st, fresh);
+            if LAST != NEXT_NONE {
+                for (j, t) in tw.iter_mut().enumerate() {
+                    *t = Xmm::splat(_mm_load_si128(nxt.add(j)));
                 }
             }
-            let kl = rk[NR].lane0();
-            for j in 0..8 {
-                let out = if DEC { _mm_aesdeclast_si128(x[j], kl) } else { _mm_aesenclast_si128(x[j], kl) };
-                _mm_storeu_si128(q.add(16 * j).cast(), _mm_xor_si128(out, t[j]));
+            bufs = [[_mm_setzero_si128(); 8]; 2];
+            core::hint::black_box(&bufs);
+        }
+    }
+}
+
+/// A tweak in two general-purpose registers, low and high qword.
+#[derive(Clone, Copy)]
+struct TweakGpr {
+    lo: u64,
+    hi: u64,
+}
+
+/// The next tweak (times x, IEEE 1619's doubling: shift left by one bit, the carry out of the top
+/// folded back as 0x87) in general-purpose registers, stored to `dst`. `asm!` keeps the compiler
+/// from moving the pair into a vector register.
+///
+/// # Safety
+/// `dst` must be valid for a 16-byte write.
+#[inline(always)]
+unsafe fn mul_x_store(t: &mut TweakGpr, dst: *mut __m128i, advance: bool) {
+    // SAFETY: the caller's contract; plain x86-64 integer instructions.
+    unsafe {
+        if advance {
+            core::arch::asm!(
+                "mov {c}, {hi}",
+                "sar {c}, 63",
+                "and {c}, 0x87",
+                "add {lo}, {lo}",
+                "adc {hi}, {hi}",
+                "xor {lo}, {c}",
+                "mov qword ptr [{d}], {lo}",
+                "mov qword ptr [{d} + 8], {hi}",
+                lo = inout(reg) t.lo, hi = inout(reg) t.hi, c = out(reg) _, d = in(reg) dst,
+                options(nostack),
+            );
+        } else {
+            core::arch::asm!(
+                "mov qword ptr [{d}], {lo}",
+                "mov qword ptr [{d} + 8], {hi}",
+                lo = in(reg) t.lo, hi = in(reg) t.hi, d = in(reg) dst,
+                options(nostack, preserves_flags),
+            );
+        }
+    }
+}
+
+/// At `aesni` sixteen xmm registers hold eight blocks, the round key and little else, so some
+/// values live on the stack; left to itself, the compiler then orders the code to shorten
+/// register lifetimes, running one block through many rounds before the next, and how much the
+/// eight dependency chains still overlap in the CPU's scheduler depends on the build (encrypt
+/// and decrypt came out differently). Here each round of the eight blocks is one `asm!`
+/// statement, which fixes the round-major order (every AES instruction of round r before any of
+/// round r + 1) for both directions alike.
+///
+/// Eight chains are what both vendors need in flight: `aesenc`/`aesdec` latency times AES
+/// units, 4 x 2 on AMD Zen 3 to 5, 3 x 2 on Intel Golden Cove and later, 4 x 1 before Ice
+/// Lake. With that many chains the AES units have no slack, so the tweak work stays off the
+/// vector units they share: the next iteration's tweaks are computed in general-purpose
+/// registers (shift, add with carry, and, xor: six integer instructions each, on the integer
+/// ALUs both vendors have four or more of), one per round over the first eight rounds, and
+/// stored to a stack buffer that the next iteration XORs from memory. The vector side keeps
+/// two XORs per block on entry and one on exit.
+///
+/// `cur` holds this iteration's eight tweaks; `nxt` receives the next iteration's, continuing
+/// the chain from `st` (the last tweak written), or for `NEXT_FRESH` starting at `fresh`.
+#[inline(always)]
+unsafe fn iteration_xmm<const NR: usize, const DEC: bool, const NEXT: u8>(
+    rk: &[Xmm; 15],
+    q: *mut u8,
+    cur: *const __m128i,
+    nxt: *mut __m128i,
+    st: &mut TweakGpr,
+    fresh: TweakGpr,
+) {
+    // SAFETY: `q` points at 128 bytes of the caller's data, `cur` and `nxt` at eight tweaks each;
+    // inlined into an `aesni` function, whose features (SSE2, AES-NI) are all the `asm!`
+    // statements use.
+    unsafe {
+        let mut x = [_mm_setzero_si128(); 8];
+        let k0 = rk[0].lane0();
+        for (j, v) in x.iter_mut().enumerate() {
+            *v = _mm_xor_si128(_mm_xor_si128(_mm_loadu_si128(q.add(16 * j).cast()), k0), _mm_load_si128(cur.add(j)));
+        }
+        if NEXT == NEXT_FRESH {
+            *st = fresh;
+        }
+        for (r, k) in rk.iter().enumerate().take(NR).skip(1) {
+            let k = k.lane0();
+            if DEC {
+                aes8!("aesdec", k, x);
+            } else {
+                aes8!("aesenc", k, x);
             }
-            if NEXT != NEXT_NONE {
-                for j in 0..8 {
-                    tw[j] = Xmm::splat(next[j]);
-                }
+            if NEXT != NEXT_NONE && r <= 8 {
+                mul_x_store(st, nxt.add(r - 1), !(NEXT == NEXT_FRESH && r == 1));
             }
+        }
+        let kl = rk[NR].lane0();
+        if DEC {
+            aes8!("aesdeclast", kl, x);
+        } else {
+            aes8!("aesenclast", kl, x);
+        }
+        for (j, v) in x.iter().enumerate() {
+            _mm_storeu_si128(q.add(16 * j).cast(), _mm_xor_si128(*v, _mm_load_si128(cur.add(j))));
         }
     }
 }
@@ -360,7 +409,7 @@ unsafe fn blocks<V: XtsVec, const NR: usize, const DEC: bool>(keys: &[[u8; 16]; 
     unsafe {
         let rk = splat_keys::<V, NR>(keys);
         let mut tw = first_tweaks::<V>(_mm_loadu_si128(t.to_le_bytes().as_ptr().cast()));
-        bulk::<V, NR, DEC, NEXT_ADVANCE>(&rk, &mut tw, ptr, blocks / per_iter, _mm_setzero_si128());
+        V::bulk::<NR, DEC, NEXT_ADVANCE>(&rk, &mut tw, ptr, blocks / per_iter, _mm_setzero_si128());
         let mut done = blocks / per_iter * per_iter;
         // Tail: whole registers with the tweaks already computed, then single blocks.
         let mut r = 0;
@@ -430,9 +479,9 @@ unsafe fn units<V: XtsVec, const NR: usize, const DEC: bool>(
             let mut tw = first_tweaks::<V>(tweak(0));
             for (i, unit) in group.chunks_exact_mut(run.unit_len).enumerate() {
                 if i + 1 < count {
-                    bulk::<V, NR, DEC, NEXT_FRESH>(&rk, &mut tw, unit.as_mut_ptr(), iters, tweak(i + 1));
+                    V::bulk::<NR, DEC, NEXT_FRESH>(&rk, &mut tw, unit.as_mut_ptr(), iters, tweak(i + 1));
                 } else {
-                    bulk::<V, NR, DEC, NEXT_NONE>(&rk, &mut tw, unit.as_mut_ptr(), iters, tweak(i));
+                    V::bulk::<NR, DEC, NEXT_NONE>(&rk, &mut tw, unit.as_mut_ptr(), iters, tweak(i));
                 }
             }
             n = n.wrapping_add(run.step.wrapping_mul(count as u64));

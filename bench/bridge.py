@@ -306,27 +306,32 @@ def prepare_plain(path: Path, size: int) -> None:
     write_stamp(path, want)
 
 
+def create_luks1_image(path: Path, size: int, passfile: Path) -> None:
+    """A sparse LUKS1 image made by qemu-img (aes-256 xts-plain64, 512-bit key, sha256) with
+    `size` bytes of payload after its header."""
+    path.unlink(missing_ok=True)
+    # qemu calibrates PBKDF2 against CPU time and fails ("Unable to get accurate CPU usage") when a
+    # loaded machine gives it too little of it within iter-time: retry with longer times.
+    for iter_ms in (50, 200, 1000):
+        argv = ["qemu-img", "create", "-q", "-f", "luks",
+                "--object", f"secret,id=sec0,file={qemu_opt_escape(passfile)},format=raw",
+                "-o", "key-secret=sec0,cipher-alg=aes-256,cipher-mode=xts,ivgen-alg=plain64,"
+                      f"hash-alg=sha256,iter-time={iter_ms}",
+                path, str(size)]
+        r = run(argv, timeout=300)
+        if r.returncode == 0:
+            return
+        path.unlink(missing_ok=True)
+    raise RuntimeError(f"{shjoin(argv)} failed: {r.stderr.strip()}")
+
+
 def prepare_luks(path: Path, size: int, passfile: Path) -> None:
     """LUKS1, aes-xts-plain64 with a 64-byte master key (AES-256-XTS), sha256, payload filled."""
     want = {"kind": "luks", "size": size, "pass": PASSPHRASE, "v": 1}
     if stamp_ok(path, want):
         return
     log(f"  creating LUKS image {path} ({human_size(size)}, aes-256 xts-plain64)")
-    path.unlink(missing_ok=True)
-    # qemu calibrates PBKDF2 against CPU time and fails ("Unable to get accurate CPU usage") when a
-    # loaded machine gives it too little of it within iter-time: retry with longer times.
-    for iter_ms in (50, 200, 1000):
-        argv = ["qemu-img", "create", "-q", "-f", "luks",
-                "--object", f"secret,id=sec0,file={passfile},format=raw",
-                "-o", "key-secret=sec0,cipher-alg=aes-256,cipher-mode=xts,ivgen-alg=plain64,"
-                      f"hash-alg=sha256,iter-time={iter_ms}",
-                path, str(size)]
-        r = run(argv, timeout=300)
-        if r.returncode == 0:
-            break
-        path.unlink(missing_ok=True)
-    else:
-        raise RuntimeError(f"{shjoin(argv)} failed: {r.stderr.strip()}")
+    create_luks1_image(path, size, passfile)
     header = path.stat().st_size - size
     if header <= 0:
         raise RuntimeError(f"unexpected LUKS image layout for {path}")

@@ -78,33 +78,11 @@ from _common import (  # noqa: E402
     warn,
     write_json,
 )
-from bridge import PROFILES, fio_job  # noqa: E402
+from bridge import PASSPHRASE, PROFILES, create_luks1_image, fio_job, qemu_opt_escape  # noqa: E402
 
 MiB = 1 << 20
 TARGET = 0.8
 PROFILE_KEYS = ["seq1m_q8t1_read", "seq1m_q8t1_write", "rnd4k_q32t1_read", "rnd4k_q32t1_write"]
-
-
-PASSPHRASE = "cryptbridge-bench-passphrase"
-
-
-def qemu_opt_escape(s) -> str:
-    return str(s).replace(",", ",,")
-
-
-def make_luks1_image(path: Path, size: int, passfile: Path) -> None:
-    """A sparse LUKS1 image (aes-256 xts-plain64, 512-bit key, sha256) with `size` bytes of payload."""
-    # qemu calibrates PBKDF2 against CPU time and fails on a loaded machine that gives it too
-    # little within iter-time: longer times then.
-    for iter_ms in (50, 200, 1000):
-        argv = ["qemu-img", "create", "-q", "-f", "luks", "--object", f"secret,id=sec0,file={qemu_opt_escape(passfile)},format=raw",
-                "-o", f"key-secret=sec0,cipher-alg=aes-256,cipher-mode=xts,ivgen-alg=plain64,hash-alg=sha256,iter-time={iter_ms}",
-                str(path), str(size)]
-        r = run(argv, timeout=300)
-        if r.returncode == 0:
-            return
-        path.unlink(missing_ok=True)
-    raise RuntimeError(f"{shjoin(argv)} failed: {r.stderr.strip()}")
 
 
 def main() -> int:
@@ -223,7 +201,7 @@ def main() -> int:
     peers: dict = {}
     try:
         if peer_argv:
-            make_luks1_image(luks_img, size_bytes, passfile)
+            create_luks1_image(luks_img, size_bytes, passfile)
             # The bridge reads a LUKS header over NBD only from a local copy (--header): the
             # volume's header area, the same bytes as at the start of the upstream.
             with open(luks_img, "rb") as f, open(rundir / "luks.hdr", "wb") as h:

@@ -76,6 +76,26 @@ def require_binary() -> Path:
     return BIN
 
 
+def example_binary(name: str, env_var: str) -> Path:
+    """The bridge crate's example `name` ($env_var overrides): the release build's or the one
+    `make test` built with the Rust tests (profile ci-test); built here when neither exists
+    (a plain `cargo build --release` builds no examples). Skipped without cargo; a build that
+    fails is a failure."""
+    if os.environ.get(env_var):
+        return Path(os.environ[env_var])
+    for profile in ("release", "ci-test"):
+        path = REPO / "target" / profile / "examples" / name
+        if path.exists():
+            return path
+    if shutil.which("cargo") is None:
+        pytest.skip(f"the example {name} is not built and cargo is not installed")
+    p = subprocess.run(["cargo", "build", "--release", "--locked", "-p", "cryptbridge-bridge", "--example", name],
+                       cwd=REPO, capture_output=True, timeout=1800)
+    if p.returncode != 0:
+        pytest.fail(f"cannot build the example {name}:\n{p.stderr.decode(errors='replace')[-3000:]}")
+    return REPO / "target" / "release" / "examples" / name
+
+
 def cb(*args, timeout: float = 60, input: Optional[bytes] = None, check: bool = False):
     """Run the cryptbridge binary."""
     return run([require_binary(), *args], timeout=timeout, input=input, check=check)

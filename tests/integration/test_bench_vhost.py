@@ -2,21 +2,13 @@
 and every ratio, and the pure parts pair jobs by repeat."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import BIN, REPO, load_bench_module
-
-# `make test` builds the examples with the Rust tests (profile ci-test); a release build does not.
-CLIENT = Path(os.environ.get("CRYPTBRIDGE_VHOST_BENCH", next(
-    (p for p in (REPO / "target" / d / "examples" / "vhost_blk_bench" for d in ("release", "ci-test")) if p.exists()),
-    REPO / "target" / "release" / "examples" / "vhost_blk_bench")))
-
+from conftest import BIN, REPO, example_binary, load_bench_module
 
 @pytest.fixture(scope="module")
 def vhost():
@@ -55,19 +47,11 @@ def test_quick_run_reports_every_row(tmp_path):
         pytest.skip("fio is not installed")
     if "uri" not in subprocess.run(["fio", "--enghelp=nbd"], capture_output=True, text=True, timeout=30).stdout:
         pytest.skip("fio has no nbd engine")
-    if not CLIENT.exists():
-        if shutil.which("cargo") is None:
-            pytest.skip(f"{CLIENT} not built and cargo is not installed")
-        p = subprocess.run(
-            ["cargo", "build", "--release", "--locked", "-p", "cryptbridge-bridge", "--example", "vhost_blk_bench"],
-            cwd=REPO, capture_output=True, timeout=1800,
-        )
-        if p.returncode != 0:
-            pytest.skip(f"cannot build the vhost-user bench client:\n{p.stderr.decode(errors='replace')[-2000:]}")
+    client = example_binary("vhost_blk_bench", "CRYPTBRIDGE_VHOST_BENCH")
     out = tmp_path / "vhost.json"
     r = subprocess.run(
         [sys.executable, REPO / "bench" / "vhost.py", "--quick", "--runtime", "0.3", "--ramp", "0.1", "--size", "32M",
-         "--binary", BIN, "--client", CLIENT, "--workdir", tmp_path, "--out-json", out, "--out-md", tmp_path / "vhost.md"],
+         "--binary", BIN, "--client", client, "--workdir", tmp_path, "--out-json", out, "--out-md", tmp_path / "vhost.md"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

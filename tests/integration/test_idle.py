@@ -44,6 +44,24 @@ def serve_filled(ws, *extra, tcp=False):
     return bridge, data
 
 
+def new_client_beside_idle(bridge, data: bytes, before: int, label: str) -> None:
+    """Once the server's threads settle (handshake threads end, idle pool threads leave after
+    5 s without work), it has under 16 more than `before`, and a new client connects, shakes
+    hands and reads 4 KiB of `data` within 100 ms."""
+    pid = bridge.proc.pid
+    wait_until("threads to settle", lambda: threads_of(pid) < before + 16, timeout=20.0)
+    settled = threads_of(pid)
+    t1 = time.monotonic()
+    with NBDClient(bridge.uri).connect() as c:
+        got = c.read(0, 4096)
+    took = time.monotonic() - t1
+    print(f"\n{label}: server threads {before} before, {settled} with them (+{settled - before}); "
+          f"new client: connect, handshake and 4 KiB read in {took * 1000:.1f} ms")
+    assert got == data[:4096]
+    assert settled - before < 16, f"{label}: {settled} threads ({before} before)"
+    assert took < 0.1, f"new client took {took * 1000:.0f} ms"
+
+
 def nbdkit_idle_figure(upstreams, n: int) -> str:  # noqa: F811 (the upstreams fixture)
     """nbdkit's figure beside ours (issue 27, D7): threads added by `n` idle connections past
     NBD_OPT_GO."""
@@ -76,18 +94,7 @@ def test_four_thousand_idle_connections_hold_no_threads(ws, upstreams):  # noqa:
     try:
         opened = time.monotonic() - t0
         assert bridge.alive, bridge.stderr()[-3000:]
-        # Handshake threads end and idle pool threads leave (after 5 s without work).
-        settled = wait_until("threads to settle", lambda: threads_of(pid) < before + 16 and threads_of(pid), timeout=20.0)
-        settled = threads_of(pid)
-        t1 = time.monotonic()
-        with NBDClient(bridge.uri).connect() as c:
-            got = c.read(0, 4096)
-        took = time.monotonic() - t1
-        print(f"\n{n} idle connections opened in {opened:.2f} s; server threads {before} before, {settled} with them "
-              f"(+{settled - before}); new client: connect, handshake and 4 KiB read in {took * 1000:.1f} ms")
-        assert got == data[:4096]
-        assert settled - before < 16, f"{settled} threads with {n} idle connections ({before} before)"
-        assert took < 0.1, f"new client took {took * 1000:.0f} ms"
+        new_client_beside_idle(bridge, data, before, f"{n} idle connections (opened in {opened:.2f} s)")
         # Parked connections wake and serve.
         for s in socks[:: n // 8]:
             assert wrap(s, bridge.uri).read(4096, 4096) == data[4096:8192]
@@ -215,17 +222,7 @@ def test_idle_connections_with_own_upstream_connections_hold_no_threads(ws, upst
     before = threads_of(pid)
     socks = raw_go_many(bridge.uri, n, timeout=60.0)
     try:
-        wait_until("threads to settle", lambda: threads_of(pid) < before + 16, timeout=20.0)
-        settled = threads_of(pid)
-        t1 = time.monotonic()
-        with NBDClient(bridge.uri).connect() as c:
-            got = c.read(0, 4096)
-        took = time.monotonic() - t1
-        print(f"\n{n} idle clients with own upstream connections: server threads {before} before, {settled} with "
-              f"them (+{settled - before}); new client served in {took * 1000:.1f} ms")
-        assert got == data[:4096]
-        assert settled - before < 16, f"{settled} threads with {n} idle connections ({before} before)"
-        assert took < 0.1, f"new client took {took * 1000:.0f} ms"
+        new_client_beside_idle(bridge, data, before, f"{n} idle clients with own upstream connections")
         for i, s in enumerate(socks[:: n // 8]):
             c = wrap(s, bridge.uri)
             assert c.read(4096, 4096) == data[4096:8192]

@@ -26,29 +26,15 @@ import pytest
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from conftest import REPO, Bridge, assert_no_panic
+from conftest import Bridge, assert_no_panic, example_binary
 
-# `make test` builds the examples with the Rust tests (profile ci-test); a release build does not.
-CLIENT = Path(os.environ.get("CRYPTBRIDGE_VHOST_CLIENT", next(
-    (p for p in (REPO / "target" / d / "examples" / "vhost_blk_client" for d in ("release", "ci-test")) if p.exists()),
-    REPO / "target" / "release" / "examples" / "vhost_blk_client")))
 SIZE = 16 << 20
 
 
 @pytest.fixture(scope="module")
 def client_bin() -> Path:
-    """The blkio client, built here when `cargo build --release` did not build it (examples are
-    built by `cargo test`/`clippy --all-targets`, not by a plain build)."""
-    if not CLIENT.exists():
-        if shutil.which("cargo") is None:
-            pytest.skip(f"{CLIENT} not built and cargo is not installed")
-        p = subprocess.run(
-            ["cargo", "build", "--release", "--locked", "-p", "cryptbridge-bridge", "--example", "vhost_blk_client"],
-            cwd=REPO, capture_output=True, timeout=1800,
-        )
-        if p.returncode != 0:
-            pytest.fail(f"cannot build the vhost-user client:\n{p.stderr.decode(errors='replace')[-3000:]}")
-    return CLIENT
+    """The blkio client (crates/bridge/examples/vhost_blk_client.rs)."""
+    return example_binary("vhost_blk_client", "CRYPTBRIDGE_VHOST_CLIENT")
 
 
 def serve(ws, backing: Path, *extra, key_file=None, sector_size=512, queues=1) -> tuple[Bridge, str]:

@@ -6,10 +6,12 @@
 //! decrypted, patched and re-encrypted (read-modify-write) under a range lock, so that two writes
 //! touching the same sector cannot lose each other's bytes. Every write path takes the lock.
 //!
-//! A volume whose LUKS2 reencryption is in progress is under two keys: the export is then a list
-//! of regions ([`Mapping::with_regions`]), each with its engine (cipher, key, sector size), its
-//! place in the back end and its first IV, and a request that spans two is split here. The one
-//! region of every other volume keeps the direct path (`regions` is `None`).
+//! A volume whose LUKS2 reencryption is in progress is under two keys: the export is then a table
+//! of regions ([`Mapping::with_regions`], `regions.rs`), each with its engine (cipher, key, sector
+//! size), its place in the back end and its first IV, and a request that spans two is split here.
+//! [`Mapping::remap`] moves a stretch from one table to the next while the export is served (one
+//! step of an online reencryption). The one region of every other volume keeps the direct path
+//! (`regions` is `None`).
 
 use std::io;
 use std::ops::Deref;
@@ -21,6 +23,10 @@ use cryptbridge_engine::{Direction, Engine, Spread};
 use crate::aligned::{BufPool, PooledBuf, ALIGN};
 use crate::backing::{Backing, Burst, Cork, Session};
 use crate::range_lock::{RangeGuard, RangeLocks};
+
+mod regions;
+use regions::{place, Placed, Regions};
+pub use regions::Region;
 
 /// A sealed read is decrypted and handed on in pieces of this size (see [`Mapping::open_into`]).
 pub(crate) const OPEN_PIECE: usize = 128 * 1024;
@@ -40,29 +46,7 @@ pub struct Mapping {
     /// Sector writes running now, on every connection.
     in_flight: AtomicUsize,
     /// More than one region (a volume in reencryption); `None`: `engine` and `window` cover it.
-    regions: Option<Box<[Placed]>>,
-}
-
-/// A stretch of the export under one engine, for [`Mapping::with_regions`].
-pub struct Region {
-    /// Its length in the export, in bytes.
-    pub len: u64,
-    pub engine: Engine,
-    /// Where its first byte lies in the back end.
-    pub back_offset: u64,
-    /// The engine's sector number of its first sector (a LUKS2 segment's `iv_tweak`, counted in
-    /// the segment's sectors).
-    pub first_sector: u64,
-}
-
-/// A [`Region`] placed in the export.
-struct Placed {
-    start: u64,
-    end: u64,
-    engine: Engine,
-    back: u64,
-    first_sector: u64,
-    sector_size: u64,
+    regions: Option<Regions>,
 }
 
 /// Regions that cannot make an export ([`Mapping::with_regions`]).
@@ -123,6 +107,8 @@ pub struct SealedRead {
     first_sector: u64,
     start: usize,
     len: usize,
+    /// Decrypted already (a split export decrypts while the read is pinned, see `regions.rs`).
+    opened: bool,
 }
 
 impl SealedRead {
@@ -215,41 +201,24 @@ impl Mapping {
     /// volume whose sectors are under two keys (LUKS2 reencryption). The export's sector (its
     /// read-modify-write unit) is the largest region sector, and every region boundary and back-end
     /// offset must be a multiple of it, so that no export sector straddles two regions. One region
-    /// starting at IV 0 is the same as [`Mapping::with_window`].
+    /// starting at IV 0 is the same as [`Mapping::with_window`]. Empty regions are left out.
     pub fn with_regions(backing: Backing, regions: Vec<Region>) -> Result<Self, BadRegions> {
-        let Some(first) = regions.first() else { return Err(BadRegions("no region".into())) };
-        let ss = regions.iter().map(|r| r.engine.layout().sector_size as u64).max().unwrap_or(512);
-        let size = backing.size();
-        let mut placed = Vec::with_capacity(regions.len());
-        let mut start = 0u64;
-        for (i, r) in regions.iter().enumerate() {
-            let end = start.checked_add(r.len).ok_or_else(|| BadRegions("regions overflow".into()))?;
-            if r.len == 0 || !r.len.is_multiple_of(ss) || !r.back_offset.is_multiple_of(ss) {
-                return Err(BadRegions(format!(
-                    "region {i} ({} bytes at back-end offset {}) is not a whole number of {ss}-byte sectors",
-                    r.len, r.back_offset
-                )));
-            }
-            if r.back_offset.checked_add(r.len).is_none_or(|e| e > size) {
-                return Err(BadRegions(format!(
-                    "region {i} ({} bytes at offset {}) runs past the {size}-byte backing store",
-                    r.len, r.back_offset
-                )));
-            }
-            placed.push(Placed {
-                start,
-                end,
-                engine: r.engine.clone(),
-                back: r.back_offset,
-                first_sector: r.first_sector,
-                sector_size: r.engine.layout().sector_size as u64,
-            });
-            start = end;
-        }
+        Self::placed(backing, &regions, false)
+    }
+
+    /// [`Mapping::with_regions`] for a volume whose regions will move while it is served
+    /// ([`Mapping::remap`]): a split export even while one region covers it all.
+    pub fn with_moving_regions(backing: Backing, regions: Vec<Region>) -> Result<Self, BadRegions> {
+        Self::placed(backing, &regions, true)
+    }
+
+    fn placed(backing: Backing, regions: &[Region], moving: bool) -> Result<Self, BadRegions> {
+        let (placed, ss, size) = place(regions, backing.size())?;
+        let first = &placed[0];
         let mut m = Self::new(backing, first.engine.clone());
-        (m.window, m.size, m.sector_size) = (first.back_offset, start, ss);
-        if placed.len() > 1 || first.first_sector != 0 {
-            m.regions = Some(placed.into_boxed_slice());
+        (m.window, m.size, m.sector_size) = (first.back, size, ss);
+        if moving || placed.len() > 1 || first.first_sector != 0 {
+            m.regions = Some(Regions::new(placed));
         }
         Ok(m)
     }
@@ -259,19 +228,29 @@ impl Mapping {
         self.regions.is_some()
     }
 
+    /// The table now, on a split export.
+    fn table(&self) -> Option<Arc<[Placed]>> {
+        self.regions.as_ref().map(Regions::table)
+    }
+
     /// The regions that `[start, start + len)` touches, each with the part it covers.
-    fn pieces<'a>(regions: &'a [Placed], start: u64, len: u64) -> impl Iterator<Item = (&'a Placed, u64, u64)> + 'a {
+    fn pieces(regions: &[Placed], start: u64, len: u64) -> impl Iterator<Item = (&Placed, u64, u64)> + '_ {
         let end = start + len;
         regions.iter().filter(move |r| r.start < end && start < r.end).map(move |r| (r, r.start.max(start), r.end.min(end)))
     }
 
     /// Encrypts or decrypts `buf`, whole export sectors from `first_sector`.
     fn crypt(&self, dir: Direction, first_sector: u64, buf: &mut [u8], spread: Spread) -> io::Result<()> {
-        let Some(regions) = &self.regions else {
-            return self.engine.process(dir, first_sector, buf, spread).map_err(io::Error::other);
-        };
+        match self.table() {
+            None => self.engine.process(dir, first_sector, buf, spread).map_err(io::Error::other),
+            Some(table) => self.crypt_in(&table, dir, first_sector, buf, spread),
+        }
+    }
+
+    /// [`Mapping::crypt`] through the regions of `table`.
+    fn crypt_in(&self, table: &[Placed], dir: Direction, first_sector: u64, buf: &mut [u8], spread: Spread) -> io::Result<()> {
         let start = first_sector * self.sector_size;
-        for (r, lo, hi) in Self::pieces(regions, start, buf.len() as u64) {
+        for (r, lo, hi) in Self::pieces(table, start, buf.len() as u64) {
             let piece = &mut buf[(lo - start) as usize..(hi - start) as usize];
             r.engine.process(dir, r.first_sector + (lo - r.start) / r.sector_size, piece, spread).map_err(io::Error::other)?;
         }
@@ -280,8 +259,14 @@ impl Mapping {
 
     /// Reads the back end's bytes under export bytes `[start, start + buf.len())`.
     fn back_read(&self, buf: &mut [u8], start: u64) -> io::Result<()> {
-        let Some(regions) = &self.regions else { return self.backing.read_at(buf, self.at(start)) };
-        for (r, lo, hi) in Self::pieces(regions, start, buf.len() as u64) {
+        match self.table() {
+            None => self.backing.read_at(buf, self.at(start)),
+            Some(table) => self.back_read_in(&table, buf, start),
+        }
+    }
+
+    fn back_read_in(&self, table: &[Placed], buf: &mut [u8], start: u64) -> io::Result<()> {
+        for (r, lo, hi) in Self::pieces(table, start, buf.len() as u64) {
             self.backing.read_at(&mut buf[(lo - start) as usize..(hi - start) as usize], r.back + (lo - r.start))?;
         }
         Ok(())
@@ -289,11 +274,60 @@ impl Mapping {
 
     /// Writes `buf` to the back end under export bytes `[start, start + buf.len())`.
     fn back_write(&self, buf: &[u8], start: u64, fua: bool) -> io::Result<()> {
-        let Some(regions) = &self.regions else { return self.backing.write_at(buf, self.at(start), fua) };
-        for (r, lo, hi) in Self::pieces(regions, start, buf.len() as u64) {
+        match self.table() {
+            None => self.backing.write_at(buf, self.at(start), fua),
+            Some(table) => self.back_write_in(&table, buf, start, fua),
+        }
+    }
+
+    fn back_write_in(&self, table: &[Placed], buf: &[u8], start: u64, fua: bool) -> io::Result<()> {
+        for (r, lo, hi) in Self::pieces(table, start, buf.len() as u64) {
             self.backing.write_at(&buf[(lo - start) as usize..(hi - start) as usize], r.back + (lo - r.start), fua)?;
         }
         Ok(())
+    }
+
+    /// One step of a reencryption while the export is served: rewrites export bytes `[start,
+    /// start + len)` (whole sectors) from the table they are under now to `next` (the whole export
+    /// as it is once they are rewritten: same size and sector), makes them durable, and serves
+    /// `next` from then on. `before_write` gets the hotzone's old back-end bytes before anything
+    /// is written (for a resilience area and a header commit); its error ends the step with
+    /// nothing changed. Requests on the hotzone wait for the step; others run beside it.
+    ///
+    /// Should the write or the sync fail, the hotzone is in neither table for sure: requests on
+    /// it fail with EIO from then on, and the error is returned (the volume's header, which
+    /// `before_write` marked, says how to recover it).
+    pub fn remap(&self, start: u64, len: u64, next: Vec<Region>, before_write: &mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
+        let invalid = |why: String| io::Error::new(io::ErrorKind::InvalidInput, why);
+        let Some(regions) = &self.regions else { return Err(invalid("the export's regions do not move (not opened for a reencryption)".into())) };
+        let (placed, ss, size) = place(&next, self.backing.size()).map_err(|e| invalid(e.to_string()))?;
+        if (ss, size) != (self.sector_size, self.size) {
+            return Err(invalid(format!(
+                "the next regions make a {size}-byte export of {ss}-byte sectors, not {} bytes of {}-byte sectors",
+                self.size, self.sector_size
+            )));
+        }
+        let end = start.checked_add(len).filter(|&e| e <= self.size && len > 0 && start.is_multiple_of(ss) && len.is_multiple_of(ss));
+        let Some(end) = end else { return Err(invalid(format!("bytes {start}+{len} are not whole sectors of the export"))) };
+        let zone = regions.heat(start, end)?;
+        let _held = self.locks.lock(start, end);
+        let mut buf = self.pool.get(len as usize)?;
+        let now = regions.table();
+        self.back_read_in(&now, &mut buf, start)?;
+        before_write(&buf)?;
+        let next: Arc<[Placed]> = placed.into();
+        self.crypt_in(&now, Direction::Decrypt, start / ss, &mut buf, Spread::Pool)?;
+        self.crypt_in(&next, Direction::Encrypt, start / ss, &mut buf, Spread::Pool)?;
+        match self.back_write_in(&next, &buf, start, false).and_then(|()| self.backing.flush()) {
+            Ok(()) => {
+                zone.install(next);
+                Ok(())
+            }
+            Err(e) => {
+                zone.poison();
+                Err(e)
+            }
+        }
     }
 
     /// Narrows the export to `len` bytes starting `offset` bytes into the back end: the data
@@ -360,8 +394,10 @@ impl Mapping {
 
     /// [`Mapping::read`], decrypted where `crypto` says.
     pub(crate) fn read_with(&self, offset: u64, len: usize, crypto: Crypto) -> io::Result<ReadData> {
-        let SealedRead { mut buf, first_sector, start, len } = self.read_sealed(offset, len)?;
-        self.crypt(Direction::Decrypt, first_sector, &mut buf, spread(crypto))?;
+        let SealedRead { mut buf, first_sector, start, len, opened } = self.read_sealed(offset, len)?;
+        if !opened {
+            self.crypt(Direction::Decrypt, first_sector, &mut buf, spread(crypto))?;
+        }
         Ok(ReadData { buf, start, len })
     }
 
@@ -371,8 +407,16 @@ impl Mapping {
     pub fn read_sealed(&self, offset: u64, len: usize) -> io::Result<SealedRead> {
         let (start, end) = self.span(offset, len as u64);
         let mut buf = self.pool.get((end - start) as usize)?;
+        let first_sector = start / self.sector_size;
+        if let Some(regions) = &self.regions {
+            let _pin = regions.pin(start, end)?;
+            let table = regions.table();
+            self.back_read_in(&table, &mut buf, start)?;
+            self.crypt_in(&table, Direction::Decrypt, first_sector, &mut buf, Spread::Pool)?;
+            return Ok(SealedRead { buf, first_sector, start: (offset - start) as usize, len, opened: true });
+        }
         self.back_read(&mut buf, start)?;
-        Ok(SealedRead { buf, first_sector: start / self.sector_size, start: (offset - start) as usize, len })
+        Ok(SealedRead { buf, first_sector, start: (offset - start) as usize, len, opened: false })
     }
 
     /// [`Mapping::read_sealed`] without waiting: `done` gets the ciphertext when the upstream
@@ -388,15 +432,17 @@ impl Mapping {
             Err(e) => return done(Err(e), &mut Burst::default()),
         };
         let (first_sector, at) = (start / self.sector_size, (offset - start) as usize);
-        self.backing.read_async(buf, self.at(start), cork, Box::new(move |r, burst| done(r.map(|buf| SealedRead { buf, first_sector, start: at, len }), burst)));
+        self.backing.read_async(buf, self.at(start), cork, Box::new(move |r, burst| done(r.map(|buf| SealedRead { buf, first_sector, start: at, len, opened: false }), burst)));
     }
 
     /// Decrypts `sealed` whole, on this thread: for a read small enough that decrypting it
     /// while it is sent would gain nothing ([`Mapping::open_into`]), and whose reply can then
     /// share one send with others.
     pub fn open(&self, sealed: SealedRead) -> io::Result<ReadData> {
-        let SealedRead { mut buf, first_sector, start, len } = sealed;
-        self.crypt(Direction::Decrypt, first_sector, &mut buf, Spread::Caller)?;
+        let SealedRead { mut buf, first_sector, start, len, opened } = sealed;
+        if !opened {
+            self.crypt(Direction::Decrypt, first_sector, &mut buf, Spread::Caller)?;
+        }
         Ok(ReadData { buf, start, len })
     }
 
@@ -415,7 +461,9 @@ impl Mapping {
         let (want_start, want_end) = (sealed.start, sealed.start + sealed.len);
         for (i, chunk) in sealed.buf.chunks_mut(piece).enumerate() {
             let at = i * piece;
-            self.crypt(Direction::Decrypt, sealed.first_sector + (at / ss) as u64, chunk, Spread::Caller)?;
+            if !sealed.opened {
+                self.crypt(Direction::Decrypt, sealed.first_sector + (at / ss) as u64, chunk, Spread::Caller)?;
+            }
             let (lo, hi) = (want_start.max(at), want_end.min(at + chunk.len()));
             if lo < hi {
                 sink(&chunk[lo - at..hi - at])?;
@@ -594,10 +642,13 @@ impl Mapping {
         let end = (offset + len) / ss * ss;
         if start < end {
             let _guard = self.hold(held, (start, end));
-            match &self.regions {
+            match self.table() {
                 None => self.backing.discard(self.at(start), end - start)?,
-                Some(regions) => {
-                    for (r, lo, hi) in Self::pieces(regions, start, end - start) {
+                Some(table) => {
+                    if let Some(regions) = &self.regions {
+                        regions.check_writable(start, end)?;
+                    }
+                    for (r, lo, hi) in Self::pieces(&table, start, end - start) {
                         self.backing.discard(r.back + (lo - r.start), hi - lo)?;
                     }
                 }
@@ -690,6 +741,9 @@ impl Mapping {
     /// Encrypts and writes whole sectors. [`Crypto::PoolWhenIdle`] is decided here, the one
     /// place that knows whether other writes are running.
     fn write_sectors(&self, offset: u64, buf: &mut [u8], fua: bool, crypto: Crypto) -> io::Result<()> {
+        if let Some(regions) = &self.regions {
+            regions.check_writable(offset, offset + buf.len() as u64)?;
+        }
         let (_running, busy) = InFlight::enter(&self.in_flight);
         let spread = match crypto {
             Crypto::PoolWhenIdle if busy => Spread::Caller,
@@ -707,6 +761,7 @@ impl Mapping {
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::FileExt;
+    use std::sync::atomic::Ordering;
     use std::sync::Arc;
 
     use cryptbridge_cipher::registry::KeyPolicy;
@@ -818,5 +873,90 @@ mod tests {
         }
         // One region at IV 0 is a plain window.
         assert!(!Mapping::with_regions(open(), vec![e(8192, 4096)]).unwrap().is_split());
+    }
+    /// An online reencryption's steps under load: the export moves from one key (512-byte
+    /// sectors) to another (4096-byte sectors) 8 KiB at a time with [`Mapping::remap`] while
+    /// reader threads check every read against the plaintext and a writer rewrites its own
+    /// stretch over and over. No read ever returns other bytes, no write is lost, and at the end
+    /// the back end holds the new key's ciphertext of everything, checked with the cipher alone.
+    #[test]
+    fn remap_moves_sectors_to_the_next_key_while_reads_and_writes_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.img");
+        let (head, size) = (4096u64, 128 * 1024u64);
+        std::fs::write(&path, vec![0u8; (head + size) as usize]).unwrap();
+        let (k_old, k_new) = (key(3, 32), key(9, 64));
+        let backing = Backing::open(&path, &BackingOptions { size: None, read_only: false, direct: false, sector_size: 4096 }).unwrap();
+        let old = |at: u64| Region { len: size - at, engine: engine(&k_old, 512), back_offset: head + at, first_sector: at / 512 };
+        let new = |len: u64| Region { len, engine: engine(&k_new, 4096), back_offset: head, first_sector: 0 };
+        let m = Arc::new(Mapping::with_moving_regions(backing, vec![new(0), old(0)]).unwrap());
+        assert!(m.is_split());
+        let plain = pattern(size as usize);
+        m.write(0, &mut plain.clone(), false).unwrap();
+        // The writer's stretch: the last 16 KiB, rewritten with a counter.
+        let writes = size - 16384;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let readers: Vec<_> = (0..2)
+            .map(|t| {
+                let (m, stop, plain) = (Arc::clone(&m), Arc::clone(&stop), plain.clone());
+                std::thread::spawn(move || {
+                    let mut n = 0u64;
+                    while !stop.load(Ordering::Relaxed) || n < 50 {
+                        let at = (n * 7919 + t * 3001) % (writes - 5000);
+                        let got = m.read(at, 5000).unwrap();
+                        assert!(got[..] == plain[at as usize..at as usize + 5000], "read at {at} returned other bytes");
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        let writer = {
+            let (m, stop) = (Arc::clone(&m), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut round = 0u8;
+                while !stop.load(Ordering::Relaxed) || round < 20 {
+                    round = round.wrapping_add(1);
+                    let mut data = vec![round; 16384 - 100];
+                    m.write(writes + 50, &mut data, false).unwrap();
+                    assert!(m.read(writes + 50, data.len()).unwrap().iter().all(|&b| b == round));
+                }
+                round
+            })
+        };
+        let mut done = 0;
+        while done < size {
+            let step = 8192;
+            let mut seen = 0;
+            m.remap(done, step, vec![new(done + step), old(done + step)], &mut |old_bytes| {
+                seen = old_bytes.len();
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(seen, step as usize);
+            done += step;
+        }
+        stop.store(true, Ordering::Relaxed);
+        for r in readers {
+            assert!(r.join().unwrap() >= 50);
+        }
+        let last = writer.join().unwrap();
+        let mut want = plain.clone();
+        want[writes as usize + 50..size as usize - 50].fill(last);
+        assert!(m.read(0, size as usize).unwrap()[..] == want[..]);
+        // On disk: the new key's ciphertext everywhere, IVs counted in 512-byte units.
+        let mut disk = vec![0u8; size as usize];
+        std::fs::File::open(&path).unwrap().read_exact_at(&mut disk, head).unwrap();
+        let c_new = cipher(&k_new);
+        for (i, s) in disk.chunks_mut(4096).enumerate() {
+            c_new.decrypt_unit(i as u64 * 8, s).unwrap();
+        }
+        assert!(disk == want, "the back end is not under the new key");
+        // A step that does not fit is refused with nothing changed.
+        let e = m.remap(0, 4096, vec![new(size - 4096)], &mut |_| Ok(())).unwrap_err();
+        assert!(e.to_string().contains("export"), "{e}");
+        let e = m.remap(0, 4096, vec![new(size)], &mut |_| Err(io::Error::other("commit refused"))).unwrap_err();
+        assert!(e.to_string().contains("commit refused"));
+        assert!(m.read(0, size as usize).unwrap()[..] == want[..]);
     }
 }

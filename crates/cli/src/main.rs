@@ -9,6 +9,7 @@ mod cmd_serve;
 mod keyfile;
 mod names;
 mod passphrase;
+mod reencryption;
 mod size;
 
 use std::process::ExitCode;

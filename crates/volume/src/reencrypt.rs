@@ -158,7 +158,8 @@ fn corrupt(why: String) -> VolumeError {
 pub fn hotzone_refusal(segment: u32) -> String {
     format!(
         "LUKS2 reencryption was interrupted in the middle of a step (segment {segment} is flagged `in-reencryption`): \
-         its hotzone must be recovered first: run `cryptsetup repair` (offline; then `cryptsetup reencrypt --resume-only` or `cryptbridge luks reencrypt --resume-only` continues), or `cryptsetup reencrypt --resume-only` on an active device"
+         its hotzone must be recovered first: `cryptbridge luks reencrypt --resume-only` or `cryptbridge serve --reencrypt` recover it and continue \
+         (or cryptsetup: `cryptsetup repair`, then `cryptsetup reencrypt --resume-only`)"
     )
 }
 
@@ -378,9 +379,15 @@ impl Luks2Header {
     /// reencryption digest with them before anything else is derived from the metadata; then the
     /// regions the device maps. A hotzone left by a crash is refused (it needs recovery).
     pub fn unlock_reencryption(&self, dev: &dyn ReadAt, passphrase: &[u8], slot: Option<u32>) -> Result<UnlockedReencryption> {
+        self.unlock_reencryption_with(dev, passphrase, slot, false)
+    }
+
+    /// [`Luks2Header::unlock_reencryption`]; with `recovering`, a hotzone a crash left is
+    /// accepted (the caller recovers it before anything is served).
+    pub fn unlock_reencryption_with(&self, dev: &dyn ReadAt, passphrase: &[u8], slot: Option<u32>, recovering: bool) -> Result<UnlockedReencryption> {
         let state = self.reencryption()?.ok_or_else(|| VolumeError::Invalid("no reencryption is in progress".into()))?;
         // Refuse what cannot be served before any key derivation.
-        if let Some(h) = state.hotzone {
+        if let (Some(h), false) = (state.hotzone, recovering) {
             return Err(unsupported(hotzone_refusal(h)));
         }
         self.check_regions(&state)?;
@@ -456,6 +463,43 @@ impl Luks2Header {
         }
     }
 
+    /// Crypt segment `id` under digest `d`, `size` bytes long (`None`: to the end).
+    fn segment_under(&self, id: u32, d: u32, size: Option<u64>) -> Result<DataSegment> {
+        let s = &self.segments[&id];
+        let key_bytes = self.digests[&d]
+            .keyslots
+            .iter()
+            .filter_map(|k| self.keyslots.get(k))
+            .find(|k| k.kind == "luks2")
+            .map(|k| k.key_size)
+            .ok_or_else(|| unsupported(format!("LUKS2: no keyslot holds the key of segment {id}")))?;
+        Ok(DataSegment {
+            cipher: s.encryption.clone(),
+            crypto_api: crypto_api_name(&s.encryption)?,
+            key_bytes,
+            sector_size: s.sector_size,
+            iv_large_sectors: false,
+            offset: s.offset,
+            size,
+        })
+    }
+
+    /// The old and the new data segment (`backup-previous`, `backup-final`) with their digests,
+    /// where encrypted: every key, cipher and sector size the volume is under at some point of
+    /// the reencryption.
+    pub fn reencryption_segments(&self, state: &Reencryption) -> Result<Vec<(u32, DataSegment)>> {
+        let mut out = Vec::new();
+        for (seg, d) in [(state.backup_previous, state.old_digest), (state.backup_final, state.new_digest)] {
+            if let Some(d) = d {
+                if !matches!(self.segments[&seg].sector_size, 512 | 1024 | 2048 | 4096) {
+                    return Err(corrupt(format!("segment {seg} has sector size {}", self.segments[&seg].sector_size)));
+                }
+                out.push((d, self.segment_under(seg, d, None)?));
+            }
+        }
+        Ok(out)
+    }
+
     /// The active segments as regions of the volume, checked (no gaps: each starts where the
     /// previous ends; only the last may be dynamic).
     pub fn check_regions(&self, state: &Reencryption) -> Result<Vec<Region>> {
@@ -486,22 +530,7 @@ impl Luks2Header {
                     if !s.iv_tweak.is_multiple_of(ss / 512) {
                         return Err(corrupt(format!("segment {id}: iv_tweak {} is not a whole number of its sectors", s.iv_tweak)));
                     }
-                    let key_bytes = self.digests[&d]
-                        .keyslots
-                        .iter()
-                        .filter_map(|k| self.keyslots.get(k))
-                        .find(|k| k.kind == "luks2")
-                        .map(|k| k.key_size)
-                        .ok_or_else(|| unsupported(format!("LUKS2: no keyslot holds the key of segment {id}")))?;
-                    Some(DataSegment {
-                        cipher: s.encryption.clone(),
-                        crypto_api: crypto_api_name(&s.encryption)?,
-                        key_bytes,
-                        sector_size: s.sector_size,
-                        iv_large_sectors: false,
-                        offset: s.offset,
-                        size,
-                    })
+                    Some(self.segment_under(id, d, size)?)
                 }
                 "linear" => None,
                 other => return Err(unsupported(format!("LUKS2 segment {id} has type `{other}`; only crypt and linear are supported"))),
@@ -558,20 +587,44 @@ fn serialize(out: &mut Vec<u8>, o: &Map<String, Value>, key: &str, kind: Kind) -
 
 // --- running a reencryption (forward, data in place) ---------------------------------------------
 
-/// What `luks reencrypt` needs to continue a reencryption that cryptsetup (or a previous run)
-/// left cleanly: forward, old key to new key, the data staying where it is.
+/// How each step of a [`ForwardPlan`] protects its hotzone until the step is committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepResilience {
+    /// Nothing: a crash in the middle of a step leaves its hotzone half rewritten.
+    None,
+    /// A hash of each `block` bytes of the hotzone's old ciphertext in the reencrypt keyslot's
+    /// area: after a crash, the blocks whose hash still matches are the ones not yet rewritten.
+    Checksum { hash: crate::hash::Hash, block: usize },
+    /// The hotzone's old ciphertext copied whole into the area: after a crash, rewritten from it.
+    Journal,
+}
+
+impl StepResilience {
+    pub fn name(&self) -> &'static str {
+        match self {
+            StepResilience::None => "none",
+            StepResilience::Checksum { .. } => "checksum",
+            StepResilience::Journal => "journal",
+        }
+    }
+}
+
+/// What a run needs to continue a reencryption that cryptsetup (or a previous run) left:
+/// forward, old key to new key, the data staying where it is.
 #[derive(Debug, Clone)]
 pub struct ForwardPlan {
     /// Where the data starts on the data device.
     pub data_offset: u64,
-    /// Bytes of the volume already under the new key.
+    /// Bytes of the volume already under the new key (where the hotzone starts, if any).
     pub done: u64,
+    /// A hotzone a crash left at `done` (flagged `in-reencryption`): its length. It must be
+    /// recovered (see [`StepResilience`]) before anything else.
+    pub hot: Option<u64>,
     pub old_cipher: String,
     pub old_sector_size: usize,
     pub new_cipher: String,
     pub new_sector_size: usize,
-    /// Checksum resilience: its hash and block size; `None`: resilience `none`.
-    pub checksum: Option<(crate::hash::Hash, usize)>,
+    pub resilience: StepResilience,
     /// The `backup-previous` and `backup-final` segments as stored: copied unchanged into every
     /// metadata written (their ids change with the segment list; the digest covers their content).
     backups: [Value; 2],
@@ -595,52 +648,74 @@ fn crypt_segment(offset: u64, size: Option<u64>, iv_tweak: u64, encryption: &str
 impl Luks2Header {
     /// The plan to continue `state`, or a refusal naming what is not supported yet.
     pub fn forward_plan(&self, state: &Reencryption) -> Result<ForwardPlan> {
-        if let Some(h) = state.hotzone {
-            return Err(unsupported(hotzone_refusal(h)));
-        }
         if state.keyslot.mode != Mode::Reencrypt || state.keyslot.direction != ReencryptDirection::Forward {
             return Err(unsupported(format!(
-                "`luks reencrypt` continues forward reencryptions (old key to new key) only, not {:?} {:?}; use `cryptsetup reencrypt --resume-only`",
+                "cryptbridge continues forward reencryptions (old key to new key) only, not {:?} {:?}; use `cryptsetup reencrypt --resume-only`",
                 state.keyslot.mode, state.keyslot.direction
             )));
         }
-        let checksum = match &state.keyslot.resilience {
-            Resilience::None => None,
-            Resilience::Checksum { hash, sector_size } => Some((crate::hash::Hash::from_name(hash)?, *sector_size as usize)),
+        let resilience = match &state.keyslot.resilience {
+            Resilience::None => StepResilience::None,
+            Resilience::Checksum { hash, sector_size } => StepResilience::Checksum { hash: crate::hash::Hash::from_name(hash)?, block: *sector_size as usize },
+            Resilience::Journal => StepResilience::Journal,
             other => {
                 return Err(unsupported(format!(
-                    "`luks reencrypt` supports resilience none and checksum so far, not {}; use `cryptsetup reencrypt --resume-only`",
+                    "cryptbridge supports resilience none, checksum and journal so far, not {}; use `cryptsetup reencrypt --resume-only`",
                     other.name()
                 )))
             }
         };
         if state.backup_moved.is_some() {
-            return Err(unsupported("a moved segment (datashift) is not supported by `luks reencrypt` yet".into()));
+            return Err(unsupported("a moved segment (datashift) is not supported by cryptbridge's reencryption yet".into()));
         }
         let (old, new) = (&self.segments[&state.backup_previous], &self.segments[&state.backup_final]);
         if old.offset != new.offset || old.size.is_some() || new.size.is_some() || old.iv_tweak != 0 || new.iv_tweak != 0 {
-            return Err(unsupported("`luks reencrypt` needs the old and new data at the same offset over the whole device".into()));
+            return Err(unsupported("cryptbridge's reencryption needs the old and new data at the same offset over the whole device".into()));
+        }
+        if let StepResilience::Checksum { block, .. } = resilience {
+            if !block.is_multiple_of(old.sector_size) || !block.is_multiple_of(new.sector_size) {
+                return Err(unsupported(format!("checksum blocks of {block} bytes do not hold whole {} and {}-byte sectors", old.sector_size, new.sector_size)));
+            }
         }
         let regions = self.check_regions(state)?;
-        let done = match regions.as_slice() {
-            [only] if only.digest == state.old_digest && only.offset == old.offset => 0,
-            [first, second] if first.digest == state.new_digest && second.digest == state.old_digest && first.offset == new.offset => {
-                let done = first.size.expect("checked: only the last is dynamic");
-                if second.offset != old.offset + done || second.iv_tweak != done / 512 || second.size.is_some() {
+        // new (bytes done), then the hotzone a crash left, then old (the rest); each may be absent.
+        let mut rest = regions.as_slice();
+        let mut done = 0;
+        if let [first, more @ ..] = rest {
+            if Some(first.segment_id) != state.hotzone && first.digest == state.new_digest && first.digest != state.old_digest {
+                done = first.size.ok_or_else(|| unsupported("the new segment covers the whole device while the reencryption is not finished".into()))?;
+                rest = more;
+            }
+        }
+        let mut hot = None;
+        if let [first, more @ ..] = rest {
+            if Some(first.segment_id) == state.hotzone {
+                hot = Some(first.size.ok_or_else(|| corrupt("the hotzone has no size".into()))?);
+                rest = more;
+            }
+        }
+        let at = done + hot.unwrap_or(0);
+        match rest {
+            [] if at > 0 => {}
+            [last] if last.digest == state.old_digest && last.size.is_none() => {
+                if last.offset != old.offset + at || last.iv_tweak != at / 512 {
                     return Err(corrupt("the old segment does not continue where the new one ends".into()));
                 }
-                done
             }
-            _ => return Err(unsupported("segment layout not supported by `luks reencrypt`".into())),
-        };
+            _ => return Err(unsupported("segment layout not supported by cryptbridge's reencryption".into())),
+        }
+        if state.hotzone.is_some() != hot.is_some() {
+            return Err(unsupported("segment layout not supported by cryptbridge's reencryption (hotzone)".into()));
+        }
         Ok(ForwardPlan {
             data_offset: old.offset,
             done,
+            hot,
             old_cipher: old.encryption.clone(),
             old_sector_size: old.sector_size,
             new_cipher: new.encryption.clone(),
             new_sector_size: new.sector_size,
-            checksum,
+            resilience,
             backups: [Value::Object(self.raw_segment(state.backup_previous)?.clone()), Value::Object(self.raw_segment(state.backup_final)?.clone())],
         })
     }

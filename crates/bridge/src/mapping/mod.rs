@@ -203,21 +203,22 @@ impl Mapping {
     /// offset must be a multiple of it, so that no export sector straddles two regions. One region
     /// starting at IV 0 is the same as [`Mapping::with_window`]. Empty regions are left out.
     pub fn with_regions(backing: Backing, regions: Vec<Region>) -> Result<Self, BadRegions> {
-        Self::placed(backing, &regions, false)
+        Self::placed(backing, &regions, None)
     }
 
     /// [`Mapping::with_regions`] for a volume whose regions will move while it is served
-    /// ([`Mapping::remap`]): a split export even while one region covers it all.
-    pub fn with_moving_regions(backing: Backing, regions: Vec<Region>) -> Result<Self, BadRegions> {
-        Self::placed(backing, &regions, true)
+    /// ([`Mapping::remap`]): a split export even while one region covers it all, its sector
+    /// `sector_size` (at least), the largest of every table it will take.
+    pub fn with_moving_regions(backing: Backing, regions: Vec<Region>, sector_size: u64) -> Result<Self, BadRegions> {
+        Self::placed(backing, &regions, Some(sector_size))
     }
 
-    fn placed(backing: Backing, regions: &[Region], moving: bool) -> Result<Self, BadRegions> {
-        let (placed, ss, size) = place(regions, backing.size())?;
+    fn placed(backing: Backing, regions: &[Region], moving: Option<u64>) -> Result<Self, BadRegions> {
+        let (placed, ss, size) = place(regions, backing.size(), moving.unwrap_or(512))?;
         let first = &placed[0];
         let mut m = Self::new(backing, first.engine.clone());
         (m.window, m.size, m.sector_size) = (first.back, size, ss);
-        if moving || placed.len() > 1 || first.first_sector != 0 {
+        if moving.is_some() || placed.len() > 1 || first.first_sector != 0 {
             m.regions = Some(Regions::new(placed));
         }
         Ok(m)
@@ -300,7 +301,7 @@ impl Mapping {
     pub fn remap(&self, start: u64, len: u64, next: Vec<Region>, before_write: &mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
         let invalid = |why: String| io::Error::new(io::ErrorKind::InvalidInput, why);
         let Some(regions) = &self.regions else { return Err(invalid("the export's regions do not move (not opened for a reencryption)".into())) };
-        let (placed, ss, size) = place(&next, self.backing.size()).map_err(|e| invalid(e.to_string()))?;
+        let (placed, ss, size) = place(&next, self.backing.size(), self.sector_size).map_err(|e| invalid(e.to_string()))?;
         if (ss, size) != (self.sector_size, self.size) {
             return Err(invalid(format!(
                 "the next regions make a {size}-byte export of {ss}-byte sectors, not {} bytes of {}-byte sectors",
@@ -889,7 +890,7 @@ mod tests {
         let backing = Backing::open(&path, &BackingOptions { size: None, read_only: false, direct: false, sector_size: 4096 }).unwrap();
         let old = |at: u64| Region { len: size - at, engine: engine(&k_old, 512), back_offset: head + at, first_sector: at / 512 };
         let new = |len: u64| Region { len, engine: engine(&k_new, 4096), back_offset: head, first_sector: 0 };
-        let m = Arc::new(Mapping::with_moving_regions(backing, vec![new(0), old(0)]).unwrap());
+        let m = Arc::new(Mapping::with_moving_regions(backing, vec![old(0)], 4096).unwrap());
         assert!(m.is_split());
         let plain = pattern(size as usize);
         m.write(0, &mut plain.clone(), false).unwrap();

@@ -39,11 +39,11 @@ pub(super) struct Placed {
 }
 
 /// `regions` laid end to end from export byte 0 over a back end of `backing_size` bytes: the
-/// table, the export's sector (the largest region sector, which every boundary and back-end
-/// offset must be a multiple of, so that no export sector straddles two regions) and the
-/// export's size. Empty regions are left out.
-pub(super) fn place(regions: &[Region], backing_size: u64) -> Result<(Vec<Placed>, u64, u64), BadRegions> {
-    let ss = regions.iter().map(|r| r.engine.layout().sector_size as u64).max().unwrap_or(512);
+/// table, the export's sector (the largest region sector, at least `min_sector`, which every
+/// boundary and back-end offset must be a multiple of, so that no export sector straddles two
+/// regions) and the export's size. Empty regions are left out.
+pub(super) fn place(regions: &[Region], backing_size: u64, min_sector: u64) -> Result<(Vec<Placed>, u64, u64), BadRegions> {
+    let ss = regions.iter().map(|r| r.engine.layout().sector_size as u64).max().unwrap_or(512).max(min_sector);
     let mut placed = Vec::with_capacity(regions.len());
     let mut start = 0u64;
     for (i, r) in regions.iter().enumerate() {

@@ -91,6 +91,9 @@ pub struct Metrics {
     reconnects: AtomicU64,
     reconnect_failures: AtomicU64,
     own_connections_lost: AtomicU64,
+    /// An online reencryption: bytes under the new key, and the volume's size (0: none runs).
+    reencrypt_done: AtomicU64,
+    reencrypt_size: AtomicU64,
     info: OnceLock<ExportInfo>,
 }
 
@@ -106,6 +109,8 @@ pub fn global() -> &'static Metrics {
         reconnects: AtomicU64::new(0),
         reconnect_failures: AtomicU64::new(0),
         own_connections_lost: AtomicU64::new(0),
+        reencrypt_done: AtomicU64::new(0),
+        reencrypt_size: AtomicU64::new(0),
         info: OnceLock::new(),
     })
 }
@@ -166,6 +171,24 @@ impl Metrics {
     /// A client's own upstream connection was lost (its requests took the shared ones).
     pub(crate) fn own_connection_lost(&self) {
         self.own_connections_lost.fetch_add(1, Relaxed);
+    }
+
+    /// Where an online reencryption stands: `done` of `size` bytes under the new key.
+    pub fn reencryption(&self, done: u64, size: u64) {
+        self.reencrypt_size.store(size, Relaxed);
+        self.reencrypt_done.store(done, Relaxed);
+    }
+
+    /// A number that changes whenever clients make requests (requests completed plus those in
+    /// flight): what a background job compares from one look to the next to yield to clients.
+    pub fn client_activity(&self) -> u64 {
+        let completed: u64 = self.ops.iter().map(|s| s.completed.load(Relaxed)).sum();
+        completed.wrapping_add(self.in_flight.load(Relaxed).max(0) as u64)
+    }
+
+    /// Requests admitted whose reply is not yet sent.
+    pub fn in_flight(&self) -> i64 {
+        self.in_flight.load(Relaxed)
     }
 
     /// The Prometheus text exposition of every metric, now.
@@ -261,6 +284,13 @@ impl Collector for Snapshot {
             &[(vec![("result", "ok")], m.reconnects.load(Relaxed)), (vec![("result", "failed")], m.reconnect_failures.load(Relaxed))],
         )?;
         counter(&mut e, "backing_own_connections_lost", "Remote back end: clients' own upstream connections lost.", None, &[(vec![], m.own_connections_lost.load(Relaxed))])?;
+        let (done, size) = (m.reencrypt_done.load(Relaxed), m.reencrypt_size.load(Relaxed));
+        if size > 0 {
+            let mut d = e.encode_descriptor("reencryption_done", "Online reencryption: bytes of the volume under the new key.", Some(&Unit::Bytes), MetricType::Gauge)?;
+            ConstGauge::new(done as i64).encode(d.encode_family(&vec![("export", export)])?)?;
+            let mut d = e.encode_descriptor("reencryption_size", "Online reencryption: bytes of the volume in all.", Some(&Unit::Bytes), MetricType::Gauge)?;
+            ConstGauge::new(size as i64).encode(d.encode_family(&vec![("export", export)])?)?;
+        }
         let labels = [("export", export), ("cipher", info.cipher.as_str()), ("cpu_level", info.cpu_level.as_str()), ("backing", info.backing.as_str()), ("version", env!("CARGO_PKG_VERSION"))];
         gauge(&mut e, "info", "The export's cipher, CPU level, back end and the server's version (always 1).", &labels, 1)?;
         Ok(())

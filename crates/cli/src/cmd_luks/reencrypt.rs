@@ -1,19 +1,9 @@
 //! `luks reencrypt`: continues a LUKS2 reencryption (old key to new key, forward, the data in
-//! place, resilience `none` or `checksum`) that `cryptsetup reencrypt --init-only` started or that
-//! a previous run (of either tool) stopped cleanly, with cryptsetup's commit points, so that
-//! either tool can take over at any of them:
-//!
-//! - checksum: hashes of the hotzone's old ciphertext into the reencrypt keyslot's area, then
-//!   the metadata with the hotzone flagged `in-reencryption` (commit); the hotzone rewritten and
-//!   synced; the metadata with the hotzone under the new key (commit);
-//! - none: the hotzones rewritten one after the other, the metadata written when the run ends
-//!   (finished, or stopped by SIGINT/SIGTERM); a crash loses track of them, as with cryptsetup.
-//!
-//! Held for the whole run: cryptsetup's reencryption lock (`/run/cryptsetup/LN_LUKS2-reencryption-
-//! UUID`); around each header write: the header device's `flock`.
+//! place, resilience none, checksum or journal) that `cryptsetup reencrypt --init-only` started or
+//! that a previous run (of either tool) stopped, recovering first a hotzone a crash left; the steps
+//! and their commit points are [`crate::reencryption`]'s, the ones `serve --reencrypt` runs too.
 
 use std::io::IsTerminal;
-use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -21,14 +11,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use cryptbridge_cipher::new_cipher;
-use cryptbridge_cipher::registry::KeyPolicy;
-use cryptbridge_engine::{CpuBackend, Direction, Engine, SectorLayout, Spread};
-use cryptbridge_volume::cipher_spec::crypto_api_name;
-use cryptbridge_volume::reencrypt::{self, ReencryptionLock};
-use cryptbridge_volume::{Header, Secret};
+use cryptbridge_bridge::{Backing, BackingOptions, Mapping};
+use cryptbridge_volume::reencrypt::StepResilience;
+use cryptbridge_volume::Header;
 
 use crate::passphrase;
+use crate::reencryption::{self, Engines, Owned, Stepper};
 
 #[derive(clap::Args)]
 pub struct ReencryptArgs {
@@ -51,8 +39,8 @@ pub struct ReencryptArgs {
     /// reencrypt --init-only`).
     #[arg(long)]
     init_only: bool,
-    /// The resilience the reencryption was initialized with (`none` or `checksum`); another one
-    /// is refused (changing it is not implemented).
+    /// The resilience the reencryption was initialized with (`none`, `checksum` or `journal`);
+    /// another one is refused (changing it is not implemented).
     #[arg(long)]
     resilience: Option<String>,
     /// The most bytes rewritten per step (default 16M; with checksum resilience also bounded by
@@ -71,13 +59,6 @@ pub struct ReencryptArgs {
     threads: Option<usize>,
 }
 
-const DEFAULT_HOTZONE: u64 = 16 << 20;
-
-fn engine(cipher: &str, key: &Secret, sector_size: usize, threads: usize) -> Result<Engine> {
-    let c = new_cipher(crypto_api_name(cipher)?, key, KeyPolicy::Volume).with_context(|| format!("the {cipher} key cannot be used"))?;
-    Ok(Engine::new(Arc::new(CpuBackend::new(Arc::from(c), threads)?), SectorLayout::new(sector_size, false)))
-}
-
 pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
     if a.init_only {
         bail!("initializing a reencryption is not implemented here yet: run `cryptsetup reencrypt --init-only`, then `cryptbridge luks reencrypt --resume-only`");
@@ -91,106 +72,66 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
     if h.reencryption().with_context(|| name.clone())?.is_none() {
         bail!("{name}: no reencryption in progress; initialize one with `cryptsetup reencrypt --init-only` (initializing here is not implemented yet)");
     }
-    // The lock before any judgement of the state: while another run holds it, the header may
-    // show its hotzone, which is theirs to finish, not a crash. Nothing is written before the
-    // refusals below.
-    let lock = ReencryptionLock::take(&h.binary.uuid).with_context(|| name.clone())?;
-    // Under the lock, the header as it is now (another run may have moved it on).
-    let Header::Luks2(h) = Header::read(&hfile).with_context(|| name.clone())? else { unreachable!("still LUKS2") };
-    let state = h.reencryption()?.context("the reencryption finished meanwhile")?;
-    let plan = h.forward_plan(&state).with_context(|| format!("{name} cannot be re-encrypted here"))?;
-    let initialized = match plan.checksum {
-        Some(_) => "checksum",
-        None => "none",
-    };
+    // Nothing is written before the refusals below.
+    let mut owned = Owned::take(hfile, name.clone(), &h)?;
+    let initialized = owned.plan.resilience.name();
     if let Some(r) = &a.resilience {
         if r != initialized {
             bail!("--resilience {r}: the reencryption was initialized with resilience {initialized}; changing it is not implemented");
         }
     }
-    if a.header.is_none() && plan.data_offset == 0 {
+    if a.header.is_none() && owned.plan.data_offset == 0 {
         bail!("{name}: the data starts at offset 0 (a detached-header volume?); give --header FILE");
     }
     let pass = passphrase::read(a.key_file.as_deref(), &format!("Enter passphrase for {name}: "))?;
-    let unlocked = h.unlock_reencryption(&hfile, &pass, a.key_slot).map_err(|e| passphrase::unlock_error(e, &name, a.key_file.as_deref(), &pass))?;
+    let unlocked = owned
+        .header
+        .unlock_reencryption_with(&owned.file, &pass, a.key_slot, true)
+        .map_err(|e| passphrase::unlock_error(e, &name, a.key_file.as_deref(), &pass))?;
     drop(pass);
     cryptbridge_cipher::locked::wipe_stack();
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
-    let old = engine(&plan.old_cipher, &unlocked.keys[&state.old_digest.expect("reencrypt mode")], plan.old_sector_size, threads)?;
-    let new = engine(&plan.new_cipher, &unlocked.keys[&state.new_digest.expect("reencrypt mode")], plan.new_sector_size, threads)?;
+    let engines = Engines::build(&owned.header.reencryption_segments(&owned.state)?, &unlocked.keys, None, threads)?;
     drop(unlocked);
 
+    let sector = engines.max_sector();
     let data_path = &a.device;
-    let dfile = if a.header.is_some() {
-        std::fs::OpenOptions::new().read(true).write(true).open(data_path).with_context(|| format!("cannot open {} for writing", data_path.display()))?
-    } else {
-        hfile.try_clone()?
-    };
-    let device_size = dfile.metadata()?.len();
-    let unit = plan.old_sector_size.max(plan.new_sector_size).max(plan.checksum.map_or(512, |(_, b)| b)) as u64;
+    let opts = BackingOptions { size: None, read_only: false, direct: false, sector_size: sector as usize };
+    let backing = Backing::open(data_path, &opts).with_context(|| format!("cannot open {}", data_path.display()))?;
+    let device_size = backing.size();
+    let plan = &owned.plan;
+    let unit = sector.max(match plan.resilience {
+        StepResilience::Checksum { block, .. } => block as u64,
+        _ => 512,
+    });
     let data_size = device_size.checked_sub(plan.data_offset).filter(|s| *s > 0).context("the device ends before its data offset")?;
     if !data_size.is_multiple_of(unit) {
         bail!("{}: the data area ({data_size} bytes) is not a whole number of {unit}-byte sectors", data_path.display());
     }
-    let mut hotzone = a.hotzone_size.unwrap_or(DEFAULT_HOTZONE);
-    if let Some((hash, block)) = plan.checksum {
-        // Room for one hash per block in the area.
-        let room = state.keyslot.area_size / hash.output_len() as u64 * block as u64;
-        hotzone = hotzone.min(room);
-    }
-    hotzone = hotzone / unit * unit;
-    if hotzone == 0 {
-        bail!("--hotzone-size must be at least {unit} bytes");
-    }
+    reencryption::recover(&mut owned, &backing, &engines, data_size)?;
+    let table = engines.table(&owned.header.check_regions(&owned.state)?, device_size, sector)?;
+    let mapping = Arc::new(Mapping::with_moving_regions(backing, table, sector).with_context(|| data_path.display().to_string())?);
+    let mut steps = Stepper::new(owned, engines, mapping, device_size, a.hotzone_size.unwrap_or(reencryption::OFFLINE_HOTZONE))?;
 
     let stop = Arc::new(AtomicBool::new(false));
     {
         let stop = Arc::clone(&stop);
         ctrlc::set_handler(move || stop.store(true, Ordering::SeqCst)).context("cannot install the signal handler")?;
     }
+    let plan_done = steps.done;
     tracing::info!(
-        "{name}: re-encrypting from byte {} of {data_size} ({} {}-byte sectors -> {} {}-byte sectors, resilience {initialized}, hotzone {hotzone} bytes)",
-        plan.done,
-        plan.old_cipher,
-        plan.old_sector_size,
-        plan.new_cipher,
-        plan.new_sector_size
+        "{name}: re-encrypting from byte {plan_done} of {data_size} (resilience {initialized}, hotzone {} bytes)",
+        steps.hotzone()
     );
-    let mut h = h;
-    let mut done = plan.done;
-    let mut buf = vec![0u8; hotzone as usize];
     let started = Instant::now();
-    let first = done;
     let terminal = std::io::stderr().is_terminal() && !a.json;
     let mut last_report = Instant::now();
-    let mut last_tenth = done * 10 / data_size;
-    while done < data_size && !stop.load(Ordering::SeqCst) {
-        let len = hotzone.min(data_size - done);
-        let chunk = &mut buf[..len as usize];
-        dfile.read_exact_at(chunk, plan.data_offset + done).with_context(|| format!("cannot read the hotzone at byte {done}"))?;
-        if let Some((hash, block)) = plan.checksum {
-            let hl = hash.output_len();
-            let mut sums = vec![0u8; chunk.len() / block * hl];
-            for (i, b) in chunk.chunks(block).enumerate() {
-                hash.digest_into(&[b], &mut sums[i * hl..(i + 1) * hl]);
-            }
-            hfile.write_all_at(&sums, state.keyslot.area_offset).context("cannot write the resilience checksums")?;
-            // Durable before the metadata that points at them.
-            hfile.sync_data().context("cannot sync the resilience checksums")?;
-            // Commit point: the hotzone is marked, its old ciphertext identified by the hashes.
-            h = reencrypt::write_metadata(&hfile, &name, &h, h.step_metadata(&state, &plan, done, len, data_size, true)?)?;
-        }
-        old.process(Direction::Decrypt, done / plan.old_sector_size as u64, chunk, Spread::Pool).map_err(|e| anyhow::anyhow!("{e}"))?;
-        new.process(Direction::Encrypt, done / plan.new_sector_size as u64, chunk, Spread::Pool).map_err(|e| anyhow::anyhow!("{e}"))?;
-        dfile.write_all_at(chunk, plan.data_offset + done).with_context(|| format!("cannot write the hotzone at byte {done}"))?;
-        done += len;
-        if plan.checksum.is_some() {
-            dfile.sync_data().context("cannot sync the data")?;
-            // Commit point: the hotzone is under the new key.
-            h = reencrypt::write_metadata(&hfile, &name, &h, h.step_metadata(&state, &plan, done - len, len, data_size, false)?)?;
-        }
+    let mut last_tenth = plan_done * 10 / data_size;
+    while !steps.finished() && !stop.load(Ordering::SeqCst) {
+        steps.step()?;
+        let done = steps.done;
         let secs = started.elapsed().as_secs_f64().max(1e-3);
-        let rate = (done - first) as f64 / secs;
+        let rate = (done - plan_done) as f64 / secs;
         let left = (data_size - done) as f64 / rate.max(1.0);
         if a.json {
             println!("{}", serde_json::json!({"done": done, "size": data_size, "bytes_per_second": rate as u64, "seconds_left": left as u64}));
@@ -207,22 +148,11 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
     if terminal {
         eprintln!();
     }
-    if plan.checksum.is_none() && done > plan.done {
-        dfile.sync_data().context("cannot sync the data")?;
-        h = reencrypt::write_metadata(&hfile, &name, &h, h.step_metadata(&state, &plan, done, 0, data_size, false)?)?;
-    }
-    if done < data_size {
-        tracing::info!("{name}: stopped at byte {done} of {data_size}; `luks reencrypt --resume-only` (or cryptsetup's) continues");
-        drop(lock);
+    if !steps.finished() {
+        tracing::info!("{name}: stopped at byte {} of {data_size}; `luks reencrypt --resume-only` (or cryptsetup's) continues", steps.done);
         return Ok(ExitCode::SUCCESS);
     }
-    let (json, wipe) = h.finished_metadata(&state, &plan)?;
-    reencrypt::write_metadata(&hfile, &name, &h, json)?;
-    // The header no longer names the old keyslots: their key material goes now.
-    for (offset, len) in wipe {
-        reencrypt::wipe_area(&hfile, &name, offset, len)?;
-    }
+    steps.finish()?;
     tracing::info!("{name}: reencryption finished ({data_size} bytes in {:.1} s)", started.elapsed().as_secs_f64());
-    drop(lock);
     Ok(ExitCode::SUCCESS)
 }

@@ -1,0 +1,334 @@
+//! The steps of a forward LUKS2 reencryption (old key to new key, the data in place), shared by
+//! `luks reencrypt` (offline: the steps back to back) and `serve --reencrypt` (online: the steps
+//! between client requests, on the mapping the server serves).
+//!
+//! A step rewrites one hotzone through [`Mapping::remap`] with cryptsetup's commit points, so
+//! that either tool can take over after any of them:
+//! - checksum: a hash of each block of the hotzone's old ciphertext into the reencrypt keyslot's
+//!   area, then the metadata with the hotzone flagged `in-reencryption` (commit); the hotzone
+//!   rewritten and synced; the metadata with the hotzone under the new key (commit);
+//! - journal: the same with the hotzone's old ciphertext itself in the area;
+//! - none: the hotzone rewritten and synced, then the metadata (commit); a crash in the middle
+//!   of a step loses that hotzone, as with cryptsetup.
+//!
+//! A hotzone a crash left behind (by either tool) is recovered before anything else ([`recover`]):
+//! checksum re-encrypts the blocks whose hash still matches the old ciphertext, journal rewrites
+//! the hotzone from the area. Held for the whole run: cryptsetup's reencryption lock
+//! (`/run/cryptsetup/LN_LUKS2-reencryption-UUID`); around each header write: the header device's
+//! `flock`.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use cryptbridge_bridge::{Backing, Mapping, Region};
+use cryptbridge_cipher::new_cipher;
+use cryptbridge_cipher::registry::KeyPolicy;
+use cryptbridge_engine::{CpuBackend, Direction, Engine, SectorLayout, Spread};
+use cryptbridge_volume::luks2::Luks2Header;
+use cryptbridge_volume::reencrypt::{self, ForwardPlan, Reencryption, ReencryptionLock, StepResilience};
+use cryptbridge_volume::{DataSegment, Secret};
+
+/// The default hotzone of an offline run (cryptsetup's is as large as its area allows).
+pub const OFFLINE_HOTZONE: u64 = 16 << 20;
+/// The default hotzone while serving: requests on it wait for its step.
+pub const ONLINE_HOTZONE: u64 = 4 << 20;
+
+/// The engines of every key, cipher and sector size a volume in reencryption is under.
+pub struct Engines {
+    by: Vec<((u32, String, usize), Engine)>,
+}
+
+impl Engines {
+    /// Engines for `segments` (digest and segment), from `keys` by digest; `primary`, an engine
+    /// the caller built already for one of them, is used as it is.
+    pub fn build(segments: &[(u32, DataSegment)], keys: &BTreeMap<u32, Secret>, primary: Option<(u32, &DataSegment, Engine)>, threads: usize) -> Result<Self> {
+        let mut by = Vec::new();
+        if let Some((d, seg, engine)) = primary {
+            by.push(((d, seg.cipher.clone(), seg.sector_size), engine));
+        }
+        for (d, seg) in segments {
+            let id = (*d, seg.cipher.clone(), seg.sector_size);
+            if by.iter().any(|(k, _)| *k == id) {
+                continue;
+            }
+            let key = keys.get(d).with_context(|| format!("the volume key of LUKS2 digest {d} is not open"))?;
+            let cipher = new_cipher(seg.crypto_api, key, KeyPolicy::Volume).with_context(|| format!("the volume key of LUKS2 digest {d} cannot be used"))?;
+            let engine = Engine::new(Arc::new(CpuBackend::new(Arc::from(cipher), threads)?), SectorLayout::new(seg.sector_size, seg.iv_large_sectors));
+            by.push((id, engine));
+        }
+        Ok(Self { by })
+    }
+
+    fn get(&self, digest: u32, cipher: &str, sector_size: usize) -> Result<Engine> {
+        self.by
+            .iter()
+            .find(|((d, c, s), _)| *d == digest && c == cipher && *s == sector_size)
+            .map(|(_, e)| e.clone())
+            .with_context(|| format!("no engine for {cipher} {sector_size}-byte sectors under LUKS2 digest {digest}"))
+    }
+
+    /// The largest sector of every engine: the export's sector while the regions move.
+    pub fn max_sector(&self) -> u64 {
+        self.by.iter().map(|((_, _, s), _)| *s as u64).max().unwrap_or(512)
+    }
+
+    /// The header's active segments as the mapping's regions on a `device_size`-byte data device,
+    /// each cut to whole `sector`-byte sectors.
+    pub fn table(&self, regions: &[reencrypt::Region], device_size: u64, sector: u64) -> Result<Vec<Region>> {
+        let mut out = Vec::with_capacity(regions.len());
+        for g in regions {
+            let len = match g.size {
+                Some(z) => z,
+                None => device_size.checked_sub(g.offset).filter(|&l| l > 0).with_context(|| {
+                    format!("the data device ({device_size} bytes) ends before segment {} at byte {}", g.segment_id, g.offset)
+                })?,
+            } / sector
+                * sector;
+            let (engine, first_sector) = match (&g.crypt, g.digest) {
+                (Some(c), Some(d)) => (self.get(d, &c.cipher, c.sector_size)?, g.iv_tweak / (c.sector_size as u64 / 512)),
+                // A linear segment: plaintext, as dm-linear maps it.
+                _ => (Engine::passthrough(SectorLayout::new(512, false)), 0),
+            };
+            out.push(Region { len, engine, back_offset: g.offset, first_sector });
+        }
+        Ok(out)
+    }
+}
+
+/// A volume whose reencryption this process runs: its header, opened read-write, and the lock.
+pub struct Owned {
+    pub file: std::fs::File,
+    /// How messages name the header device.
+    pub name: String,
+    pub header: Luks2Header,
+    pub state: Reencryption,
+    pub plan: ForwardPlan,
+    pub lock: ReencryptionLock,
+}
+
+impl Owned {
+    /// Takes cryptsetup's reencryption lock of `header`'s volume and reads the header again
+    /// under it (another run may have moved it on); refuses what cannot be continued here.
+    pub fn take(file: std::fs::File, name: String, header: &Luks2Header) -> Result<Self> {
+        // The lock before any judgement of the state: while another run holds it, the header may
+        // show its hotzone, which is theirs to finish, not a crash.
+        let lock = ReencryptionLock::take(&header.binary.uuid).with_context(|| name.clone())?;
+        let cryptbridge_volume::Header::Luks2(header) = cryptbridge_volume::Header::read(&file).with_context(|| name.clone())? else {
+            bail!("{name}: no longer a LUKS2 header");
+        };
+        let state = header.reencryption()?.with_context(|| format!("{name}: the reencryption finished meanwhile"))?;
+        let plan = header.forward_plan(&state).with_context(|| format!("{name} cannot be re-encrypted here"))?;
+        Ok(Self { file, name, header, state, plan, lock })
+    }
+}
+
+/// Bytes `[offset, offset + len)` of `backing` in a buffer aligned for O_DIRECT.
+struct Aligned {
+    raw: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl Aligned {
+    const ALIGN: usize = 4096;
+
+    fn new(len: usize) -> Self {
+        let raw = vec![0u8; len + Self::ALIGN];
+        let start = raw.as_ptr().align_offset(Self::ALIGN);
+        Self { raw, start, len }
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        &mut self.raw[self.start..self.start + self.len]
+    }
+}
+
+/// Recovers the hotzone a crash left (`o.plan.hot`) on the data device `backing`, commits it as
+/// rewritten and returns the volume's state after that. `data_size`: the data area's length.
+pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u64) -> Result<()> {
+    let Some(len) = o.plan.hot else { return Ok(()) };
+    let (start, plan) = (o.plan.done, o.plan.clone());
+    let (old_d, new_d) = (o.state.old_digest.expect("reencrypt mode"), o.state.new_digest.expect("reencrypt mode"));
+    let old = engines.get(old_d, &plan.old_cipher, plan.old_sector_size)?;
+    let new = engines.get(new_d, &plan.new_cipher, plan.new_sector_size)?;
+    let rewrite = |buf: &mut [u8], at: u64| -> Result<()> {
+        old.process(Direction::Decrypt, at / plan.old_sector_size as u64, buf, Spread::Pool).map_err(|e| anyhow::anyhow!("{e}"))?;
+        new.process(Direction::Encrypt, at / plan.new_sector_size as u64, buf, Spread::Pool).map_err(|e| anyhow::anyhow!("{e}"))
+    };
+    let area = o.state.keyslot.area_offset;
+    let what = format!("{}: the hotzone at byte {start} ({len} bytes) of an interrupted step", o.name);
+    let mut buf = Aligned::new(usize::try_from(len).context("hotzone size")?);
+    let mut rewritten = 0u64;
+    match plan.resilience {
+        StepResilience::None => bail!(
+            "{what} cannot be recovered: resilience `none` keeps nothing to tell rewritten sectors from old ones (cryptsetup cannot either); \
+             its bytes may be lost"
+        ),
+        StepResilience::Checksum { hash, block } => {
+            let hl = hash.output_len();
+            let mut sums = vec![0u8; (len as usize / block) * hl];
+            o.file.read_exact_at(&mut sums, area).with_context(|| format!("{what}: cannot read the checksums"))?;
+            backing.read_at(buf.bytes(), plan.data_offset + start).with_context(|| format!("{what}: cannot read it"))?;
+            let mut sum = vec![0u8; hl];
+            for (i, b) in buf.bytes().chunks_mut(block).enumerate() {
+                hash.digest_into(&[b], &mut sum);
+                if sum[..] == sums[i * hl..(i + 1) * hl] {
+                    rewrite(b, start + (i * block) as u64)?;
+                    rewritten += block as u64;
+                }
+            }
+        }
+        StepResilience::Journal => {
+            o.file.read_exact_at(buf.bytes(), area).with_context(|| format!("{what}: cannot read the journal"))?;
+            rewrite(buf.bytes(), start)?;
+            rewritten = len;
+        }
+    }
+    if rewritten > 0 {
+        backing.write_at(buf.bytes(), plan.data_offset + start, false).with_context(|| format!("{what}: cannot write it"))?;
+    }
+    backing.flush().with_context(|| format!("{what}: cannot sync it"))?;
+    let json = o.header.step_metadata(&o.state, &plan, start, len, data_size, false)?;
+    o.header = reencrypt::write_metadata(&o.file, &o.name, &o.header, json)?;
+    o.state = o.header.reencryption()?.context("the reencryption is still in progress")?;
+    o.plan = o.header.forward_plan(&o.state)?;
+    tracing::info!(
+        "{}: recovered the hotzone of an interrupted step (bytes {start}..{}, resilience {}): {rewritten} bytes were still under the old key",
+        o.name,
+        start + len,
+        plan.resilience.name()
+    );
+    Ok(())
+}
+
+/// The steps of one run on a mapping of the volume ([`Mapping::with_moving_regions`]).
+pub struct Stepper {
+    owned: Owned,
+    engines: Engines,
+    mapping: Arc<Mapping>,
+    device_size: u64,
+    data_size: u64,
+    hotzone: u64,
+    /// Bytes under the new key.
+    pub done: u64,
+}
+
+impl Stepper {
+    /// `hotzone`: the most bytes per step (bounded by the room in the area for checksum and
+    /// journal resilience). `device_size`: the data device's.
+    pub fn new(owned: Owned, engines: Engines, mapping: Arc<Mapping>, device_size: u64, hotzone: u64) -> Result<Self> {
+        let plan = &owned.plan;
+        if plan.hot.is_some() {
+            bail!("{}: the hotzone of an interrupted step must be recovered first", owned.name);
+        }
+        let data_size = mapping.size();
+        let unit = mapping.sector_size();
+        let area = owned.state.keyslot.area_size;
+        let room = match plan.resilience {
+            StepResilience::None => u64::MAX,
+            StepResilience::Checksum { hash, block } => area / hash.output_len() as u64 * block as u64,
+            StepResilience::Journal => area,
+        };
+        let hotzone = hotzone.min(room) / unit * unit;
+        if hotzone == 0 {
+            bail!("the hotzone must be at least {unit} bytes (and the reencrypt keyslot's area must have room for one)");
+        }
+        let done = plan.done;
+        Ok(Self { owned, engines, mapping, device_size, data_size, hotzone, done })
+    }
+
+    pub fn data_size(&self) -> u64 {
+        self.data_size
+    }
+
+    pub fn hotzone(&self) -> u64 {
+        self.hotzone
+    }
+
+    pub fn name(&self) -> &str {
+        &self.owned.name
+    }
+
+    pub fn resilience(&self) -> &'static str {
+        self.owned.plan.resilience.name()
+    }
+
+    pub fn finished(&self) -> bool {
+        self.done >= self.data_size
+    }
+
+    /// Rewrites the next hotzone under the new key, through every commit point.
+    pub fn step(&mut self) -> Result<()> {
+        let (done, data_size) = (self.done, self.data_size);
+        let len = self.hotzone.min(data_size - done);
+        let o = &mut self.owned;
+        let plan = o.plan.clone();
+        // The table once the step is done, from the metadata that will say so.
+        let after = o.header.step_metadata(&o.state, &plan, done, len, data_size, false)?;
+        let preview = Luks2Header::from_json(o.header.binary.clone(), after)?;
+        let preview_state = preview.reencryption()?.context("the step's metadata has no reencryption")?;
+        let next = self.engines.table(&preview.check_regions(&preview_state)?, self.device_size, self.mapping.sector_size())?;
+        let area = (o.state.keyslot.area_offset, o.state.keyslot.area_size);
+        let mut protect = |old: &[u8]| -> Result<()> {
+            match plan.resilience {
+                StepResilience::None => return Ok(()),
+                StepResilience::Checksum { hash, block } => {
+                    let hl = hash.output_len();
+                    let mut sums = vec![0u8; old.len() / block * hl];
+                    for (i, b) in old.chunks(block).enumerate() {
+                        hash.digest_into(&[b], &mut sums[i * hl..(i + 1) * hl]);
+                    }
+                    o.file.write_all_at(&sums, area.0).context("cannot write the resilience checksums")?;
+                }
+                StepResilience::Journal => {
+                    debug_assert!(old.len() as u64 <= area.1);
+                    o.file.write_all_at(old, area.0).context("cannot write the resilience journal")?;
+                }
+            }
+            // Durable before the metadata that points at it.
+            o.file.sync_data().context("cannot sync the resilience area")?;
+            // Commit point: the hotzone is marked, its old ciphertext recorded.
+            let hot = o.header.step_metadata(&o.state, &plan, done, len, data_size, true)?;
+            o.header = reencrypt::write_metadata(&o.file, &o.name, &o.header, hot)?;
+            Ok(())
+        };
+        let mut protect_err = None;
+        let remapped = self.mapping.remap(done, len, next, &mut |old| {
+            protect(old).map_err(|e| {
+                let msg = format!("{e:#}");
+                protect_err = Some(e);
+                io::Error::other(msg)
+            })
+        });
+        if let Err(e) = remapped {
+            return Err(match protect_err {
+                Some(e) => e,
+                None => anyhow::Error::new(e).context(format!("{}: cannot rewrite bytes {done}..{}", o.name, done + len)),
+            });
+        }
+        // Commit point: the hotzone is under the new key.
+        let after = o.header.step_metadata(&o.state, &plan, done, len, data_size, false)?;
+        o.header = reencrypt::write_metadata(&o.file, &o.name, &o.header, after)?;
+        self.done = done + len;
+        Ok(())
+    }
+
+    /// Once every byte is under the new key: the metadata of a finished volume (the old keyslots,
+    /// the reencrypt keyslot, the backup segments and the requirement gone, as cryptsetup leaves
+    /// it), then the old keyslots' areas overwritten.
+    pub fn finish(self) -> Result<()> {
+        debug_assert!(self.finished());
+        let o = self.owned;
+        let (json, wipe) = o.header.finished_metadata(&o.state, &o.plan)?;
+        reencrypt::write_metadata(&o.file, &o.name, &o.header, json)?;
+        // The header no longer names the old keyslots: their key material goes now.
+        for (offset, len) in wipe {
+            reencrypt::wipe_area(&o.file, &o.name, offset, len)?;
+        }
+        drop(o.lock);
+        Ok(())
+    }
+}

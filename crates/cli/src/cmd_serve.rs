@@ -20,6 +20,7 @@ use crate::{keyfile, names, size, usage};
 mod activation;
 mod luks;
 mod metrics;
+mod reencrypt;
 mod unix_socket;
 mod vhost;
 
@@ -201,6 +202,16 @@ pub struct Args {
     /// With --type luks: try only this keyslot (by default every keyslot, as cryptsetup).
     #[arg(long)]
     key_slot: Option<u32>,
+    /// With --type luks on a volume whose LUKS2 reencryption is in progress (started by
+    /// `cryptsetup reencrypt --init-only`, or stopped by either tool): advance it in the
+    /// background while serving, clients first, with cryptsetup's commit points; SIGINT/SIGTERM
+    /// stop it at one, a restart resumes. Recovers a hotzone a crash left first.
+    #[arg(long)]
+    reencrypt: bool,
+    /// With --reencrypt: the most bytes per second it rewrites on average (e.g. 100M; default:
+    /// no cap, only the back-off while clients make requests).
+    #[arg(long, value_parser = crate::size::parse_size, value_name = "BYTES")]
+    reencrypt_rate: Option<u64>,
     /// TLS on the wire (NBD_OPT_STARTTLS), as nbdkit's --tls: `off`; `on`, clients may upgrade to
     /// TLS or stay in plaintext; `require`, a client must upgrade before any other option is
     /// answered. Needs --tls-certificates. The ready line's URI is then nbds://. See
@@ -347,6 +358,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
         }
     };
     let remote = remote_backing(&args)?;
+    if args.reencrypt && (args.read_only || args.volume_type() != VolumeType::Luks) {
+        usage("--reencrypt needs --type luks and a writable volume".into());
+    }
+    if args.reencrypt_rate.is_some() && !args.reencrypt {
+        usage("--reencrypt-rate needs --reencrypt".into());
+    }
     // --type luks: the header decides cipher, key, sector size and data area (cmd_serve/luks.rs).
     let mut luks = luks::open(&args)?;
     let sector_size = luks.as_ref().map_or(args.sector_size, luks::Volume::sector_size);
@@ -415,7 +432,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if luks.is_none() && args.volume_type.is_none() && !backing.created() {
         refuse_luks_as_plain(&backing, &args.backing)?;
     }
-    let mapping = Arc::new(luks::window(luks.as_mut(), backing, engine, &args.backing)?);
+    let (mapping, steps) = luks::window(luks.as_mut(), backing, engine, &args.backing)?;
     let mode = if args.passthrough { "passthrough (plaintext)".to_string() } else { format!("{} {key_bits}-bit", luks.as_ref().map_or_else(|| args.cipher.clone(), luks::Volume::label)) };
     // One descriptor per connection (two with its own upstream connection): the soft limit
     // (often 1024) would refuse connections long before threads or memory run out.
@@ -461,11 +478,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
             ..ServerConfig::new(args.export_name.clone(), format!("cryptbridge {mode}"))
         },
     );
+    // The steps start once the export is ready to serve, stop before the process exits.
+    let reencryption = steps.map(|s| reencrypt::Job::spawn(s, args.reencrypt_rate)).transpose().context("cannot start the reencryption")?;
     if let Some(path) = &args.vhost_user_blk {
         if activated.is_some() {
             tracing::info!("socket activation: the inherited socket is not served with --vhost-user-blk");
         }
-        return vhost::serve(&args, path, &server, mapping, rtl, created, &format!("{mode}{}", if read_only { ", read-only" } else { "" }));
+        return vhost::serve(&args, path, &server, mapping, rtl, reencryption, created, &format!("{mode}{}", if read_only { ", read-only" } else { "" }));
     }
     let socket_activated = activated.is_some();
     let (listener, uri) = match activated {
@@ -485,7 +504,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let uri = if tls.is_some() { uri.replacen("nbd", "nbds", 1) } else { uri };
     // Only a socket this run created is removed on exit; an inherited one belongs to its giver.
     let sockets = [created.socket.clone(), created.metrics.clone()].into_iter().flatten().collect();
-    install_signal_handler(Arc::clone(&mapping), sockets, rtl.clone())?;
+    install_signal_handler(Arc::clone(&mapping), sockets, rtl.clone(), reencryption)?;
     if let Some(sim) = rtl {
         report_simulation_speed(sim);
     }
@@ -616,9 +635,13 @@ fn log_sim_stats(s: &cryptbridge_engine::SimStats) {
     );
 }
 
-/// SIGINT/SIGTERM: make answered writes durable, remove our socket, then exit cleanly.
-fn install_signal_handler(mapping: Arc<Mapping>, sockets: Vec<PathBuf>, rtl: Option<Arc<RtlSimBackend>>) -> Result<()> {
+/// SIGINT/SIGTERM: stop a reencryption at a commit point, make answered writes durable, remove
+/// our socket, then exit cleanly.
+fn install_signal_handler(mapping: Arc<Mapping>, sockets: Vec<PathBuf>, rtl: Option<Arc<RtlSimBackend>>, reencryption: Option<Arc<reencrypt::Job>>) -> Result<()> {
     ctrlc::set_handler(move || {
+        if let Some(job) = &reencryption {
+            job.stop();
+        }
         if let Some(sim) = &rtl {
             log_sim_stats(&sim.stats());
         }

@@ -14,15 +14,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use cryptbridge_bridge::{Backing, Mapping, Region};
-use cryptbridge_cipher::new_cipher;
-use cryptbridge_cipher::registry::KeyPolicy;
-use cryptbridge_engine::{CpuBackend, Engine, SectorLayout};
+use cryptbridge_bridge::{Backing, Mapping};
+use cryptbridge_engine::{Engine, SectorLayout};
 use cryptbridge_volume::reencrypt::{self, hotzone_refusal};
 use cryptbridge_volume::{DataSegment, Header, Secret};
 
 use super::{usage, Args, VolumeType};
 use crate::passphrase;
+use crate::reencryption::{self, Engines, Owned, Stepper};
 
 /// An opened LUKS volume, until the engine takes its key.
 pub struct Volume {
@@ -37,18 +36,22 @@ pub struct Volume {
 /// The opened state of a volume in reencryption, until [`window`] builds its regions.
 struct Reencrypting {
     regions: Vec<reencrypt::Region>,
+    /// Every key, cipher and sector size the volume is under (active and backup segments).
+    segments: Vec<(u32, DataSegment)>,
     /// Volume keys by digest id; the primary one (`Volume::key`) is not among them.
     keys: BTreeMap<u32, Secret>,
     /// The digest of `Volume::key`, whose engine the caller builds.
     primary: u32,
     threads: usize,
+    /// With --reencrypt: the header opened for writing, under cryptsetup's reencryption lock.
+    owned: Option<Owned>,
 }
 
 impl Volume {
     /// The export's sector: for a volume in reencryption, the largest of its segments'.
     pub fn sector_size(&self) -> usize {
         match &self.reencryption {
-            Some(r) => r.regions.iter().filter_map(|g| g.crypt.as_ref()).map(|c| c.sector_size).max().unwrap_or(512),
+            Some(r) => r.segments.iter().map(|(_, c)| c.sector_size).max().unwrap_or(512),
             None => self.segment.sector_size,
         }
     }
@@ -81,34 +84,43 @@ impl Volume {
 }
 
 /// Opens a LUKS2 volume whose reencryption is in progress: refusals first (a hotzone left by a
-/// crash, an engine that cannot serve two keys), then both keys and the digest check.
+/// crash, an engine that cannot serve two keys), then both keys and the digest check. With
+/// --reencrypt the header is taken for this process first (cryptsetup's reencryption lock, the
+/// header read again under it), and a hotzone a crash left is accepted: [`window`] recovers it.
 fn open_reencrypting(args: &Args, header: &Header, file: &std::fs::File, header_path: &Path) -> Result<Option<Volume>> {
+    let name = header_path.display().to_string();
     let Header::Luks2(h) = header else { unreachable!("only LUKS2 records a reencryption") };
-    let state = h.reencryption()?.expect("checked by the caller");
-    if let Some(seg) = state.hotzone {
-        anyhow::bail!("{}: {}", header_path.display(), hotzone_refusal(seg));
+    let owned = match args.reencrypt {
+        true => Some(Owned::take(file.try_clone()?, name.clone(), h)?),
+        false => None,
+    };
+    let h = owned.as_ref().map_or(h, |o| &o.header);
+    let state = h.reencryption()?.context("the reencryption finished meanwhile")?;
+    if let (Some(seg), None) = (state.hotzone, &owned) {
+        anyhow::bail!("{name}: {}", hotzone_refusal(seg));
     }
-    h.check_regions(&state).with_context(|| format!("{} cannot be served", header_path.display()))?;
+    h.check_regions(&state).with_context(|| format!("{name} cannot be served"))?;
     if args.engine != "cpu" {
         anyhow::bail!("--engine {} cannot serve a volume whose reencryption is in progress (two keys); use --engine cpu", args.engine);
     }
-    let pass = passphrase::read(args.key_file.as_deref(), &format!("Enter passphrase for {}: ", header_path.display()))?;
+    let segments = h.reencryption_segments(&state)?;
+    let pass = passphrase::read(args.key_file.as_deref(), &format!("Enter passphrase for {name}: "))?;
     let started = Instant::now();
     let unlocked = h
-        .unlock_reencryption(file, &pass, args.key_slot)
-        .map_err(|e| passphrase::unlock_error(e, &header_path.display().to_string(), args.key_file.as_deref(), &pass))?;
+        .unlock_reencryption_with(file, &pass, args.key_slot, owned.is_some())
+        .map_err(|e| passphrase::unlock_error(e, &name, args.key_file.as_deref(), &pass))?;
     drop(pass);
     cryptbridge_cipher::locked::wipe_stack();
     let reencrypt::UnlockedReencryption { state, regions, mut keys, keyslots } = unlocked;
     let (primary, segment) = regions
         .iter()
         .find_map(|r| Some((r.digest?, r.crypt.clone()?)))
-        .ok_or_else(|| anyhow::anyhow!("{}: no encrypted segment to serve", header_path.display()))?;
+        .ok_or_else(|| anyhow::anyhow!("{name}: no encrypted segment to serve"))?;
     if args.header.is_none() && regions.iter().any(|r| r.offset == 0) {
-        anyhow::bail!("{}: a data segment starts at offset 0, over its own header (a detached-header volume?); give --header FILE", header_path.display());
+        anyhow::bail!("{name}: a data segment starts at offset 0, over its own header (a detached-header volume?); give --header FILE");
     }
     let key = keys.remove(&primary).expect("the primary key was unlocked");
-    let done: u64 = regions.iter().filter(|r| r.digest == state.new_digest).filter_map(|r| r.size).sum();
+    let done: u64 = regions.iter().filter(|r| r.digest == state.new_digest && state.hotzone != Some(r.segment_id)).filter_map(|r| r.size).sum();
     tracing::info!(
         "LUKS2 {} opened in {} ms with keyslots {:?}: reencryption in progress ({:?}, {:?}, resilience {}), {} bytes done; reencryption digest verified; {} segments: {}",
         header.uuid(),
@@ -128,13 +140,15 @@ fn open_reencrypting(args: &Args, header: &Header, file: &std::fs::File, header_
             .collect::<Vec<_>>()
             .join("; "),
     );
+    let mut all_segments: Vec<(u32, DataSegment)> = regions.iter().filter_map(|r| Some((r.digest?, r.crypt.clone()?))).collect();
+    all_segments.extend(segments);
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     Ok(Some(Volume {
         key,
         segment,
         version: 2,
         keyslot: keyslots[0],
-        reencryption: Some(Reencrypting { regions, keys, primary, threads }),
+        reencryption: Some(Reencrypting { regions, segments: all_segments, keys, primary, threads, owned }),
     }))
 }
 
@@ -172,12 +186,23 @@ pub fn open(args: &Args) -> Result<Option<Volume>> {
         usage(format!("--type luks takes the volume's parameters from its header; {} cannot be given", taken.join(", ")));
     }
     let header_path = args.header.as_deref().unwrap_or(&args.backing);
-    let file = std::fs::File::open(header_path).with_context(|| format!("cannot open the LUKS header {}", header_path.display()))?;
+    // --reencrypt writes the header (its commit points).
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(args.reencrypt)
+        .open(header_path)
+        .with_context(|| format!("cannot open the LUKS header {}", header_path.display()))?;
     let header = Header::read(&file).with_context(|| format!("{}", header_path.display()))?;
     if let Header::Luks2(h) = &header {
         if h.reencryption().with_context(|| format!("{} cannot be served", header_path.display()))?.is_some() {
             return open_reencrypting(args, &header, &file, header_path);
         }
+    }
+    if args.reencrypt {
+        anyhow::bail!(
+            "{}: --reencrypt: no reencryption is in progress on this volume; start one with `cryptsetup reencrypt --init-only` (key, cipher and sector size of your choice), then serve it with --reencrypt",
+            header_path.display()
+        );
     }
     let segment = header.data_segment().with_context(|| format!("{} cannot be served", header_path.display()))?;
     if args.header.is_none() && segment.offset == 0 {
@@ -219,8 +244,9 @@ pub fn open(args: &Args) -> Result<Option<Volume>> {
 /// The export's part of the backing store: a LUKS volume's data segment, or all of it; for a
 /// volume in reencryption, its segments as regions, each with its engine (`engine` serves those
 /// under the primary key; the others get engines of their own, their keys dropped once built).
-pub fn window(volume: Option<&mut Volume>, backing: Backing, engine: Engine, path: &Path) -> Result<Mapping> {
-    let Some(v) = volume else { return Ok(Mapping::new(backing, engine)) };
+/// With --reencrypt, also the steps to run on it, a hotzone a crash left recovered first.
+pub fn window(volume: Option<&mut Volume>, backing: Backing, engine: Engine, path: &Path) -> Result<(Arc<Mapping>, Option<Stepper>)> {
+    let Some(v) = volume else { return Ok((Arc::new(Mapping::new(backing, engine)), None)) };
     if let Some(r) = v.reencryption.take() {
         return regions(r, &v.segment, backing, engine, path);
     }
@@ -228,51 +254,27 @@ pub fn window(volume: Option<&mut Volume>, backing: Backing, engine: Engine, pat
     let seg = &v.segment;
     let device_size = mapping.size();
     let len = seg.length_on(device_size).with_context(|| format!("backing {}", path.display()))?;
-    mapping.with_window(seg.offset, len).with_context(|| format!("backing {}", path.display()))
+    Ok((Arc::new(mapping.with_window(seg.offset, len).with_context(|| format!("backing {}", path.display()))?), None))
 }
 
-fn regions(r: Reencrypting, primary_segment: &DataSegment, backing: Backing, primary: Engine, path: &Path) -> Result<Mapping> {
-    let Reencrypting { regions, keys, primary: primary_digest, threads } = r;
-    let ss = regions.iter().filter_map(|g| g.crypt.as_ref()).map(|c| c.sector_size as u64).max().unwrap_or(512);
-    let device_size = backing.size();
-    let mut engines: BTreeMap<(u32, String, usize), Engine> = BTreeMap::new();
-    let mut out = Vec::with_capacity(regions.len());
-    for g in &regions {
-        let len = match g.size {
-            Some(z) => z,
-            None => device_size.checked_sub(g.offset).filter(|&l| l > 0).ok_or_else(|| {
-                anyhow::anyhow!("backing {}: the device ({device_size} bytes) ends before segment {} at {}", path.display(), g.segment_id, g.offset)
-            })?,
-        } / ss
-            * ss;
-        if len == 0 {
-            continue;
-        }
-        let (engine, first_sector) = match (&g.crypt, g.digest) {
-            (Some(c), Some(d)) => {
-                let engine = if d == primary_digest && c.cipher == primary_segment.cipher && c.sector_size == primary_segment.sector_size {
-                    primary.clone()
-                } else {
-                    let id = (d, c.cipher.clone(), c.sector_size);
-                    match engines.get(&id) {
-                        Some(e) => e.clone(),
-                        None => {
-                            let key = keys.get(&d).map(Secret::as_slice).unwrap_or_default();
-                            let key_source = format!("the volume key of LUKS2 digest {d}");
-                            let cipher = new_cipher(c.crypto_api, key, KeyPolicy::Volume).with_context(|| format!("{key_source} cannot be used"))?;
-                            let e = Engine::new(Arc::new(CpuBackend::new(Arc::from(cipher), threads)?), SectorLayout::new(c.sector_size, c.iv_large_sectors));
-                            engines.insert(id, e.clone());
-                            e
-                        }
-                    }
-                };
-                (engine, g.iv_tweak / (c.sector_size as u64 / 512))
-            }
-            // A linear segment: plaintext, as dm-linear maps it.
-            _ => (Engine::passthrough(SectorLayout::new(512, false)), 0),
-        };
-        out.push(Region { len, engine, back_offset: g.offset, first_sector });
-    }
+fn regions(r: Reencrypting, primary_segment: &DataSegment, backing: Backing, primary: Engine, path: &Path) -> Result<(Arc<Mapping>, Option<Stepper>)> {
+    let Reencrypting { regions, segments, keys, primary: primary_digest, threads, owned } = r;
+    let engines = Engines::build(&segments, &keys, Some((primary_digest, primary_segment, primary)), threads)?;
     drop(keys);
-    Mapping::with_regions(backing, out).with_context(|| format!("backing {}", path.display()))
+    let sector = engines.max_sector();
+    let device_size = backing.size();
+    let within = || format!("backing {}", path.display());
+    let Some(mut owned) = owned else {
+        let table = engines.table(&regions, device_size, sector).with_context(within)?;
+        return Ok((Arc::new(Mapping::with_regions(backing, table).with_context(within)?), None));
+    };
+    let data_size = device_size.checked_sub(owned.plan.data_offset).filter(|&s| s > 0).with_context(|| format!("{}: the device ends before its data", within()))?;
+    if !data_size.is_multiple_of(sector) {
+        anyhow::bail!("{}: the data area ({data_size} bytes) is not a whole number of {sector}-byte sectors", within());
+    }
+    reencryption::recover(&mut owned, &backing, &engines, data_size)?;
+    let table = engines.table(&owned.header.check_regions(&owned.state)?, device_size, sector).with_context(within)?;
+    let mapping = Arc::new(Mapping::with_moving_regions(backing, table, sector).with_context(within)?);
+    let steps = Stepper::new(owned, engines, Arc::clone(&mapping), device_size, reencryption::ONLINE_HOTZONE)?;
+    Ok((mapping, Some(steps)))
 }

@@ -12,12 +12,14 @@ use cryptbridge_engine::RtlSimBackend;
 
 use super::{install_signal_handler, report_simulation_speed, unix_socket, Args, CreatedFiles};
 
+#[allow(clippy::too_many_arguments)]
 pub(super) fn serve(
     args: &Args,
     path: &Path,
     server: &Arc<Server>,
     mapping: Arc<Mapping>,
     rtl: Option<Arc<RtlSimBackend>>,
+    reencryption: Option<Arc<super::reencrypt::Job>>,
     mut created: CreatedFiles,
     mode: &str,
 ) -> Result<ExitCode> {
@@ -25,7 +27,7 @@ pub(super) fn serve(
     created.socket = Some(path.to_path_buf());
     let abs = std::fs::canonicalize(path)?;
     let sockets = [created.socket.clone(), created.metrics.clone()].into_iter().flatten().collect();
-    install_signal_handler(Arc::clone(&mapping), sockets, rtl.clone())?;
+    install_signal_handler(Arc::clone(&mapping), sockets, rtl.clone(), reencryption)?;
     if let Some(sim) = rtl {
         report_simulation_speed(sim);
     }

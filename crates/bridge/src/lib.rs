@@ -29,7 +29,7 @@ mod transport;
 
 pub use aligned::PooledBuf;
 pub use backing::{Backing, BackingOptions};
-pub use mapping::{BadRegions, BadWindow, Extent, Mapping, Region};
+pub use mapping::{BadRegions, BadWindow, Extent, Mapping, Region, StepCommit};
 pub use nbd::tls::{TlsError, TlsMode, TlsPolicy};
 pub use server::{default_max_connections, raise_open_file_limit, Server, ServerConfig, MAX_REQUEST};
 pub use frontend::vhost_user::{serve_vhost_user_blk, VhostUserOptions, MAX_QUEUES as MAX_VHOST_USER_QUEUES};

@@ -23,7 +23,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use cryptbridge_bridge::{Backing, Mapping, Region};
+use cryptbridge_bridge::{Backing, Mapping, Region, StepCommit};
 use cryptbridge_cipher::new_cipher;
 use cryptbridge_cipher::registry::KeyPolicy;
 use cryptbridge_engine::{CpuBackend, Direction, Engine, SectorLayout, Spread};
@@ -204,6 +204,68 @@ pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u
     Ok(())
 }
 
+/// A step's commit points, written to the header by [`Mapping::remap`] around its rewrite.
+struct Commits<'a> {
+    o: &'a mut Owned,
+    /// Where the step starts and its length.
+    hotzone: (u64, u64),
+    data_size: u64,
+    /// The error of a commit, with its context (remap hands on only its text).
+    error: Option<anyhow::Error>,
+}
+
+impl Commits<'_> {
+    fn protect(&mut self, old: &[u8]) -> Result<()> {
+        let o = &mut *self.o;
+        let area = o.state.keyslot.area_offset;
+        match o.plan.resilience {
+            StepResilience::None => return Ok(()),
+            StepResilience::Checksum { hash, block } => {
+                let hl = hash.output_len();
+                let mut sums = vec![0u8; old.len() / block * hl];
+                for (i, b) in old.chunks(block).enumerate() {
+                    hash.digest_into(&[b], &mut sums[i * hl..(i + 1) * hl]);
+                }
+                o.file.write_all_at(&sums, area).context("cannot write the resilience checksums")?;
+            }
+            StepResilience::Journal => o.file.write_all_at(old, area).context("cannot write the resilience journal")?,
+        }
+        // Durable before the metadata that points at it.
+        o.file.sync_data().context("cannot sync the resilience area")?;
+        // Commit point: the hotzone is marked, its old ciphertext recorded.
+        self.write(true)
+    }
+
+    fn write(&mut self, hot: bool) -> Result<()> {
+        let o = &mut *self.o;
+        let (done, len) = self.hotzone;
+        let json = o.header.step_metadata(&o.state, &o.plan, done, len, self.data_size, hot)?;
+        o.header = reencrypt::write_metadata(&o.file, &o.name, &o.header, json)?;
+        Ok(())
+    }
+
+    fn keep(&mut self, r: Result<()>) -> io::Result<()> {
+        r.map_err(|e| {
+            let err = io::Error::other(format!("{e:#}"));
+            self.error = Some(e);
+            err
+        })
+    }
+}
+
+impl StepCommit for Commits<'_> {
+    fn before_write(&mut self, old: &[u8]) -> io::Result<()> {
+        let r = self.protect(old);
+        self.keep(r)
+    }
+
+    /// Commit point: the hotzone is under the new key.
+    fn after_write(&mut self) -> io::Result<()> {
+        let r = self.write(false);
+        self.keep(r)
+    }
+}
+
 /// The steps of one run on a mapping of the volume ([`Mapping::with_moving_regions`]).
 pub struct Stepper {
     owned: Owned,
@@ -265,53 +327,19 @@ impl Stepper {
         let (done, data_size) = (self.done, self.data_size);
         let len = self.hotzone.min(data_size - done);
         let o = &mut self.owned;
-        let plan = o.plan.clone();
         // The table once the step is done, from the metadata that will say so.
-        let after = o.header.step_metadata(&o.state, &plan, done, len, data_size, false)?;
+        let after = o.header.step_metadata(&o.state, &o.plan, done, len, data_size, false)?;
         let preview = Luks2Header::from_json(o.header.binary.clone(), after)?;
         let preview_state = preview.reencryption()?.context("the step's metadata has no reencryption")?;
         let next = self.engines.table(&preview.check_regions(&preview_state)?, self.device_size, self.mapping.sector_size())?;
-        let area = (o.state.keyslot.area_offset, o.state.keyslot.area_size);
-        let mut protect = |old: &[u8]| -> Result<()> {
-            match plan.resilience {
-                StepResilience::None => return Ok(()),
-                StepResilience::Checksum { hash, block } => {
-                    let hl = hash.output_len();
-                    let mut sums = vec![0u8; old.len() / block * hl];
-                    for (i, b) in old.chunks(block).enumerate() {
-                        hash.digest_into(&[b], &mut sums[i * hl..(i + 1) * hl]);
-                    }
-                    o.file.write_all_at(&sums, area.0).context("cannot write the resilience checksums")?;
-                }
-                StepResilience::Journal => {
-                    debug_assert!(old.len() as u64 <= area.1);
-                    o.file.write_all_at(old, area.0).context("cannot write the resilience journal")?;
-                }
-            }
-            // Durable before the metadata that points at it.
-            o.file.sync_data().context("cannot sync the resilience area")?;
-            // Commit point: the hotzone is marked, its old ciphertext recorded.
-            let hot = o.header.step_metadata(&o.state, &plan, done, len, data_size, true)?;
-            o.header = reencrypt::write_metadata(&o.file, &o.name, &o.header, hot)?;
-            Ok(())
-        };
-        let mut protect_err = None;
-        let remapped = self.mapping.remap(done, len, next, &mut |old| {
-            protect(old).map_err(|e| {
-                let msg = format!("{e:#}");
-                protect_err = Some(e);
-                io::Error::other(msg)
-            })
-        });
-        if let Err(e) = remapped {
-            return Err(match protect_err {
+        let mut commits = Commits { o, hotzone: (done, len), data_size, error: None };
+        if let Err(e) = self.mapping.remap(done, len, next, &mut commits) {
+            let name = commits.o.name.clone();
+            return Err(match commits.error.take() {
                 Some(e) => e,
-                None => anyhow::Error::new(e).context(format!("{}: cannot rewrite bytes {done}..{}", o.name, done + len)),
+                None => anyhow::Error::new(e).context(format!("{name}: cannot rewrite bytes {done}..{}", done + len)),
             });
         }
-        // Commit point: the hotzone is under the new key.
-        let after = o.header.step_metadata(&o.state, &plan, done, len, data_size, false)?;
-        o.header = reencrypt::write_metadata(&o.file, &o.name, &o.header, after)?;
         self.done = done + len;
         Ok(())
     }

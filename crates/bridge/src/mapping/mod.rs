@@ -49,6 +49,15 @@ pub struct Mapping {
     regions: Option<Regions>,
 }
 
+/// The header commits around one step of [`Mapping::remap`].
+pub trait StepCommit {
+    /// Gets the hotzone's old back-end bytes before anything is written (for a resilience area
+    /// and the commit that marks the hotzone); an error ends the step with nothing changed.
+    fn before_write(&mut self, old: &[u8]) -> io::Result<()>;
+    /// The hotzone is rewritten and durable: the commit that says so.
+    fn after_write(&mut self) -> io::Result<()>;
+}
+
 /// Regions that cannot make an export ([`Mapping::with_regions`]).
 #[derive(Debug, thiserror::Error)]
 #[error("volume regions cannot be mapped: {0}")]
@@ -291,14 +300,13 @@ impl Mapping {
     /// One step of a reencryption while the export is served: rewrites export bytes `[start,
     /// start + len)` (whole sectors) from the table they are under now to `next` (the whole export
     /// as it is once they are rewritten: same size and sector), makes them durable, and serves
-    /// `next` from then on. `before_write` gets the hotzone's old back-end bytes before anything
-    /// is written (for a resilience area and a header commit); its error ends the step with
-    /// nothing changed. Requests on the hotzone wait for the step; others run beside it.
+    /// `next` from then on. Requests on the hotzone wait for the whole step, `commit`'s calls
+    /// included; others run beside it.
     ///
-    /// Should the write or the sync fail, the hotzone is in neither table for sure: requests on
-    /// it fail with EIO from then on, and the error is returned (the volume's header, which
-    /// `before_write` marked, says how to recover it).
-    pub fn remap(&self, start: u64, len: u64, next: Vec<Region>, before_write: &mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
+    /// Should the write, the sync or [`StepCommit::after_write`] fail, the hotzone is in neither
+    /// table for sure: requests on it fail with EIO from then on, and the error is returned (the
+    /// volume's header, which `before_write` marked, says how to recover it).
+    pub fn remap(&self, start: u64, len: u64, next: Vec<Region>, commit: &mut dyn StepCommit) -> io::Result<()> {
         let invalid = |why: String| io::Error::new(io::ErrorKind::InvalidInput, why);
         let Some(regions) = &self.regions else { return Err(invalid("the export's regions do not move (not opened for a reencryption)".into())) };
         let (placed, ss, size) = place(&next, self.backing.size(), self.sector_size).map_err(|e| invalid(e.to_string()))?;
@@ -315,11 +323,13 @@ impl Mapping {
         let mut buf = self.pool.get(len as usize)?;
         let now = regions.table();
         self.back_read_in(&now, &mut buf, start)?;
-        before_write(&buf)?;
+        commit.before_write(&buf)?;
         let next: Arc<[Placed]> = placed.into();
         self.crypt_in(&now, Direction::Decrypt, start / ss, &mut buf, Spread::Pool)?;
         self.crypt_in(&next, Direction::Encrypt, start / ss, &mut buf, Spread::Pool)?;
-        match self.back_write_in(&next, &buf, start, false).and_then(|()| self.backing.flush()) {
+        // Committed before any request may write the rewritten sectors: a recovery from the
+        // resilience area (a journal) would otherwise rewrite them over an acknowledged write.
+        match self.back_write_in(&next, &buf, start, false).and_then(|()| self.backing.flush()).and_then(|()| commit.after_write()) {
             Ok(()) => {
                 zone.install(next);
                 Ok(())
@@ -928,13 +938,9 @@ mod tests {
         let mut done = 0;
         while done < size {
             let step = 8192;
-            let mut seen = 0;
-            m.remap(done, step, vec![new(done + step), old(done + step)], &mut |old_bytes| {
-                seen = old_bytes.len();
-                Ok(())
-            })
-            .unwrap();
-            assert_eq!(seen, step as usize);
+            let mut seen = Seen::default();
+            m.remap(done, step, vec![new(done + step), old(done + step)], &mut seen).unwrap();
+            assert_eq!((seen.old, seen.committed), (step as usize, true));
             done += step;
         }
         stop.store(true, Ordering::Relaxed);
@@ -954,10 +960,32 @@ mod tests {
         }
         assert!(disk == want, "the back end is not under the new key");
         // A step that does not fit is refused with nothing changed.
-        let e = m.remap(0, 4096, vec![new(size - 4096)], &mut |_| Ok(())).unwrap_err();
+        let e = m.remap(0, 4096, vec![new(size - 4096)], &mut Seen::default()).unwrap_err();
         assert!(e.to_string().contains("export"), "{e}");
-        let e = m.remap(0, 4096, vec![new(size)], &mut |_| Err(io::Error::other("commit refused"))).unwrap_err();
+        let e = m.remap(0, 4096, vec![new(size)], &mut Seen { refuse: true, ..Seen::default() }).unwrap_err();
         assert!(e.to_string().contains("commit refused"));
         assert!(m.read(0, size as usize).unwrap()[..] == want[..]);
+    }
+
+    #[derive(Default)]
+    struct Seen {
+        old: usize,
+        committed: bool,
+        refuse: bool,
+    }
+
+    impl StepCommit for Seen {
+        fn before_write(&mut self, old: &[u8]) -> io::Result<()> {
+            self.old = old.len();
+            if self.refuse {
+                return Err(io::Error::other("commit refused"));
+            }
+            Ok(())
+        }
+
+        fn after_write(&mut self) -> io::Result<()> {
+            self.committed = true;
+            Ok(())
+        }
     }
 }

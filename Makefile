@@ -135,6 +135,13 @@ test-integration: build
 crash-campaign: build
 	$(PYTHON) tests/integration/crash_campaign.py --rounds 20 $(CRASH_ARGS)
 
+# Reencryption crash campaign (tests/integration/reencrypt_crash.py; a short one runs in make test):
+# 30 rounds per resilience mode of kill -9 of `serve --reencrypt` or `cryptsetup reencrypt` under
+# client writes, half with the power-loss model, recovered by cryptbridge or cryptsetup.
+.PHONY: crash-campaign-reencrypt
+crash-campaign-reencrypt: build
+	$(PYTHON) tests/integration/reencrypt_crash.py --rounds 30 --power-loss $(CRASH_ARGS)
+
 test-rtl: build
 	@t0=$$(date +%s); set -e; set -x; $(MAKE) -C rtl test; \
 	{ set +x; } 2>/dev/null; echo "test-rtl: ok ($$(( $$(date +%s) - t0 ))s)"

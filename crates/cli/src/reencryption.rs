@@ -62,7 +62,7 @@ impl Engines {
         Ok(Self { by })
     }
 
-    fn get(&self, digest: u32, cipher: &str, sector_size: usize) -> Result<Engine> {
+    pub fn get(&self, digest: u32, cipher: &str, sector_size: usize) -> Result<Engine> {
         self.by
             .iter()
             .find(|((d, c, s), _)| *d == digest && c == cipher && *s == sector_size)
@@ -98,6 +98,12 @@ impl Engines {
     }
 }
 
+/// The regions of a volume whose recovery wrote its last step: all of it under the new key.
+pub fn finished_table(o: &Owned, engines: &Engines, data_size: u64) -> Result<Vec<Region>> {
+    let engine = engines.get(o.state.new_digest.expect("reencrypt mode"), &o.plan.new_cipher, o.plan.new_sector_size)?;
+    Ok(vec![Region { len: data_size, engine, back_offset: o.plan.data_offset, first_sector: 0 }])
+}
+
 /// A volume whose reencryption this process runs: its header, opened read-write, and the lock.
 pub struct Owned {
     pub file: std::fs::File,
@@ -107,6 +113,8 @@ pub struct Owned {
     pub state: Reencryption,
     pub plan: ForwardPlan,
     pub lock: ReencryptionLock,
+    /// The header says the reencryption is finished (a recovery wrote the last step).
+    pub finished: bool,
 }
 
 impl Owned {
@@ -121,7 +129,7 @@ impl Owned {
         };
         let state = header.reencryption()?.with_context(|| format!("{name}: the reencryption finished meanwhile"))?;
         let plan = header.forward_plan(&state).with_context(|| format!("{name} cannot be re-encrypted here"))?;
-        Ok(Self { file, name, header, state, plan, lock })
+        Ok(Self { file, name, header, state, plan, lock, finished: false })
     }
 }
 
@@ -191,10 +199,23 @@ pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u
         backing.write_at(buf.bytes(), plan.data_offset + start, false).with_context(|| format!("{what}: cannot write it"))?;
     }
     backing.flush().with_context(|| format!("{what}: cannot sync it"))?;
-    let json = o.header.step_metadata(&o.state, &plan, start, len, data_size, false)?;
+    let (json, wipe) = done_metadata(o, start, len, data_size)?;
     o.header = reencrypt::write_metadata(&o.file, &o.name, &o.header, json)?;
-    o.state = o.header.reencryption()?.context("the reencryption is still in progress")?;
-    o.plan = o.header.forward_plan(&o.state)?;
+    match wipe {
+        // That was the last hotzone: the volume is finished.
+        Some(wipe) => {
+            for (offset, len) in wipe {
+                reencrypt::wipe_area(&o.file, &o.name, offset, len)?;
+            }
+            o.plan.hot = None;
+            o.plan.done = u64::MAX;
+            o.finished = true;
+        }
+        None => {
+            o.state = o.header.reencryption()?.context("the reencryption is still in progress")?;
+            o.plan = o.header.forward_plan(&o.state)?;
+        }
+    }
     tracing::info!(
         "{}: recovered the hotzone of an interrupted step (bytes {start}..{}, resilience {}): {rewritten} bytes were still under the old key",
         o.name,
@@ -212,6 +233,20 @@ struct Commits<'a> {
     data_size: u64,
     /// The error of a commit, with its context (remap hands on only its text).
     error: Option<anyhow::Error>,
+    /// After the last step: the old keyslots' areas, to overwrite.
+    wipe: Option<Vec<(u64, u64)>>,
+}
+
+/// The metadata once `[done, done + len)` is rewritten. After the last hotzone that is the
+/// finished volume's (with the areas to wipe), not a segment list with the new segment alone and
+/// the requirement still set: cryptsetup 2.6 resumes such a header from byte 0 and encrypts the
+/// whole volume a second time.
+fn done_metadata(o: &Owned, done: u64, len: u64, data_size: u64) -> Result<(serde_json::Value, Option<Vec<(u64, u64)>>)> {
+    if done + len >= data_size {
+        let (json, wipe) = o.header.finished_metadata(&o.state, &o.plan)?;
+        return Ok((json, Some(wipe)));
+    }
+    Ok((o.header.step_metadata(&o.state, &o.plan, done, len, data_size, false)?, None))
 }
 
 impl Commits<'_> {
@@ -239,7 +274,14 @@ impl Commits<'_> {
     fn write(&mut self, hot: bool) -> Result<()> {
         let o = &mut *self.o;
         let (done, len) = self.hotzone;
-        let json = o.header.step_metadata(&o.state, &o.plan, done, len, self.data_size, hot)?;
+        let json = match hot {
+            true => o.header.step_metadata(&o.state, &o.plan, done, len, self.data_size, true)?,
+            false => {
+                let (json, wipe) = done_metadata(o, done, len, self.data_size)?;
+                self.wipe = wipe;
+                json
+            }
+        };
         o.header = reencrypt::write_metadata(&o.file, &o.name, &o.header, json)?;
         Ok(())
     }
@@ -276,6 +318,8 @@ pub struct Stepper {
     hotzone: u64,
     /// Bytes under the new key.
     pub done: u64,
+    /// The finished metadata is written (by the last step): the old keyslots' areas to wipe.
+    wipe: Option<Vec<(u64, u64)>>,
 }
 
 impl Stepper {
@@ -298,8 +342,8 @@ impl Stepper {
         if hotzone == 0 {
             bail!("the hotzone must be at least {unit} bytes (and the reencrypt keyslot's area must have room for one)");
         }
-        let done = plan.done;
-        Ok(Self { owned, engines, mapping, device_size, data_size, hotzone, done })
+        let done = plan.done.min(data_size);
+        Ok(Self { owned, engines, mapping, device_size, data_size, hotzone, done, wipe: None })
     }
 
     pub fn data_size(&self) -> u64 {
@@ -332,7 +376,7 @@ impl Stepper {
         let preview = Luks2Header::from_json(o.header.binary.clone(), after)?;
         let preview_state = preview.reencryption()?.context("the step's metadata has no reencryption")?;
         let next = self.engines.table(&preview.check_regions(&preview_state)?, self.device_size, self.mapping.sector_size())?;
-        let mut commits = Commits { o, hotzone: (done, len), data_size, error: None };
+        let mut commits = Commits { o, hotzone: (done, len), data_size, error: None, wipe: None };
         if let Err(e) = self.mapping.remap(done, len, next, &mut commits) {
             let name = commits.o.name.clone();
             return Err(match commits.error.take() {
@@ -340,18 +384,26 @@ impl Stepper {
                 None => anyhow::Error::new(e).context(format!("{name}: cannot rewrite bytes {done}..{}", done + len)),
             });
         }
+        self.wipe = commits.wipe.take();
         self.done = done + len;
         Ok(())
     }
 
     /// Once every byte is under the new key: the metadata of a finished volume (the old keyslots,
     /// the reencrypt keyslot, the backup segments and the requirement gone, as cryptsetup leaves
-    /// it), then the old keyslots' areas overwritten.
+    /// it; the last step wrote it already, unless the run found every byte done), then the old
+    /// keyslots' areas overwritten.
     pub fn finish(self) -> Result<()> {
         debug_assert!(self.finished());
         let o = self.owned;
-        let (json, wipe) = o.header.finished_metadata(&o.state, &o.plan)?;
-        reencrypt::write_metadata(&o.file, &o.name, &o.header, json)?;
+        let wipe = match self.wipe {
+            Some(wipe) => wipe,
+            None => {
+                let (json, wipe) = o.header.finished_metadata(&o.state, &o.plan)?;
+                reencrypt::write_metadata(&o.file, &o.name, &o.header, json)?;
+                wipe
+            }
+        };
         // The header no longer names the old keyslots: their key material goes now.
         for (offset, len) in wipe {
             reencrypt::wipe_area(&o.file, &o.name, offset, len)?;

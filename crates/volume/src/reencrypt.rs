@@ -615,7 +615,8 @@ impl StepResilience {
 pub struct ForwardPlan {
     /// Where the data starts on the data device.
     pub data_offset: u64,
-    /// Bytes of the volume already under the new key (where the hotzone starts, if any).
+    /// Bytes of the volume already under the new key (where the hotzone starts, if any);
+    /// `u64::MAX` when the new segment covers the whole device (only the finish is left).
     pub done: u64,
     /// A hotzone a crash left at `done` (flagged `in-reencryption`): its length. It must be
     /// recovered (see [`StepResilience`]) before anything else.
@@ -683,7 +684,8 @@ impl Luks2Header {
         let mut done = 0;
         if let [first, more @ ..] = rest {
             if Some(first.segment_id) != state.hotzone && first.digest == state.new_digest && first.digest != state.old_digest {
-                done = first.size.ok_or_else(|| unsupported("the new segment covers the whole device while the reencryption is not finished".into()))?;
+                // The whole device (`dynamic`): every byte is done, the finish was cut off.
+                done = first.size.unwrap_or(u64::MAX);
                 rest = more;
             }
         }
@@ -694,7 +696,7 @@ impl Luks2Header {
                 rest = more;
             }
         }
-        let at = done + hot.unwrap_or(0);
+        let at = done.saturating_add(hot.unwrap_or(0));
         match rest {
             [] if at > 0 => {}
             [last] if last.digest == state.old_digest && last.size.is_none() => {

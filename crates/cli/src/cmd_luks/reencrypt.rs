@@ -109,6 +109,10 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
         bail!("{}: the data area ({data_size} bytes) is not a whole number of {unit}-byte sectors", data_path.display());
     }
     reencryption::recover(&mut owned, &backing, &engines, data_size)?;
+    if owned.finished {
+        tracing::info!("{name}: reencryption finished");
+        return Ok(ExitCode::SUCCESS);
+    }
     let table = engines.table(&owned.header.check_regions(&owned.state)?, device_size, sector)?;
     let mapping = Arc::new(Mapping::with_moving_regions(backing, table, sector).with_context(|| data_path.display().to_string())?);
     let mut steps = Stepper::new(owned, engines, mapping, device_size, a.hotzone_size.unwrap_or(reencryption::OFFLINE_HOTZONE))?;

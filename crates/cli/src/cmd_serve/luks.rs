@@ -273,6 +273,11 @@ fn regions(r: Reencrypting, primary_segment: &DataSegment, backing: Backing, pri
         anyhow::bail!("{}: the data area ({data_size} bytes) is not a whole number of {sector}-byte sectors", within());
     }
     reencryption::recover(&mut owned, &backing, &engines, data_size)?;
+    if owned.finished {
+        tracing::info!("{}: reencryption finished", owned.name);
+        let table = reencryption::finished_table(&owned, &engines, data_size)?;
+        return Ok((Arc::new(Mapping::with_regions(backing, table).with_context(within)?), None));
+    }
     let table = engines.table(&owned.header.check_regions(&owned.state)?, device_size, sector).with_context(within)?;
     let mapping = Arc::new(Mapping::with_moving_regions(backing, table, sector).with_context(within)?);
     let steps = Stepper::new(owned, engines, Arc::clone(&mapping), device_size, reencryption::ONLINE_HOTZONE)?;

@@ -129,8 +129,13 @@ impl<C: SectorCipher> Essiv<C> {
     /// `inner` built from `key`, the same key that is hashed here; `name` is the Linux crypto API
     /// name (`essiv(cbc(aes),sha256)`).
     pub fn new(name: &'static str, key: &[u8], inner: C) -> Result<Self, CipherError> {
+        Self::with_level(name, key, inner, crate::arch::active_level()?)
+    }
+
+    /// With the AES kernels of `level` for the IVs (an error if the CPU lacks it).
+    pub fn with_level(name: &'static str, key: &[u8], inner: C, level: CpuLevel) -> Result<Self, CipherError> {
         use sha2::Digest;
-        let level = crate::arch::active_level()?;
+        level.available()?;
         let mut salt = Zeroizing::new([0u8; 32]);
         let mut hash = sha2::Sha256::new();
         hash.update(key);

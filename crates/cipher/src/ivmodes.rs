@@ -239,7 +239,7 @@ impl Plain32 {
         while !rest.is_empty() {
             let units = rest.len() / unit_len;
             // Units before the reduced number passes 2^32 - 1 (all of them for a step of 0).
-            let run = if s == 0 { units } else { (((MASK - f) / s + 1) as usize).min(units) };
+            let run = (MASK - f).checked_div(s).map_or(units, |k| ((k + 1) as usize).min(units));
             let (head, tail) = rest.split_at_mut(run * unit_len);
             op(&self.inner, f, s, unit_len, head)?;
             f = (f + run as u64 * s) & MASK;

@@ -13,6 +13,7 @@ mod error;
 pub mod fast;
 mod gf128;
 pub mod hctr2;
+pub mod ivmodes;
 pub mod locked;
 pub mod registry;
 pub mod tes_common;

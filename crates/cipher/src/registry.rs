@@ -11,6 +11,7 @@ use crate::ecb::Ecb;
 use crate::eme2::Eme2;
 use crate::fast::{Fast, FastHash};
 use crate::hctr2::Hctr2;
+use crate::ivmodes::{Cbc, Essiv, Plain32};
 use crate::xcb::Xcb;
 use crate::locked::{wipe_stack, Locked};
 use crate::xts::Xts;
@@ -26,12 +27,16 @@ pub enum KeyPolicy {
     Volume,
 }
 
-/// What a scheme makes of the sector number (`SectorCipher::encrypt_unit`); all of it is
-/// dm-crypt's `plain64` IV, which differs only in how long the IV buffer is.
+/// What a scheme makes of the sector number (`SectorCipher::encrypt_unit`): dm-crypt's `plain64`
+/// IV, which differs only in how long the IV buffer is, or its 32-bit `plain`. (ESSIV schemes take
+/// the `plain64` block as their tweak and encrypt it themselves: `Sector16`.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TweakKind {
     /// The sector number as a 16-byte little-endian block.
     Sector16,
+    /// The sector number's low 32 bits as a 16-byte little-endian block: dm-crypt's `plain` IV,
+    /// which wraps every 2^32 sectors.
+    Sector16Low32,
     /// The sector number as 16 little-endian bytes zero-padded to 32: Linux's HCTR2 and Adiantum
     /// take a 32-byte IV, and dm-crypt's plain64 fills only the first 8 bytes of it.
     Sector32,
@@ -59,6 +64,9 @@ pub struct CipherSpec {
     pub min_data_len: usize,
     /// Whether a volume may use it.
     pub volume: bool,
+    /// An old dm-crypt IV mode, kept to serve the volumes made with it (and to migrate them):
+    /// `luks format` refuses it for new volumes.
+    pub legacy: bool,
     pub build: Constructor,
 }
 
@@ -85,12 +93,8 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector16,
         min_data_len: 16,
         volume: true,
-        build: |key, policy| {
-            Ok(locked(match policy {
-                KeyPolicy::Permissive => Xts::new(key)?,
-                KeyPolicy::Volume => Xts::new_strict(key)?,
-            }))
-        },
+        legacy: false,
+        build: |key, policy| Ok(locked(xts(key, policy)?)),
     },
     CipherSpec {
         name: "ecb(aes)",
@@ -100,6 +104,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Ignored,
         min_data_len: 16,
         volume: false,
+        legacy: false,
         build: |key, policy| match policy {
             KeyPolicy::Permissive => Ok(locked(Ecb::new(key)?)),
             KeyPolicy::Volume => Err(CipherError::NotForVolumes("ecb(aes)", ECB_WHY)),
@@ -113,6 +118,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector16,
         min_data_len: 16,
         volume: true,
+        legacy: false,
         build: |key, _| Ok(locked(Eme2::new(key)?)),
     },
     CipherSpec {
@@ -123,6 +129,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector16,
         min_data_len: 16,
         volume: true,
+        legacy: false,
         build: |key, _| Ok(locked(Xcb::new(key)?)),
     },
     CipherSpec {
@@ -133,6 +140,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector16,
         min_data_len: 48,
         volume: true,
+        legacy: false,
         build: |key, _| Ok(locked(Fast::new(key, FastHash::Horner)?)),
     },
     CipherSpec {
@@ -143,6 +151,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector16,
         min_data_len: 48,
         volume: true,
+        legacy: false,
         build: |key, _| Ok(locked(Fast::new(key, FastHash::Brw)?)),
     },
     CipherSpec {
@@ -153,6 +162,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector16,
         min_data_len: 1,
         volume: true,
+        legacy: false,
         build: |key, _| Ok(locked(Aez::new(key)?)),
     },
     CipherSpec {
@@ -163,6 +173,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector32,
         min_data_len: 16,
         volume: true,
+        legacy: false,
         build: |key, _| Ok(locked(Hctr2::new(key)?)),
     },
     CipherSpec {
@@ -173,6 +184,7 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector32,
         min_data_len: 16,
         volume: true,
+        legacy: false,
         build: |key, _| Ok(locked(Adiantum::new(key, XChaChaRounds::R12)?)),
     },
     CipherSpec {
@@ -183,9 +195,62 @@ const CIPHERS: &[CipherSpec] = &[
         tweak: TweakKind::Sector32,
         min_data_len: 16,
         volume: true,
+        legacy: false,
         build: |key, _| Ok(locked(Adiantum::new(key, XChaChaRounds::R20)?)),
     },
+    CipherSpec {
+        name: "essiv(cbc(aes),sha256)",
+        summary: "LEGACY (old volumes; cryptsetup's default before 1.6): AES-CBC with ESSIV IVs, IV = AES-256 under SHA-256(key) of the 16-byte tweak; key = AES key (16/24/32); whole blocks",
+        specs: &["aes-cbc-essiv:sha256"],
+        key_sizes: &[16, 24, 32],
+        tweak: TweakKind::Sector16,
+        min_data_len: 16,
+        volume: true,
+        legacy: true,
+        build: |key, _| Ok(locked(Essiv::new("essiv(cbc(aes),sha256)", key, Cbc::new(key)?)?)),
+    },
+    CipherSpec {
+        name: "cbc(aes)",
+        summary: "LEGACY (old volumes): AES-CBC, IV = the tweak (dm-crypt plain64: the sector number); key = AES key (16/24/32); whole blocks",
+        specs: &["aes-cbc-plain64", "capi:cbc(aes)-plain64"],
+        key_sizes: &[16, 24, 32],
+        tweak: TweakKind::Sector16,
+        min_data_len: 16,
+        volume: true,
+        legacy: true,
+        build: |key, _| Ok(locked(Cbc::new(key)?)),
+    },
+    CipherSpec {
+        name: "xts(aes)-plain",
+        summary: "LEGACY (old volumes): XTS-AES with dm-crypt's 32-bit plain IV (sector number mod 2^32); key = Key1 || Key2 (32, 48 or 64 bytes)",
+        specs: &["aes-xts-plain", "capi:xts(aes)-plain"],
+        key_sizes: &[32, 48, 64],
+        tweak: TweakKind::Sector16Low32,
+        min_data_len: 16,
+        volume: true,
+        legacy: true,
+        build: |key, policy| Ok(locked(Plain32::new(xts(key, policy)?))),
+    },
+    CipherSpec {
+        name: "essiv(xts(aes),sha256)",
+        summary: "LEGACY (old volumes): XTS-AES with ESSIV IVs, IV = AES-256 under SHA-256(whole key) of the 16-byte tweak; key = Key1 || Key2 (32, 48 or 64 bytes)",
+        specs: &["aes-xts-essiv:sha256"],
+        key_sizes: &[32, 48, 64],
+        tweak: TweakKind::Sector16,
+        min_data_len: 16,
+        volume: true,
+        legacy: true,
+        build: |key, policy| Ok(locked(Essiv::new("essiv(xts(aes),sha256)", key, xts(key, policy)?)?)),
+    },
 ];
+
+/// XTS under `policy`: volumes refuse equal key halves.
+fn xts(key: &[u8], policy: KeyPolicy) -> Result<Xts, CipherError> {
+    match policy {
+        KeyPolicy::Permissive => Xts::new(key),
+        KeyPolicy::Volume => Xts::new_strict(key),
+    }
+}
 
 /// `cipher` moved into locked pages. Constructors build by value, on the stack, which
 /// [`new_cipher`] wipes once they return.
@@ -260,9 +325,10 @@ pub fn new_cipher(name: &str, key: &[u8], policy: KeyPolicy) -> Result<Box<dyn S
 /// is supported, so the user can fix the name from the message alone.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum LookupError {
-    /// A dm-crypt IV generator other than `plain64`: each one derives the tweak differently, and
-    /// only `plain64` (the sector number, little-endian) is implemented.
-    #[error("cipher `{spec}` is not supported: only the plain64 IV is supported, not `{iv}`{hint} (supported: {supported})")]
+    /// A dm-crypt IV generator not implemented for this cipher: each one derives the tweak
+    /// differently. `plain64` (the sector number, little-endian) is implemented for every cipher;
+    /// `plain` and `essiv:sha256` for AES-XTS and AES-CBC only, to serve old volumes.
+    #[error("cipher `{spec}` is not supported: the IV `{iv}` is not implemented for it{hint} (supported: {supported})")]
     UnsupportedIv { spec: String, iv: String, hint: String, supported: String },
     #[error("cipher `{spec}` is not supported (supported: {supported})")]
     Unknown { spec: String, supported: String },
@@ -270,7 +336,7 @@ pub enum LookupError {
     NotForVolumes { spec: String, name: &'static str, why: &'static str },
 }
 
-/// dm-crypt's IV generators (`cipher-chainmode-ivmode[:ivopts]`), so that `aes-xts-plain` gets
+/// dm-crypt's IV generators (`cipher-chainmode-ivmode[:ivopts]`), so that `aes-xts-benbi` gets
 /// "wrong IV" rather than "unknown cipher".
 const IV_MODES: &[&str] = &["plain", "plain64", "plain64be", "essiv", "benbi", "null", "lmk", "tcw", "random", "eboiv", "elephant"];
 
@@ -292,8 +358,8 @@ pub fn lookup(spec: &str) -> Result<&'static CipherSpec, LookupError> {
         let iv_mode = iv.split(':').next().unwrap_or(iv);
         if !head.is_empty() && iv_mode != "plain64" && IV_MODES.contains(&iv_mode) {
             let with_plain64 = format!("{head}-plain64");
-            let hint = match CIPHERS.iter().find(|c| c.volume && c.specs.contains(&with_plain64.as_str())) {
-                Some(_) => format!(" (use {with_plain64})"),
+            let hint = match CIPHERS.iter().find(|c| c.volume && !c.legacy && c.specs.contains(&with_plain64.as_str())) {
+                Some(_) => format!(" (for a new volume use {with_plain64})"),
                 None => String::new(),
             };
             return Err(LookupError::UnsupportedIv { spec: spec.to_string(), iv: iv.to_string(), hint, supported: supported_list() });
@@ -335,6 +401,15 @@ mod tests {
         ("aez", "aez"),
         ("capi:aez-plain64", "aez"),
         ("aes-ecb", "ecb(aes)"),
+        ("aes-cbc-essiv:sha256", "essiv(cbc(aes),sha256)"),
+        ("AES-CBC-ESSIV:SHA256", "essiv(cbc(aes),sha256)"),
+        ("essiv(cbc(aes),sha256)", "essiv(cbc(aes),sha256)"),
+        ("aes-cbc-plain64", "cbc(aes)"),
+        ("capi:cbc(aes)-plain64", "cbc(aes)"),
+        ("aes-xts-plain", "xts(aes)-plain"),
+        ("AES-XTS-Plain", "xts(aes)-plain"),
+        ("capi:xts(aes)-plain", "xts(aes)-plain"),
+        ("aes-xts-essiv:sha256", "essiv(xts(aes),sha256)"),
     ];
 
     #[test]
@@ -348,7 +423,11 @@ mod tests {
     fn every_listed_spelling_round_trips() {
         let mut seen = std::collections::HashSet::new();
         for c in CIPHERS {
-            assert!(c.specs.contains(&format!("capi:{}-plain64", c.name).as_str()), "{}: no capi: form", c.name);
+            // A capi: form for every scheme but ESSIV's (whose IV is no capi: suffix); plain64's
+            // for every new-volume scheme.
+            assert!(c.name.starts_with("essiv(") || c.specs.iter().any(|s| s.starts_with("capi:")), "{}: no capi: form", c.name);
+            assert!(c.legacy || c.specs.contains(&format!("capi:{}-plain64", c.name).as_str()), "{}: no capi: form", c.name);
+            assert!(!c.legacy || c.volume, "{}: legacy schemes are there to serve volumes", c.name);
             assert!(!c.key_sizes.is_empty(), "{}", c.name);
             for s in c.spellings() {
                 assert!(seen.insert(s), "{s} listed twice");
@@ -358,27 +437,41 @@ mod tests {
                 assert_eq!(lookup_volume(s).is_ok(), c.volume, "{s}");
             }
         }
-        assert_eq!(CIPHERS.len(), 10);
+        assert_eq!(CIPHERS.len(), 14);
+        let legacy: Vec<_> = CIPHERS.iter().filter(|c| c.legacy).map(|c| c.preferred_spec()).collect();
+        assert_eq!(legacy, ["aes-cbc-essiv:sha256", "aes-cbc-plain64", "aes-xts-plain", "aes-xts-essiv:sha256"]);
     }
 
     #[test]
     fn refusals() {
-        for (spec, iv) in [("aes-xts-plain", "plain"), ("aes-xts-essiv:sha256", "essiv:sha256"), ("aes-xts-benbi", "benbi"), ("AES-XTS-Plain", "plain")] {
+        // IVs still refused: every one but plain64, and plain/essiv:sha256 with AES-XTS and AES-CBC.
+        for (spec, iv) in [("aes-xts-benbi", "benbi"), ("aes-xts-essiv:sha1", "essiv:sha1"), ("AES-XTS-Null", "null"), ("aes-xts-lmk", "lmk"), ("aes-xts-tcw", "tcw"), ("aes-xts-random", "random"), ("aes-xts-elephant:sha256", "elephant:sha256")] {
             let e = lookup(spec).unwrap_err();
             assert!(matches!(&e, LookupError::UnsupportedIv { iv: i, .. } if i == iv), "{spec}: {e:?}");
             let m = e.to_string();
-            assert!(m.contains("only the plain64 IV is supported") && m.contains("(use aes-xts-plain64)") && m.contains(spec), "{m}");
+            assert!(m.contains(&format!("the IV `{iv}` is not implemented")) && m.contains("(for a new volume use aes-xts-plain64)") && m.contains(spec), "{m}");
         }
         let m = lookup("aes-hctr2-essiv:sha256").unwrap_err().to_string();
-        assert!(m.contains("only the plain64 IV") && m.contains("use aes-hctr2-plain64"), "{m}");
-        let m = lookup("aes-cbc-essiv:sha256").unwrap_err().to_string();
-        assert!(m.starts_with("cipher `aes-cbc-essiv:sha256` is not supported") && m.contains("only the plain64 IV") && !m.contains("(use "), "{m}");
-        for spec in ["bogus", "", "aes-cbc-plain64", "fast-horner(aes)-plain64", "capi:cbc(aes)-plain64", "xts(aes) ", "-plain"] {
+        assert!(m.contains("the IV `essiv:sha256` is not implemented") && m.contains("use aes-hctr2-plain64"), "{m}");
+        let m = lookup("aes-hctr2-plain").unwrap_err().to_string();
+        assert!(m.contains("the IV `plain` is not implemented") && m.contains("use aes-hctr2-plain64"), "{m}");
+        // No hint towards a legacy scheme: aes-cbc-plain64 is for old volumes too.
+        for (spec, iv) in [("aes-cbc-benbi", "benbi"), ("aes-cbc-plain", "plain"), ("aes-cbc-null", "null"), ("aes-cbc-lmk", "lmk"), ("aes-cbc-tcw", "tcw"), ("aes-cbc-essiv:sha1", "essiv:sha1")] {
             let e = lookup(spec).unwrap_err();
-            assert!(matches!(e, LookupError::Unknown { .. }), "{spec}: {e:?}");
+            assert!(matches!(&e, LookupError::UnsupportedIv { iv: i, .. } if i == iv), "{spec}: {e:?}");
+            let m = e.to_string();
+            assert!(m.starts_with(&format!("cipher `{spec}` is not supported")) && !m.contains("(for a new volume"), "{m}");
+            assert!(m.contains("aes-cbc-essiv:sha256; ") && m.contains("aes-xts-plain; "), "the supported list names the old schemes: {m}");
+        }
+        for spec in ["bogus", "", "serpent-xts-plain64", "aes-cbc-plain64be", "fast-horner(aes)-plain64", "capi:essiv(cbc(aes),sha256)-plain64", "xts(aes) ", "-plain", "capi:xts(aes)-plain64 "] {
+            let e = lookup(spec).unwrap_err();
+            assert!(matches!(e, LookupError::Unknown { .. } | LookupError::UnsupportedIv { .. }), "{spec}: {e:?}");
             let m = e.to_string();
             assert!(m.contains("aes-xts-plain64; ") && m.contains("xchacha12,aes-adiantum-plain64") && m.contains("capi:aez-plain64"), "{m}");
             assert!(!m.contains("aes-ecb"), "ECB is not offered: {m}");
+        }
+        for spec in ["bogus", "", "serpent-xts-plain64", "fast-horner(aes)-plain64", "capi:essiv(cbc(aes),sha256)-plain64", "xts(aes) ", "-plain"] {
+            assert!(matches!(lookup(spec), Err(LookupError::Unknown { .. })), "{spec}");
         }
         for spec in ["aes-ecb", "ecb(aes)", "capi:ecb(aes)-plain64"] {
             assert!(lookup(spec).is_ok());
@@ -419,8 +512,11 @@ mod tests {
                     prop_assert_ne!(&by_unit, &data);
                     let mut le = [0u8; 32];
                     le[..8].copy_from_slice(&unit.to_le_bytes());
+                    let mut le32 = [0u8; 16];
+                    le32[..4].copy_from_slice(&(unit as u32).to_le_bytes());
                     let tweak: &[u8] = match c.tweak {
                         TweakKind::Sector16 => &le[..16],
+                        TweakKind::Sector16Low32 => &le32[..],
                         TweakKind::Sector32 => &le[..],
                         TweakKind::Ignored => &[],
                     };

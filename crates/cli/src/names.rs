@@ -5,9 +5,10 @@
 
 use anyhow::Result;
 
-/// Maps a volume cipher spec to its Linux crypto API name. Only the `plain64` IV exists here: the
+/// Maps a volume cipher spec to its Linux crypto API name. The `plain64` IV for every cipher: the
 /// tweak is the sector number as a 16-byte little-endian block (zero-padded to 32 bytes for HCTR2
-/// and Adiantum, as Linux does); ECB is refused.
+/// and Adiantum, as Linux does); for old volumes also `aes-cbc-essiv:sha256`, `aes-cbc-plain64`,
+/// `aes-xts-plain` and `aes-xts-essiv:sha256`. ECB is refused.
 pub fn volume_cipher(spec: &str) -> Result<&'static str> {
     Ok(cryptbridge_cipher::registry::lookup_volume(spec)?.name)
 }
@@ -50,8 +51,13 @@ mod tests {
         assert!(volume_cipher("aes-ecb").is_err());
         assert!(volume_cipher("aes-hctr2-essiv:sha256").is_err());
         assert!(volume_cipher("fast-horner(aes)-plain64").is_err());
-        let e = volume_cipher("aes-xts-plain").unwrap_err().to_string();
-        assert!(e.contains("only the plain64 IV is supported") && e.contains("use aes-xts-plain64"), "{e}");
+        let e = volume_cipher("aes-xts-benbi").unwrap_err().to_string();
+        assert!(e.contains("the IV `benbi` is not implemented") && e.contains("use aes-xts-plain64"), "{e}");
+        // The old IV modes, for old volumes.
+        assert_eq!(volume_cipher("aes-cbc-essiv:sha256").unwrap(), "essiv(cbc(aes),sha256)");
+        assert_eq!(volume_cipher("aes-cbc-plain64").unwrap(), "cbc(aes)");
+        assert_eq!(volume_cipher("aes-xts-plain").unwrap(), "xts(aes)-plain");
+        assert_eq!(volume_cipher("aes-xts-essiv:sha256").unwrap(), "essiv(xts(aes),sha256)");
     }
 
     /// `serve`/`keygen --cipher` and a LUKS header take exactly the same names, for the same cipher.
@@ -67,7 +73,8 @@ mod tests {
             }
         }
         let refused = [
-            "aes-xts-plain", "aes-xts-essiv:sha256", "aes-xts-benbi", "aes-xts-null", "aes-cbc-essiv:sha256", "aes-cbc-plain64",
+            "aes-xts-essiv:sha1", "aes-xts-benbi", "aes-xts-null", "aes-cbc-essiv:sha1", "aes-cbc-plain", "aes-cbc-benbi", "aes-cbc-lmk",
+            "aes-xts-tcw", "aes-xts-elephant:sha256", "aes-xts-random", "aes-hctr2-essiv:sha256", "capi:essiv(cbc(aes),sha256)-plain64",
             "aes-ecb", "ecb(aes)", "capi:ecb(aes)-plain64", "aes-eme2-plain", "fast-horner(aes)-plain64", "bogus", "", "capi:",
             "capi:xts(aes)", "xts(aes)-plain64", "aes-xts-plain64 ",
         ];
@@ -82,8 +89,9 @@ mod tests {
         for n in refused {
             assert!(volume_cipher(n).is_err(), "`{n}` accepted");
         }
-        // 9 volume ciphers: 2 spellings each for the 3 without a dm-crypt spec, else 3; twice for case.
-        assert_eq!(accepted, 2 * (3 * 2 + 6 * 3));
+        // 9 volume ciphers: 2 spellings each for the 3 without a dm-crypt spec, else 3; the old IV
+        // modes: 2 for each ESSIV scheme (no capi: form), 3 for the other two; twice for case.
+        assert_eq!(accepted, 2 * (3 * 2 + 6 * 3 + 2 * 2 + 2 * 3));
         // The names that used to differ between the two.
         for (n, want) in [
             ("aes-eme2-plain64", "eme2(aes)"),
@@ -92,6 +100,10 @@ mod tests {
             ("capi:aez-plain64", "aez"),
             ("xts(aes)", "xts(aes)"),
             ("AES-XTS-PLAIN64", "xts(aes)"),
+            ("aes-cbc-essiv:sha256", "essiv(cbc(aes),sha256)"),
+            ("aes-xts-plain", "xts(aes)-plain"),
+            ("aes-xts-essiv:sha256", "essiv(xts(aes),sha256)"),
+            ("aes-cbc-plain64", "cbc(aes)"),
         ] {
             assert_eq!(volume_cipher(n).unwrap(), want, "{n}");
             assert_eq!(crypto_api_name(n).unwrap(), want, "{n}");

@@ -7,8 +7,9 @@ use cryptbridge_cipher::{new_cipher, SectorCipher};
 use crate::error::{Result, VolumeError};
 
 /// The crypto API name for a dm-crypt spec (or any other spelling the cipher catalogue knows, the
-/// same set `serve --cipher` takes), or a clear refusal. Only the `plain64` IV exists: the tweak is
-/// the sector number as a little-endian block.
+/// same set `serve --cipher` takes), or a clear refusal. The `plain64` IV (the sector number as a
+/// little-endian block) for every cipher; for old AES-CBC and AES-XTS volumes also `plain` and
+/// `essiv:sha256` (the catalogue's legacy schemes).
 pub fn crypto_api_name(spec: &str) -> Result<&'static str> {
     lookup_volume(spec).map(|c| c.name).map_err(|e| VolumeError::Unsupported(e.to_string()))
 }
@@ -16,7 +17,7 @@ pub fn crypto_api_name(spec: &str) -> Result<&'static str> {
 /// Volume key sizes in bits a LUKS volume may use with each data cipher: the catalogue's sizes,
 /// narrowed where cryptsetup cannot follow. XTS: cryptsetup's userspace crypto backends (OpenSSL,
 /// gcrypt) have no AES-192-XTS, so it could not open a keyslot of a 384-bit XTS volume.
-const LUKS_KEY_BITS: &[(&str, &[usize])] = &[("xts(aes)", &[256, 512])];
+const LUKS_KEY_BITS: &[(&str, &[usize])] = &[("xts(aes)", &[256, 512]), ("xts(aes)-plain", &[256, 512]), ("essiv(xts(aes),sha256)", &[256, 512])];
 
 /// The volume key sizes (bits) a data cipher takes in a LUKS volume.
 pub fn key_bits(spec: &str) -> Result<Vec<usize>> {
@@ -38,9 +39,16 @@ pub fn check_key_bits(spec: &str, bits: usize) -> Result<()> {
 }
 
 /// [`crypto_api_name`] for a spelling that `luks format` may write into a header: a bare crypto
-/// API name (`xts(aes)`) is no dm-crypt spec, so cryptsetup could not read it back.
+/// API name (`xts(aes)`) is no dm-crypt spec, so cryptsetup could not read it back; an old IV mode
+/// (`aes-cbc-essiv:sha256`) is served for the volumes that have it, not given to new ones.
 pub fn header_api_name(spec: &str) -> Result<&'static str> {
-    let name = crypto_api_name(spec)?;
+    let c = lookup_volume(spec).map_err(|e| VolumeError::Unsupported(e.to_string()))?;
+    if c.legacy {
+        return Err(VolumeError::Unsupported(format!(
+            "cipher `{spec}` is an old IV mode, served for existing volumes only: a new volume needs e.g. aes-xts-plain64"
+        )));
+    }
+    let name = c.name;
     if spec.eq_ignore_ascii_case(name) {
         return Err(VolumeError::Unsupported(format!(
             "cipher `{spec}` is a crypto API name, not a dm-crypt spec; a header needs e.g. aes-xts-plain64 or capi:{name}-plain64"
@@ -63,79 +71,15 @@ pub fn sector_cipher(spec: &str, key: &[u8], policy: KeyPolicy) -> Result<Box<dy
     new_cipher(name, key, policy).map_err(|e| VolumeError::Unsupported(format!("cipher `{spec}` with a {}-bit key: {e}", key.len() * 8)))
 }
 
-/// cryptsetup's keyslot cipher for a LUKS2 volume whose data cipher is `aes-cbc-essiv:sha256`,
-/// and a LUKS1 volume's whole cipher: implemented here for keyslot areas only (no volume data is
-/// served with it).
-const CBC_ESSIV: &str = "aes-cbc-essiv:sha256";
-
-/// AES-CBC with ESSIV IVs (IV of sector n = AES-256 under SHA-256(key) of n as a little-endian
-/// block), per 512-byte sector counted from 0, as dm-crypt and cryptsetup's keyslot code do.
-fn cbc_essiv(key: &[u8], data: &mut [u8], encrypt: bool) -> Result<()> {
-    use aes::cipher::{BlockCipherDecrypt, BlockCipherEncrypt, KeyInit};
-    use sha2::Digest;
-
-    enum Aes {
-        A128(aes::Aes128),
-        A192(aes::Aes192),
-        A256(aes::Aes256),
-    }
-    let bad = |_| VolumeError::Unsupported(format!("{CBC_ESSIV} with a {}-bit key", key.len() * 8));
-    let aes = match key.len() {
-        16 => Aes::A128(aes::Aes128::new_from_slice(key).map_err(bad)?),
-        24 => Aes::A192(aes::Aes192::new_from_slice(key).map_err(bad)?),
-        32 => Aes::A256(aes::Aes256::new_from_slice(key).map_err(bad)?),
-        _ => return Err(VolumeError::Unsupported(format!("{CBC_ESSIV} with a {}-bit key (AES takes 128, 192 or 256)", key.len() * 8))),
-    };
-    if !data.len().is_multiple_of(512) {
-        return Err(VolumeError::Corrupt(format!("keyslot area of {} bytes is not whole 512-byte sectors", data.len())));
-    }
-    let mut salt = zeroize::Zeroizing::new([0u8; 32]);
-    salt.copy_from_slice(&sha2::Sha256::digest(key));
-    let essiv = aes::Aes256::new_from_slice(&salt[..]).map_err(bad)?;
-    for (n, sector) in data.chunks_mut(512).enumerate() {
-        let mut iv = aes::Block::default();
-        iv[..8].copy_from_slice(&(n as u64).to_le_bytes());
-        essiv.encrypt_block(&mut iv);
-        for chunk in sector.chunks_mut(16) {
-            let mut b = aes::Block::try_from(&*chunk).expect("16 bytes");
-            if encrypt {
-                b.iter_mut().zip(iv.iter()).for_each(|(x, v)| *x ^= v);
-                match &aes {
-                    Aes::A128(c) => c.encrypt_block(&mut b),
-                    Aes::A192(c) => c.encrypt_block(&mut b),
-                    Aes::A256(c) => c.encrypt_block(&mut b),
-                }
-                iv = b;
-                chunk.copy_from_slice(&b);
-            } else {
-                let next_iv = b;
-                match &aes {
-                    Aes::A128(c) => c.decrypt_block(&mut b),
-                    Aes::A192(c) => c.decrypt_block(&mut b),
-                    Aes::A256(c) => c.decrypt_block(&mut b),
-                }
-                b.iter_mut().zip(iv.iter()).for_each(|(x, v)| *x ^= v);
-                iv = next_iv;
-                chunk.copy_from_slice(&b);
-            }
-        }
-    }
-    Ok(())
-}
-
 /// Refuses a keyslot area cipher that [`decrypt_area`] lacks.
 pub fn check_area_cipher(spec: &str) -> Result<()> {
-    if spec.eq_ignore_ascii_case(CBC_ESSIV) {
-        return Ok(());
-    }
     crypto_api_name(spec).map(drop)
 }
 
-/// Decrypts a keyslot area in place: 512-byte sectors, IVs counted from 0 at the area's start.
+/// Decrypts a keyslot area in place: 512-byte sectors, IVs counted from 0 at the area's start,
+/// with the catalogue's cipher for `spec` (cryptsetup encrypts a LUKS1 volume's keyslots, and a
+/// LUKS2 `aes-cbc-essiv:sha256` volume's, with the data cipher).
 pub fn decrypt_area(spec: &str, key: &[u8], data: &mut [u8]) -> Result<()> {
-    if spec.eq_ignore_ascii_case(CBC_ESSIV) {
-        return cbc_essiv(key, data, false);
-    }
     let cipher = sector_cipher(spec, key, KeyPolicy::Permissive)?;
     cipher
         .decrypt_units(0, 1, 512, data)
@@ -144,9 +88,6 @@ pub fn decrypt_area(spec: &str, key: &[u8], data: &mut [u8]) -> Result<()> {
 
 /// Encrypts a keyslot area in place (the inverse of [`decrypt_area`]).
 pub fn encrypt_area(spec: &str, key: &[u8], data: &mut [u8]) -> Result<()> {
-    if spec.eq_ignore_ascii_case(CBC_ESSIV) {
-        return cbc_essiv(key, data, true);
-    }
     let cipher = sector_cipher(spec, key, KeyPolicy::Permissive)?;
     cipher
         .encrypt_units(0, 1, 512, data)
@@ -162,9 +103,18 @@ mod tests {
         assert_eq!(crypto_api_name("aes-xts-plain64").unwrap(), "xts(aes)");
         assert_eq!(crypto_api_name("capi:xts(aes)-plain64").unwrap(), "xts(aes)");
         assert_eq!(crypto_api_name("xchacha12,aes-adiantum-plain64").unwrap(), "adiantum(xchacha12,aes)");
-        let e = crypto_api_name("aes-cbc-essiv:sha256").unwrap_err().to_string();
-        assert!(e.contains("aes-cbc-essiv:sha256") && e.contains("aes-xts-plain64"), "{e}");
-        assert!(crypto_api_name("aes-xts-plain").is_err());
+        // The old IV modes, for old volumes.
+        assert_eq!(crypto_api_name("aes-cbc-essiv:sha256").unwrap(), "essiv(cbc(aes),sha256)");
+        assert_eq!(crypto_api_name("aes-cbc-plain64").unwrap(), "cbc(aes)");
+        assert_eq!(crypto_api_name("aes-xts-plain").unwrap(), "xts(aes)-plain");
+        assert_eq!(crypto_api_name("aes-xts-essiv:sha256").unwrap(), "essiv(xts(aes),sha256)");
+        for spec in ["aes-cbc-essiv:sha256", "aes-cbc-plain64", "aes-xts-plain", "aes-xts-essiv:sha256"] {
+            let e = header_api_name(spec).unwrap_err().to_string();
+            assert!(e.contains(spec) && e.contains("existing volumes only") && e.contains("aes-xts-plain64"), "{e}");
+        }
+        let e = crypto_api_name("aes-cbc-benbi").unwrap_err().to_string();
+        assert!(e.contains("aes-cbc-benbi") && e.contains("aes-xts-plain64"), "{e}");
+        assert!(crypto_api_name("aes-xts-essiv:sha1").is_err());
         assert_eq!(crypto_api_name("AES-XTS-PLAIN64").unwrap(), "xts(aes)");
         // Accepted since the catalogue: the same names `serve --cipher` takes.
         assert_eq!(crypto_api_name("aes-eme2-plain64").unwrap(), "eme2(aes)");
@@ -197,5 +147,44 @@ mod tests {
         assert!(e.contains("384") && e.contains("256 or 512"), "{e}");
         assert!(check_key_bits("xchacha12,aes-adiantum-plain64", 512).is_err());
         assert!(check_key_bits("aes-hctr2-plain64", 256).is_ok());
+        for spec in ["aes-xts-plain", "aes-xts-essiv:sha256"] {
+            assert_eq!(key_bits(spec).unwrap(), [256, 512], "{spec}");
+        }
+        for spec in ["aes-cbc-essiv:sha256", "aes-cbc-plain64"] {
+            assert_eq!(key_bits(spec).unwrap(), [128, 192, 256], "{spec}");
+        }
+    }
+
+    /// Keyslot areas of `aes-cbc-essiv:sha256` volumes: AES-CBC per 512-byte sector with ESSIV
+    /// IVs counted from the area's start, checked against a CBC written out here over the `aes`
+    /// and `sha2` crates (the catalogue's own is checked against Python `cryptography`).
+    #[test]
+    fn cbc_essiv_keyslot_area() {
+        use aes::cipher::{BlockCipherEncrypt, KeyInit};
+        use sha2::Digest;
+        let key: Vec<u8> = (0..32u8).map(|i| i.wrapping_mul(11).wrapping_add(7)).collect();
+        let plain: Vec<u8> = (0..3 * 512).map(|i| (i * 5 + 1) as u8).collect();
+        let mut want = plain.clone();
+        let aes = aes::Aes256::new_from_slice(&key).unwrap();
+        let essiv = aes::Aes256::new_from_slice(&sha2::Sha256::digest(&key)).unwrap();
+        for (n, sector) in want.chunks_mut(512).enumerate() {
+            let mut iv = aes::Block::default();
+            iv[..8].copy_from_slice(&(n as u64).to_le_bytes());
+            essiv.encrypt_block(&mut iv);
+            for chunk in sector.chunks_mut(16) {
+                let mut b = aes::Block::try_from(&*chunk).unwrap();
+                b.iter_mut().zip(iv.iter()).for_each(|(x, v)| *x ^= v);
+                aes.encrypt_block(&mut b);
+                iv = b;
+                chunk.copy_from_slice(&b);
+            }
+        }
+        let mut got = plain.clone();
+        encrypt_area("aes-cbc-essiv:sha256", &key, &mut got).unwrap();
+        assert_eq!(got, want);
+        decrypt_area("AES-CBC-ESSIV:SHA256", &key, &mut got).unwrap();
+        assert_eq!(got, plain);
+        check_area_cipher("aes-cbc-essiv:sha256").unwrap();
+        assert!(check_area_cipher("aes-cbc-benbi").is_err());
     }
 }

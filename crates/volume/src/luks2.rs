@@ -884,7 +884,7 @@ pub(crate) mod tests {
             (Box::new(|j| j["config"]["requirements"] = json!({"mandatory": ["future-thing"]})), "future-thing"),
             (Box::new(|j| j["segments"]["0"]["integrity"] = json!({"type": "hmac(sha256)", "journal_encryption": "none", "journal_integrity": "none"})), "dm-integrity"),
             (Box::new(|j| j["segments"]["0"]["flags"] = json!(["in-reencryption"])), "flags"),
-            (Box::new(|j| j["segments"]["0"]["encryption"] = json!("aes-cbc-essiv:sha256")), "aes-cbc-essiv:sha256"),
+            (Box::new(|j| j["segments"]["0"]["encryption"] = json!("aes-cbc-benbi")), "aes-cbc-benbi"),
             (Box::new(|j| j["segments"]["0"]["iv_tweak"] = json!("8")), "iv_tweak"),
             (Box::new(|j| j["segments"]["1"] = json!({"type": "linear", "offset": "0", "size": "4096"})), "2 data segments"),
             (Box::new(|j| j["keyslots"]["1"] = json!({"type": "reencrypt", "key_size": 1, "mode": "reencrypt", "direction": "forward", "area": {"type": "none", "offset": free_area(j), "size": "4096"}})), "reencryption keyslot"),

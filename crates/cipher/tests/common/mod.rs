@@ -2,6 +2,7 @@
 //! shared by several test files (each file uses a part).
 #![allow(dead_code)]
 
+pub mod ivmodes;
 pub mod xts;
 
 use std::path::PathBuf;

@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod fast_units;
+mod ivmodes;
 mod registers;
 mod tes;
 mod xts;
@@ -18,7 +19,7 @@ use libtest_mimic::{Arguments, Failed, Trial};
 pub type Check = fn(CpuLevel) -> Result<(), Failed>;
 
 /// (name, check) for every suite.
-const CASES: &[&[(&str, Check)]] = &[xts::CASES, tes::CASES, fast_units::CASES];
+const CASES: &[&[(&str, Check)]] = &[xts::CASES, tes::CASES, fast_units::CASES, ivmodes::CASES];
 
 fn main() {
     let args = Arguments::from_args();

@@ -107,7 +107,7 @@ def test_serve_reencrypt_finishes_under_client_writes(ws, resilience):
         # fio's own verify over the last 4 MiB (the Python client stays out of it).
         fio = subprocess.run(
             ["fio", "--name=verify", "--ioengine=nbd", f"--uri={b.uri}", "--rw=randwrite", "--bs=4k", "--iodepth=8",
-             f"--offset={len(plain) - 4 * MiB}", "--size=4M", "--verify=crc32c", "--do_verify=1", "--verify_fatal=1"],
+             f"--offset={len(plain) - 4 * MiB}", "--size=4M", "--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--verify_state_save=0"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120,
         )  # fmt: skip
     try:
@@ -246,3 +246,34 @@ def test_reencrypt_refusals(ws):
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, timeout=60)  # fmt: skip
     assert p.returncode == 2 and b"--reencrypt-rate needs --reencrypt" in p.stderr, p.stderr
     assert img.read_bytes()[: 16 * MiB] == before
+
+
+@pytest.mark.parametrize("old", ["aes-cbc-essiv:sha256", "aes-cbc-plain64", "aes-xts-plain", "aes-xts-essiv:sha256"])
+def test_an_old_volume_moves_to_xts_plain64_while_served(ws, old):
+    """A LUKS2 volume in one of the old IV modes, its data written through the bridge ->
+    `cryptsetup reencrypt --init-only --cipher aes-xts-plain64 --key-size 512` -> `serve
+    --reencrypt` -> the data area decrypts with the new key (independent XTS) to what was written."""
+    need("cryptsetup")
+    img = ws.tmp / "old.img"
+    with open(img, "wb") as f:
+        f.truncate(48 * MiB)
+    pw = ws.tmp / "pass"
+    pw.write_bytes(b"old volume")
+    os.chmod(pw, 0o600)
+    cryptsetup("luksFormat", "--batch-mode", "--type", "luks2", "--key-file", pw, "--pbkdf", "pbkdf2", *FAST_PBKDF2, "--cipher", old, "--key-size", "256", img)
+    offset, _ = data_layout(img)
+    plain = os.urandom(48 * MiB - offset)
+    b = serve_luks(ws, img, pw)
+    with NBDClient(b.uri) as c:
+        c.connect()
+        for o in range(0, len(plain), MiB):
+            c.write(o, plain[o : o + MiB])
+        c.flush()
+    assert b.stop() == 0
+    init(img, pw, "--cipher", "aes-xts-plain64", "--key-size", "512")
+    b = serve_luks(ws, img, pw, "--reencrypt")
+    wait_for(lambda: "reencryption finished" in b.stderr(), 120, "the reencryption to finish")
+    assert read_all(b.uri, len(plain)) == plain
+    assert b.stop() == 0
+    assert "cipher: aes-xts-plain64" in cryptsetup("luksDump", img).stdout.decode()
+    check_data_area(img, pw, offset, plain)

@@ -234,14 +234,17 @@ struct Commits<'a> {
     /// The error of a commit, with its context (remap hands on only its text).
     error: Option<anyhow::Error>,
     /// After the last step: the old keyslots' areas, to overwrite.
-    wipe: Option<Vec<(u64, u64)>>,
+    wipe: Option<Areas>,
 }
+
+/// Keyslot areas of the header device: (offset, length).
+type Areas = Vec<(u64, u64)>;
 
 /// The metadata once `[done, done + len)` is rewritten. After the last hotzone that is the
 /// finished volume's (with the areas to wipe), not a segment list with the new segment alone and
 /// the requirement still set: cryptsetup 2.6 resumes such a header from byte 0 and encrypts the
 /// whole volume a second time.
-fn done_metadata(o: &Owned, done: u64, len: u64, data_size: u64) -> Result<(serde_json::Value, Option<Vec<(u64, u64)>>)> {
+fn done_metadata(o: &Owned, done: u64, len: u64, data_size: u64) -> Result<(serde_json::Value, Option<Areas>)> {
     if done + len >= data_size {
         let (json, wipe) = o.header.finished_metadata(&o.state, &o.plan)?;
         return Ok((json, Some(wipe)));
@@ -319,7 +322,7 @@ pub struct Stepper {
     /// Bytes under the new key.
     pub done: u64,
     /// The finished metadata is written (by the last step): the old keyslots' areas to wipe.
-    wipe: Option<Vec<(u64, u64)>>,
+    wipe: Option<Areas>,
 }
 
 impl Stepper {

@@ -128,8 +128,15 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
         steps.hotzone()
     );
     let started = Instant::now();
-    let terminal = std::io::stderr().is_terminal() && !a.json;
-    let mut last_report = Instant::now();
+    // On a terminal: a bar with the rate and the time left.
+    let bar = (std::io::stderr().is_terminal() && !a.json).then(|| {
+        let style = indicatif::ProgressStyle::with_template("{percent:>3}% [{bar:32}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec}, {eta} left")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> ");
+        let bar = indicatif::ProgressBar::new(data_size).with_style(style).with_position(plan_done);
+        bar.reset_eta();
+        bar
+    });
     let mut last_tenth = plan_done * 10 / data_size;
     while !steps.finished() && !stop.load(Ordering::SeqCst) {
         steps.step()?;
@@ -139,18 +146,15 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
         let left = (data_size - done) as f64 / rate.max(1.0);
         if a.json {
             println!("{}", serde_json::json!({"done": done, "size": data_size, "bytes_per_second": rate as u64, "seconds_left": left as u64}));
-        } else if terminal {
-            if last_report.elapsed().as_millis() >= 200 || done == data_size {
-                eprint!("\r{:5.1} % {:8.1} MiB/s, {:5.0} s left ", done as f64 * 100.0 / data_size as f64, rate / (1 << 20) as f64, left);
-                last_report = Instant::now();
-            }
+        } else if let Some(bar) = &bar {
+            bar.set_position(done);
         } else if done * 10 / data_size > last_tenth {
             last_tenth = done * 10 / data_size;
             tracing::info!("{done} of {data_size} bytes re-encrypted ({:.1} MiB/s)", rate / (1 << 20) as f64);
         }
     }
-    if terminal {
-        eprintln!();
+    if let Some(bar) = bar {
+        bar.finish();
     }
     if !steps.finished() {
         tracing::info!("{name}: stopped at byte {} of {data_size}; `luks reencrypt --resume-only` (or cryptsetup's) continues", steps.done);

@@ -28,7 +28,7 @@ use cryptbridge_cipher::new_cipher;
 use cryptbridge_cipher::registry::KeyPolicy;
 use cryptbridge_engine::{CpuBackend, Direction, Engine, SectorLayout, Spread};
 use cryptbridge_volume::luks2::Luks2Header;
-use cryptbridge_volume::reencrypt::{self, ForwardPlan, Reencryption, ReencryptionLock, StepResilience};
+use cryptbridge_volume::reencrypt::{self, Reencryption, ReencryptionLock, Side, StepPlan, StepResilience};
 use cryptbridge_volume::{DataSegment, Secret};
 
 /// The default hotzone of an offline run (cryptsetup's is as large as its area allows).
@@ -70,6 +70,14 @@ impl Engines {
             .with_context(|| format!("no engine for {cipher} {sector_size}-byte sectors under LUKS2 digest {digest}"))
     }
 
+    /// The engine of one side of the reencryption (plaintext: passthrough).
+    pub fn side(&self, side: &Side) -> Result<Engine> {
+        match (&side.crypt, side.digest) {
+            (Some((cipher, ss)), Some(d)) => self.get(d, cipher, *ss),
+            _ => Ok(Engine::passthrough(SectorLayout::new(512, false))),
+        }
+    }
+
     /// The largest sector of every engine: the export's sector while the regions move.
     pub fn max_sector(&self) -> u64 {
         self.by.iter().map(|((_, _, s), _)| *s as u64).max().unwrap_or(512)
@@ -100,8 +108,7 @@ impl Engines {
 
 /// The regions of a volume whose recovery wrote its last step: all of it under the new key.
 pub fn finished_table(o: &Owned, engines: &Engines, data_size: u64) -> Result<Vec<Region>> {
-    let engine = engines.get(o.state.new_digest.expect("reencrypt mode"), &o.plan.new_cipher, o.plan.new_sector_size)?;
-    Ok(vec![Region { len: data_size, engine, back_offset: o.plan.data_offset, first_sector: 0 }])
+    Ok(vec![Region { len: data_size, engine: engines.side(&o.plan.new)?, back_offset: o.plan.data_offset, first_sector: 0 }])
 }
 
 /// A volume whose reencryption this process runs: its header, opened read-write, and the lock.
@@ -111,7 +118,7 @@ pub struct Owned {
     pub name: String,
     pub header: Luks2Header,
     pub state: Reencryption,
-    pub plan: ForwardPlan,
+    pub plan: StepPlan,
     pub lock: ReencryptionLock,
     /// The header says the reencryption is finished (a recovery wrote the last step).
     pub finished: bool,
@@ -128,7 +135,7 @@ impl Owned {
             bail!("{name}: no longer a LUKS2 header");
         };
         let state = header.reencryption()?.with_context(|| format!("{name}: the reencryption finished meanwhile"))?;
-        let plan = header.forward_plan(&state).with_context(|| format!("{name} cannot be re-encrypted here"))?;
+        let plan = header.step_plan(&state).with_context(|| format!("{name} cannot be re-encrypted here"))?;
         Ok(Self { file, name, header, state, plan, lock, finished: false })
     }
 }
@@ -158,13 +165,14 @@ impl Aligned {
 /// rewritten and returns the volume's state after that. `data_size`: the data area's length.
 pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u64) -> Result<()> {
     let Some(len) = o.plan.hot else { return Ok(()) };
-    let (start, plan) = (o.plan.done, o.plan.clone());
-    let (old_d, new_d) = (o.state.old_digest.expect("reencrypt mode"), o.state.new_digest.expect("reencrypt mode"));
-    let old = engines.get(old_d, &plan.old_cipher, plan.old_sector_size)?;
-    let new = engines.get(new_d, &plan.new_cipher, plan.new_sector_size)?;
+    let plan = o.plan.clone();
+    let start = plan.step_start(plan.done(data_size), len, data_size);
+    let old = engines.side(&plan.old)?;
+    let new = engines.side(&plan.new)?;
+    let (old_ss, new_ss) = (old.layout().sector_size as u64, new.layout().sector_size as u64);
     let rewrite = |buf: &mut [u8], at: u64| -> Result<()> {
-        old.process(Direction::Decrypt, at / plan.old_sector_size as u64, buf, Spread::Pool).map_err(|e| anyhow::anyhow!("{e}"))?;
-        new.process(Direction::Encrypt, at / plan.new_sector_size as u64, buf, Spread::Pool).map_err(|e| anyhow::anyhow!("{e}"))
+        old.process(Direction::Decrypt, at / old_ss, buf, Spread::Pool).map_err(|e| anyhow::anyhow!("{e}"))?;
+        new.process(Direction::Encrypt, at / new_ss, buf, Spread::Pool).map_err(|e| anyhow::anyhow!("{e}"))
     };
     let area = o.state.keyslot.area_offset;
     let what = format!("{}: the hotzone at byte {start} ({len} bytes) of an interrupted step", o.name);
@@ -199,7 +207,7 @@ pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u
         backing.write_at(buf.bytes(), plan.data_offset + start, false).with_context(|| format!("{what}: cannot write it"))?;
     }
     backing.flush().with_context(|| format!("{what}: cannot sync it"))?;
-    let (json, wipe) = done_metadata(o, start, len, data_size)?;
+    let (json, wipe) = done_metadata(o, plan.done(data_size), len, data_size)?;
     o.header = reencrypt::write_metadata(&o.file, &o.name, &o.header, json)?;
     match wipe {
         // That was the last hotzone: the volume is finished.
@@ -207,13 +215,11 @@ pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u
             for (offset, len) in wipe {
                 reencrypt::wipe_area(&o.file, &o.name, offset, len)?;
             }
-            o.plan.hot = None;
-            o.plan.done = u64::MAX;
             o.finished = true;
         }
         None => {
             o.state = o.header.reencryption()?.context("the reencryption is still in progress")?;
-            o.plan = o.header.forward_plan(&o.state)?;
+            o.plan = o.header.step_plan(&o.state)?;
         }
     }
     tracing::info!(
@@ -345,7 +351,7 @@ impl Stepper {
         if hotzone == 0 {
             bail!("the hotzone must be at least {unit} bytes (and the reencrypt keyslot's area must have room for one)");
         }
-        let done = plan.done.min(data_size);
+        let done = plan.done(data_size);
         Ok(Self { owned, engines, mapping, device_size, data_size, hotzone, done, wipe: None })
     }
 
@@ -379,12 +385,13 @@ impl Stepper {
         let preview = Luks2Header::from_json(o.header.binary.clone(), after)?;
         let preview_state = preview.reencryption()?.context("the step's metadata has no reencryption")?;
         let next = self.engines.table(&preview.check_regions(&preview_state)?, self.device_size, self.mapping.sector_size())?;
+        let start = o.plan.step_start(done, len, data_size);
         let mut commits = Commits { o, hotzone: (done, len), data_size, error: None, wipe: None };
-        if let Err(e) = self.mapping.remap(done, len, next, &mut commits) {
+        if let Err(e) = self.mapping.remap(start, len, next, &mut commits) {
             let name = commits.o.name.clone();
             return Err(match commits.error.take() {
                 Some(e) => e,
-                None => anyhow::Error::new(e).context(format!("{name}: cannot rewrite bytes {done}..{}", done + len)),
+                None => anyhow::Error::new(e).context(format!("{name}: cannot rewrite bytes {start}..{}", start + len)),
             });
         }
         self.wipe = commits.wipe.take();

@@ -609,26 +609,75 @@ impl StepResilience {
     }
 }
 
-/// What a run needs to continue a reencryption that cryptsetup (or a previous run) left:
-/// forward, old key to new key, the data staying where it is.
+/// One side of a reencryption: the data before it (`old`) or after it (`new`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Side {
+    /// The digest of its key; `None`: plaintext (a `linear` segment).
+    pub digest: Option<u32>,
+    /// The dm-crypt cipher spec and sector size; `None` for plaintext.
+    pub crypt: Option<(String, usize)>,
+}
+
+impl Side {
+    fn sector_size(&self) -> usize {
+        self.crypt.as_ref().map_or(512, |c| c.1)
+    }
+}
+
+/// What a run needs to continue a reencryption that cryptsetup (or a previous run) left, the data
+/// staying where it is: old key to new key, plaintext to a key (`encrypt`, a detached header) or a
+/// key to plaintext (`decrypt`), forward (from the start) or backward (from the end).
 #[derive(Debug, Clone)]
-pub struct ForwardPlan {
+pub struct StepPlan {
+    pub direction: ReencryptDirection,
     /// Where the data starts on the data device.
     pub data_offset: u64,
-    /// Bytes of the volume already under the new key (where the hotzone starts, if any);
-    /// `u64::MAX` when the new segment covers the whole device (only the finish is left).
-    pub done: u64,
-    /// A hotzone a crash left at `done` (flagged `in-reencryption`): its length. It must be
-    /// recovered (see [`StepResilience`]) before anything else.
+    /// Where the new part meets the rest in the volume, in bytes: forward, the end of the new part
+    /// (`None`: the new segment covers the whole device, only the finish is left); backward, the
+    /// start of the new part, or of the hotzone if any (`None`: nothing is new yet).
+    pub boundary: Option<u64>,
+    /// A hotzone a crash left next to the boundary (flagged `in-reencryption`): its length. It
+    /// must be recovered (see [`StepResilience`]) before anything else.
     pub hot: Option<u64>,
-    pub old_cipher: String,
-    pub old_sector_size: usize,
-    pub new_cipher: String,
-    pub new_sector_size: usize,
+    pub old: Side,
+    pub new: Side,
     pub resilience: StepResilience,
     /// The `backup-previous` and `backup-final` segments as stored: copied unchanged into every
     /// metadata written (their ids change with the segment list; the digest covers their content).
     backups: [Value; 2],
+}
+
+impl StepPlan {
+    /// Bytes of a `data_size`-byte volume already under the new key (the hotzone not counted).
+    pub fn done(&self, data_size: u64) -> u64 {
+        match (self.direction, self.boundary) {
+            (ReencryptDirection::Forward, Some(b)) => b.min(data_size),
+            (ReencryptDirection::Forward, None) => data_size,
+            (ReencryptDirection::Backward, Some(b)) => data_size.saturating_sub(b),
+            (ReencryptDirection::Backward, None) => 0,
+        }
+    }
+
+    /// Where the step that rewrites `len` bytes after `done` starts in the volume.
+    pub fn step_start(&self, done: u64, len: u64, data_size: u64) -> u64 {
+        match self.direction {
+            ReencryptDirection::Forward => done,
+            ReencryptDirection::Backward => data_size - done - len,
+        }
+    }
+
+    /// The largest sector of either side.
+    pub fn sector_size(&self) -> usize {
+        self.old.sector_size().max(self.new.sector_size())
+    }
+}
+
+/// Which side a stretch of the volume is on, in a segment list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Old,
+    Hot,
+    New,
 }
 
 fn crypt_segment(offset: u64, size: Option<u64>, iv_tweak: u64, encryption: &str, sector_size: usize, hot: bool) -> Value {
@@ -646,14 +695,39 @@ fn crypt_segment(offset: u64, size: Option<u64>, iv_tweak: u64, encryption: &str
     o
 }
 
+fn side_segment(side: &Side, offset: u64, size: Option<u64>, logical: u64, hot: bool) -> Value {
+    match &side.crypt {
+        Some((cipher, ss)) => crypt_segment(offset, size, logical / 512, cipher, *ss, hot),
+        None => {
+            let mut o = serde_json::json!({
+                "type": "linear",
+                "offset": offset.to_string(),
+                "size": size.map_or("dynamic".to_string(), |s| s.to_string()),
+            });
+            if hot {
+                o["flags"] = serde_json::json!(["in-reencryption"]);
+            }
+            o
+        }
+    }
+}
+
 impl Luks2Header {
+    fn side(&self, segment: u32, digest: Option<u32>) -> Side {
+        let s = &self.segments[&segment];
+        Side { digest, crypt: (s.kind == "crypt").then(|| (s.encryption.clone(), s.sector_size)) }
+    }
+
     /// The plan to continue `state`, or a refusal naming what is not supported yet.
-    pub fn forward_plan(&self, state: &Reencryption) -> Result<ForwardPlan> {
-        if state.keyslot.mode != Mode::Reencrypt || state.keyslot.direction != ReencryptDirection::Forward {
-            return Err(unsupported(format!(
-                "cryptbridge continues forward reencryptions (old key to new key) only, not {:?} {:?}; use `cryptsetup reencrypt --resume-only`",
-                state.keyslot.mode, state.keyslot.direction
-            )));
+    pub fn step_plan(&self, state: &Reencryption) -> Result<StepPlan> {
+        let direction = state.keyslot.direction;
+        match (state.keyslot.mode, direction) {
+            (Mode::Reencrypt, _) | (Mode::Encrypt, ReencryptDirection::Forward) | (Mode::Decrypt, ReencryptDirection::Backward) => {}
+            (mode, dir) => {
+                return Err(unsupported(format!(
+                    "cryptbridge does not run a {mode:?} reencryption in the {dir:?} direction; use `cryptsetup reencrypt --resume-only`"
+                )))
+            }
         }
         let resilience = match &state.keyslot.resilience {
             Resilience::None => StepResilience::None,
@@ -661,7 +735,7 @@ impl Luks2Header {
             Resilience::Journal => StepResilience::Journal,
             other => {
                 return Err(unsupported(format!(
-                    "cryptbridge supports resilience none, checksum and journal so far, not {}; use `cryptsetup reencrypt --resume-only`",
+                    "cryptbridge supports resilience none, checksum and journal so far, not {} (the data moves); use `cryptsetup reencrypt --resume-only`",
                     other.name()
                 )))
             }
@@ -669,84 +743,118 @@ impl Luks2Header {
         if state.backup_moved.is_some() {
             return Err(unsupported("a moved segment (datashift) is not supported by cryptbridge's reencryption yet".into()));
         }
-        let (old, new) = (&self.segments[&state.backup_previous], &self.segments[&state.backup_final]);
-        if old.offset != new.offset || old.size.is_some() || new.size.is_some() || old.iv_tweak != 0 || new.iv_tweak != 0 {
+        let (old_seg, new_seg) = (&self.segments[&state.backup_previous], &self.segments[&state.backup_final]);
+        if old_seg.offset != new_seg.offset || old_seg.size.is_some() || new_seg.size.is_some() || old_seg.iv_tweak != 0 || new_seg.iv_tweak != 0 {
             return Err(unsupported("cryptbridge's reencryption needs the old and new data at the same offset over the whole device".into()));
         }
+        let old = self.side(state.backup_previous, state.old_digest);
+        let new = self.side(state.backup_final, state.new_digest);
         if let StepResilience::Checksum { block, .. } = resilience {
-            if !block.is_multiple_of(old.sector_size) || !block.is_multiple_of(new.sector_size) {
-                return Err(unsupported(format!("checksum blocks of {block} bytes do not hold whole {} and {}-byte sectors", old.sector_size, new.sector_size)));
+            if !block.is_multiple_of(old.sector_size()) || !block.is_multiple_of(new.sector_size()) {
+                return Err(unsupported(format!("checksum blocks of {block} bytes do not hold whole {} and {}-byte sectors", old.sector_size(), new.sector_size())));
             }
         }
+        let data_offset = old_seg.offset;
         let regions = self.check_regions(state)?;
-        // new (bytes done), then the hotzone a crash left, then old (the rest); each may be absent.
-        let mut rest = regions.as_slice();
-        let mut done = 0;
-        if let [first, more @ ..] = rest {
-            if Some(first.segment_id) != state.hotzone && first.digest == state.new_digest && first.digest != state.old_digest {
-                // The whole device (`dynamic`): every byte is done, the finish was cut off.
-                done = first.size.unwrap_or(u64::MAX);
-                rest = more;
-            }
-        }
-        let mut hot = None;
-        if let [first, more @ ..] = rest {
-            if Some(first.segment_id) == state.hotzone {
-                hot = Some(first.size.ok_or_else(|| corrupt("the hotzone has no size".into()))?);
-                rest = more;
-            }
-        }
-        let at = done.saturating_add(hot.unwrap_or(0));
-        match rest {
-            [] if at > 0 => {}
-            [last] if last.digest == state.old_digest && last.size.is_none() => {
-                if last.offset != old.offset + at || last.iv_tweak != at / 512 {
-                    return Err(corrupt("the old segment does not continue where the new one ends".into()));
+        // Each region: which side it is on, checked to lie where its place in the volume says.
+        let mut parts = Vec::with_capacity(regions.len());
+        for r in &regions {
+            let part = if Some(r.segment_id) == state.hotzone {
+                Part::Hot
+            } else {
+                let shape = Side { digest: r.digest, crypt: r.crypt.as_ref().map(|c| (c.cipher.clone(), c.sector_size)) };
+                match (shape == new, shape == old) {
+                    (true, _) => Part::New,
+                    (false, true) => Part::Old,
+                    _ => return Err(corrupt(format!("segment {} is neither the old nor the new data", r.segment_id))),
                 }
+            };
+            if r.offset != data_offset + r.logical_offset || (r.crypt.is_some() && r.iv_tweak != r.logical_offset / 512) {
+                return Err(corrupt(format!("segment {} is not where its place in the volume says", r.segment_id)));
             }
-            _ => return Err(unsupported("segment layout not supported by cryptbridge's reencryption".into())),
+            parts.push((part, r));
         }
+        // Forward: new, hotzone, old; backward: old, hotzone, new; each at most once.
+        let order = match direction {
+            ReencryptDirection::Forward => [Part::New, Part::Hot, Part::Old],
+            ReencryptDirection::Backward => [Part::Old, Part::Hot, Part::New],
+        };
+        let mut at = 0;
+        for (part, _) in &parts {
+            match order[at..].iter().position(|p| p == part) {
+                Some(i) => at += i + 1,
+                None => return Err(unsupported("segment layout not supported by cryptbridge's reencryption".into())),
+            }
+        }
+        let find = |p: Part| parts.iter().find(|(q, _)| *q == p).map(|(_, r)| *r);
+        let hot = match find(Part::Hot) {
+            Some(h) => Some(h.size.ok_or_else(|| corrupt("the hotzone has no size".into()))?),
+            None => None,
+        };
+        let boundary = match direction {
+            ReencryptDirection::Forward => match (find(Part::New), find(Part::Hot).or(find(Part::Old))) {
+                (_, Some(next)) => Some(next.logical_offset),
+                (Some(_), None) => None,
+                (None, None) => return Err(corrupt("no segment".into())),
+            },
+            ReencryptDirection::Backward => find(Part::Hot).map(|h| h.logical_offset + h.size.unwrap_or(0)).or(find(Part::New).map(|n| n.logical_offset)),
+        };
         if state.hotzone.is_some() != hot.is_some() {
             return Err(unsupported("segment layout not supported by cryptbridge's reencryption (hotzone)".into()));
         }
-        Ok(ForwardPlan {
-            data_offset: old.offset,
-            done,
+        Ok(StepPlan {
+            direction,
+            data_offset,
+            boundary,
             hot,
-            old_cipher: old.encryption.clone(),
-            old_sector_size: old.sector_size,
-            new_cipher: new.encryption.clone(),
-            new_sector_size: new.sector_size,
+            old,
+            new,
             resilience,
             backups: [Value::Object(self.raw_segment(state.backup_previous)?.clone()), Value::Object(self.raw_segment(state.backup_final)?.clone())],
         })
     }
 
-    /// The metadata while the hotzone `[done, done + len)` is rewritten (`hot`), or once it is
-    /// (`done + len` under the new key), as cryptsetup lays it out (`plan` from the header as the
-    /// run found it: segment ids change from one metadata to the next): new, hotzone (flagged
-    /// `in-reencryption`, under both digests), old, then the backup segments; every active
-    /// segment's IV continues its place in the volume.
-    pub fn step_metadata(&self, state: &Reencryption, plan: &ForwardPlan, done: u64, len: u64, data_size: u64, hot: bool) -> Result<Value> {
+    /// The metadata while the hotzone of the step after `done` bytes (`len` bytes) is rewritten
+    /// (`hot`), or once it is, as cryptsetup lays it out (`plan` from the header as the run found
+    /// it: segment ids change from one metadata to the next): the active segments in volume order
+    /// (the hotzone flagged `in-reencryption`, with the new side's type, under the new key's digest
+    /// and, in reencrypt mode, the old one's), every one but the hotzone `dynamic` when last, then
+    /// the backup segments; every encrypted segment's IV continues its place in the volume.
+    pub fn step_metadata(&self, state: &Reencryption, plan: &StepPlan, done: u64, len: u64, data_size: u64, hot: bool) -> Result<Value> {
         let d = plan.data_offset;
-        let (old_d, new_d) = (state.old_digest.expect("reencrypt mode"), state.new_digest.expect("reencrypt mode"));
-        let mut segs: Vec<(Value, Vec<u32>)> = Vec::new();
-        let end = done + len;
-        let old_after = (end < data_size).then(|| crypt_segment(d + end, None, end / 512, &plan.old_cipher, plan.old_sector_size, false));
+        let lo = plan.step_start(done, len, data_size);
+        let hi = lo + len;
+        let forward = plan.direction == ReencryptDirection::Forward;
+        let (before, after) = if forward { (Part::New, Part::Old) } else { (Part::Old, Part::New) };
+        // (part, from, to) in volume order.
+        let mut pieces: Vec<(Part, u64, u64)> = Vec::new();
         if hot {
-            if done > 0 {
-                segs.push((crypt_segment(d, Some(done), 0, &plan.new_cipher, plan.new_sector_size, false), vec![new_d]));
-            }
-            segs.push((crypt_segment(d + done, Some(len), done / 512, &plan.new_cipher, plan.new_sector_size, true), vec![new_d, old_d]));
+            pieces.extend([(before, 0, lo), (Part::Hot, lo, hi), (after, hi, data_size)]);
+        } else if forward {
+            pieces.extend([(Part::New, 0, hi), (Part::Old, hi, data_size)]);
         } else {
-            let size = old_after.is_some().then_some(end);
-            segs.push((crypt_segment(d, size, 0, &plan.new_cipher, plan.new_sector_size, false), vec![new_d]));
+            pieces.extend([(Part::Old, 0, lo), (Part::New, lo, data_size)]);
         }
-        if let Some(o) = old_after {
-            segs.push((o, vec![old_d]));
+        pieces.retain(|&(_, from, to)| from < to);
+        let mut segs: Vec<(Value, Vec<u32>)> = Vec::new();
+        let last = pieces.len() - 1;
+        for (i, &(part, from, to)) in pieces.iter().enumerate() {
+            let size = (i < last || part == Part::Hot).then_some(to - from);
+            let (side, digests) = match part {
+                Part::Old => (&plan.old, plan.old.digest.into_iter().collect::<Vec<_>>()),
+                Part::New => (&plan.new, plan.new.digest.into_iter().collect()),
+                Part::Hot => {
+                    let mut ds: Vec<u32> = plan.new.digest.into_iter().collect();
+                    if state.keyslot.mode == Mode::Reencrypt {
+                        ds.extend(plan.old.digest);
+                    }
+                    (&plan.new, ds)
+                }
+            };
+            segs.push((side_segment(side, d + from, size, from, part == Part::Hot), digests));
         }
-        segs.push((plan.backups[0].clone(), vec![old_d]));
-        segs.push((plan.backups[1].clone(), vec![new_d]));
+        segs.push((plan.backups[0].clone(), plan.old.digest.into_iter().collect()));
+        segs.push((plan.backups[1].clone(), plan.new.digest.into_iter().collect()));
         let mut json = self.json.clone();
         let mut segments = Map::new();
         let mut by_digest: BTreeMap<u32, Vec<Value>> = BTreeMap::new();
@@ -765,15 +873,15 @@ impl Luks2Header {
         Ok(json)
     }
 
-    /// The metadata of the finished volume: the new segment alone, the old keyslots, the
-    /// reencrypt keyslot, their digests, the backup segments and the requirement gone (as
-    /// cryptsetup leaves it). Also the keyslot areas to wipe once it is written.
-    pub fn finished_metadata(&self, state: &Reencryption, plan: &ForwardPlan) -> Result<(Value, Vec<(u64, u64)>)> {
-        let (old_d, new_d) = (state.old_digest.expect("reencrypt mode"), state.new_digest.expect("reencrypt mode"));
+    /// The metadata of the finished volume: the new segment alone (plaintext after a decryption),
+    /// the old keyslots, the reencrypt keyslot, their digests, the backup segments and the
+    /// requirement gone (as cryptsetup leaves it). Also the keyslot areas to wipe once it is written.
+    pub fn finished_metadata(&self, state: &Reencryption, plan: &StepPlan) -> Result<(Value, Vec<(u64, u64)>)> {
+        let (old_d, new_d) = (state.old_digest, state.new_digest);
         let mut json = self.json.clone();
         let mut gone: Vec<u32> = vec![state.keyslot.id];
-        if old_d != new_d {
-            gone.extend(self.digests[&old_d].keyslots.iter().copied());
+        if let Some(old) = old_d.filter(|&o| Some(o) != new_d) {
+            gone.extend(self.digests[&old].keyslots.iter().copied());
         }
         let mut wipe = Vec::new();
         for id in &gone {
@@ -786,12 +894,12 @@ impl Luks2Header {
             json["keyslots"].as_object_mut().ok_or_else(|| corrupt("keyslots is not an object".into()))?.remove(&id.to_string());
         }
         let mut segments = Map::new();
-        segments.insert("0".into(), crypt_segment(plan.data_offset, None, 0, &plan.new_cipher, plan.new_sector_size, false));
+        segments.insert("0".into(), side_segment(&plan.new, plan.data_offset, None, 0, false));
         json["segments"] = Value::Object(segments);
         let digests = json["digests"].as_object_mut().ok_or_else(|| corrupt("digests is not an object".into()))?;
-        digests.retain(|id, _| id.parse::<u32>().is_ok_and(|i| i != state.digest && (i != old_d || old_d == new_d)));
+        digests.retain(|id, _| id.parse::<u32>().is_ok_and(|i| i != state.digest && (Some(i) != old_d || old_d == new_d)));
         for (id, o) in digests.iter_mut() {
-            let keep = id.parse::<u32>().ok() == Some(new_d);
+            let keep = id.parse::<u32>().ok() == new_d;
             o["segments"] = if keep { serde_json::json!(["0"]) } else { serde_json::json!([]) };
             if let Some(list) = o.get_mut("keyslots").and_then(Value::as_array_mut) {
                 list.retain(|v| v.as_str().and_then(|s| s.parse::<u32>().ok()).is_none_or(|k| !gone.contains(&k)));

@@ -277,3 +277,56 @@ def test_an_old_volume_moves_to_xts_plain64_while_served(ws, old):
     assert b.stop() == 0
     assert "cipher: aes-xts-plain64" in cryptsetup("luksDump", img).stdout.decode()
     check_data_area(img, pw, offset, plain)
+
+
+@pytest.mark.parametrize("finisher", ["cryptbridge", "cryptsetup"])
+@pytest.mark.parametrize("mode", ["encrypt", "decrypt"])
+def test_encrypt_and_decrypt_with_a_detached_header(ws, mode, finisher):
+    """`cryptsetup reencrypt --encrypt|--decrypt --init-only --header HDR` (the data in place) ->
+    `serve --reencrypt --header HDR` while a client writes -> finished by the bridge, or stopped
+    part way (SIGTERM) and finished by `cryptsetup reencrypt --resume-only` -> encrypt: the data
+    device decrypts with the key cryptsetup prints; decrypt: it holds the plaintext."""
+    need("cryptsetup")
+    size = 24 * MiB
+    img, hdr, pw = ws.tmp / "d.img", ws.tmp / "h.img", ws.tmp / "pass"
+    pw.write_bytes(b"detached")
+    os.chmod(pw, 0o600)
+    with open(img, "wb") as f:
+        f.truncate(size)
+    plain = bytearray(os.urandom(size))
+    if mode == "decrypt":
+        cryptsetup("luksFormat", "--batch-mode", "--type", "luks2", "--key-file", pw, "--pbkdf", "pbkdf2", *FAST_PBKDF2, "--header", hdr, img)
+        sector = data_layout(hdr)[1]
+        with open(img, "r+b") as f:
+            f.write(xts_sectors(volume_key(hdr, pw), bytes(plain), sector, 0, True))
+        cryptsetup("reencrypt", "--decrypt", "--init-only", "--batch-mode", "--force-offline-reencrypt", "--header", hdr, "--key-file", pw, img)
+    else:
+        with open(hdr, "wb") as f:
+            f.truncate(16 * MiB)
+        img.write_bytes(bytes(plain))
+        cryptsetup("reencrypt", "--encrypt", "--init-only", "--batch-mode", "--force-offline-reencrypt", "--type", "luks2", "--header", hdr,
+                   "--key-file", pw, "--pbkdf", "pbkdf2", *FAST_PBKDF2, img)  # fmt: skip
+    rate = ["--reencrypt-rate", "4M"] if finisher == "cryptsetup" else []
+    b = serve_luks(ws, img, pw, "--header", hdr, "--reencrypt", *rate)
+    with NBDClient(b.uri) as c:
+        c.connect()
+        for i in range(40):
+            off = (i * 7919 * 512) % (size - 70_000)
+            data = os.urandom(65_536 + i)
+            c.write(off, data)
+            plain[off : off + len(data)] = data
+        c.flush()
+    if finisher == "cryptbridge":
+        wait_for(lambda: "reencryption finished" in b.stderr(), 120, "the reencryption to finish")
+        assert read_all(b.uri, size) == bytes(plain)
+        assert b.stop() == 0
+    else:
+        assert b.stop() == 0
+        assert "reencryption stopped at byte" in b.stderr(), b.stderr()
+        cryptsetup("reencrypt", "--resume-only", "--batch-mode", "--force-offline-reencrypt", "--header", hdr, "--key-file", pw, img, timeout=300)
+    assert finished(hdr), header_json(hdr)["config"]
+    raw = img.read_bytes()
+    if mode == "decrypt":
+        assert raw == bytes(plain), "the data device does not hold the plaintext"
+    else:
+        assert xts_sectors(volume_key(hdr, pw), raw, data_layout(hdr)[1], 0, False) == bytes(plain)

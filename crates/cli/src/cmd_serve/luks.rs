@@ -112,9 +112,11 @@ fn open_reencrypting(args: &Args, header: &Header, file: &std::fs::File, header_
     drop(pass);
     cryptbridge_cipher::locked::wipe_stack();
     let reencrypt::UnlockedReencryption { state, regions, mut keys, keyslots } = unlocked;
+    // The primary key: an encrypted region's, or (an encryption that has not started) the new one's.
     let (primary, segment) = regions
         .iter()
         .find_map(|r| Some((r.digest?, r.crypt.clone()?)))
+        .or_else(|| segments.first().cloned())
         .ok_or_else(|| anyhow::anyhow!("{name}: no encrypted segment to serve"))?;
     if args.header.is_none() && regions.iter().any(|r| r.offset == 0) {
         anyhow::bail!("{name}: a data segment starts at offset 0, over its own header (a detached-header volume?); give --header FILE");

@@ -1,0 +1,97 @@
+//! `luks reencrypt --init-only` (and the first part of a plain `luks reencrypt`): starts a LUKS2
+//! reencryption (old key to a new random key, forward, data in place) with the metadata
+//! `cryptsetup reencrypt --init-only` 2.6 writes; see `cryptbridge_volume::reencrypt_init`.
+//! Nothing is written before every refusal that needs no KDF, the passphrase check and the new
+//! keyslot's KDF benchmark are done.
+
+use std::fs::File;
+
+use anyhow::{bail, Context, Result};
+use cryptbridge_volume::format::MIN_PBKDF2_ITERATIONS;
+use cryptbridge_volume::hash::Hash;
+use cryptbridge_volume::keyslots::{HeaderDevice, NewKeyslot};
+use cryptbridge_volume::luks2::Luks2Header;
+use cryptbridge_volume::reencrypt::ReencryptionLock;
+use cryptbridge_volume::reencrypt_init::{self, InitParams, InitResilience};
+use cryptbridge_volume::{Header, ReadAt, Secret};
+
+use super::reencrypt::ReencryptArgs;
+use crate::passphrase;
+
+/// cryptsetup's checksum block on an image file (its `device_block_size` of a regular file): no
+/// sector size is larger, so a block never splits one.
+const CHECKSUM_BLOCK: u32 = 4096;
+
+/// Initializes the reencryption of `h` (the header in `hfile`, named `name`); returns the
+/// passphrase read, for a run that continues at once.
+pub(super) fn run(a: &ReencryptArgs, hfile: &File, name: &str, h: &Luks2Header) -> Result<Secret> {
+    let resilience = match a.resilience.as_deref().unwrap_or("checksum") {
+        "checksum" => InitResilience::Checksum { hash: a.resilience_hash.clone(), block: CHECKSUM_BLOCK },
+        "none" => InitResilience::None,
+        "journal" => InitResilience::Journal,
+        other => bail!("--resilience {other}: use checksum, journal or none (datashift is not supported here)"),
+    };
+    if resilience == InitResilience::Journal && !a.init_only {
+        bail!("--resilience journal: this command runs none and checksum only; initialize with --init-only and run it with `cryptsetup reencrypt --resume-only`");
+    }
+    if a.resilience_hash != "sha256" && !matches!(resilience, InitResilience::Checksum { .. }) {
+        bail!("--resilience-hash applies to --resilience checksum only");
+    }
+    let key_bytes = match a.key_size {
+        Some(bits) if bits == 0 || !bits.is_multiple_of(8) => bail!("--key-size {bits}: a whole number of bytes in bits, e.g. 256 or 512"),
+        Some(bits) => Some(bits / 8),
+        None => None,
+    };
+    let detached = a.header.is_some();
+    let data_offset = h.segments.values().next().map_or(0, |s| s.offset);
+    if !detached && data_offset == 0 {
+        bail!("{name}: the data starts at offset 0 (a detached-header volume?); give --header FILE");
+    }
+    let data_size = if detached {
+        let d = File::open(&a.device).with_context(|| format!("cannot open {}", a.device.display()))?;
+        ReadAt::size(&d).with_context(|| format!("cannot size {}", a.device.display()))?
+    } else {
+        ReadAt::size(hfile).with_context(|| format!("cannot size {name}"))?
+    };
+    let data_size = data_size.checked_sub(data_offset).context("the device ends before its data offset")?;
+    let kdf_hash = Hash::from_name(&a.kdf.hash)?;
+    let mut params = InitParams {
+        cipher: a.cipher.clone(),
+        key_bytes,
+        sector_size: a.sector_size,
+        resilience,
+        // Replaced once the passphrase is checked (the benchmark takes seconds).
+        keyslot: NewKeyslot { kdf: cryptbridge_volume::kdf::Kdf::Pbkdf2 { hash: kdf_hash, iterations: MIN_PBKDF2_ITERATIONS }, af_hash: kdf_hash },
+        digest_hash: kdf_hash,
+        digest_iterations: a.kdf.pbkdf_force_iterations.map(|_| MIN_PBKDF2_ITERATIONS),
+        data_size,
+    };
+    let dev = HeaderDevice { file: hfile, name, detached };
+    h.reencryption_init_check(&dev, &params).with_context(|| format!("{name}: no reencryption initialized"))?;
+
+    let lock = ReencryptionLock::take(&h.binary.uuid).with_context(|| name.to_string())?;
+    // Under the lock, the header as it is now.
+    let Header::Luks2(h) = Header::read(hfile).with_context(|| name.to_string())? else { bail!("{name} is no longer LUKS2") };
+    h.reencryption_init_check(&dev, &params).with_context(|| format!("{name}: no reencryption initialized"))?;
+    let pass = passphrase::read(a.key_file.as_deref(), &format!("Enter passphrase for {name}: "))?;
+    let old = h.unlock_key(hfile, &pass, a.key_slot).map_err(|e| passphrase::unlock_error(e, name, a.key_file.as_deref(), &pass))?;
+    let others: Vec<u32> = h.keyslots.iter().filter(|(id, k)| k.kind == "luks2" && **id != old.keyslot).map(|(id, _)| *id).collect();
+    if !others.is_empty() {
+        tracing::warn!(
+            "{name}: only keyslot {} (the passphrase given) gets a keyslot for the new key; keyslots {others:?} are removed when the reencryption finishes",
+            old.keyslot
+        );
+    }
+    let new_bytes = key_bytes.unwrap_or(old.volume_key.len());
+    params.keyslot = NewKeyslot { kdf: super::pick_kdf(2, &a.kdf, kdf_hash, new_bytes)?, af_hash: kdf_hash };
+    let (_, plan) = reencrypt_init::init(&dev, &h, &old.volume_key, &pass, &params).with_context(|| format!("{name}: no reencryption initialized"))?;
+    drop(old);
+    tracing::info!(
+        "{name}: reencryption initialized (new key in keyslot {}, reencrypt keyslot {}, {})",
+        plan.new_keyslot,
+        plan.reencrypt_keyslot,
+        params.keyslot.kdf.name()
+    );
+    drop(lock);
+    Ok(pass)
+}

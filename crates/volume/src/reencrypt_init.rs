@@ -170,7 +170,10 @@ impl Luks2Header {
         // What is written must read back as a reencryption this code (and cryptsetup) continues.
         let check = Luks2Header::from_json(self.binary.clone(), json.clone())?;
         let state = check.reencryption()?.ok_or_else(|| invalid("the new metadata shows no reencryption".into()))?;
-        check.forward_plan(&state)?;
+        check.check_regions(&state)?;
+        if p.resilience != InitResilience::Journal {
+            check.forward_plan(&state)?;
+        }
         Ok(InitPlan { json, area, new_keyslot: new_slot, reencrypt_keyslot: reenc_slot })
     }
 

@@ -73,9 +73,18 @@ pub(super) fn run(a: &ReencryptArgs, hfile: &File, name: &str, h: &Luks2Header) 
     // Under the lock, the header as it is now.
     let Header::Luks2(h) = Header::read(hfile).with_context(|| name.to_string())? else { bail!("{name} is no longer LUKS2") };
     h.reencryption_init_check(&dev, &params).with_context(|| format!("{name}: no reencryption initialized"))?;
+    let active: Vec<u32> = h.keyslots.iter().filter(|(_, k)| k.kind == "luks2").map(|(id, _)| *id).collect();
+    if a.key_slot.is_none() && active.len() > 1 {
+        // cryptsetup: "Key file can be used only with --key-slot or with exactly one key slot
+        // active" (typed, it asks for every keyslot's passphrase; one passphrase is read here).
+        bail!("{name} has keyslots {active:?}: give --key-slot N (the keyslot whose passphrase is given; the others are removed when the reencryption finishes)");
+    }
     let pass = passphrase::read(a.key_file.as_deref(), &format!("Enter passphrase for {name}: "))?;
     let old = h.unlock_key(hfile, &pass, a.key_slot).map_err(|e| passphrase::unlock_error(e, name, a.key_file.as_deref(), &pass))?;
-    let others: Vec<u32> = h.keyslots.iter().filter(|(id, k)| k.kind == "luks2" && **id != old.keyslot).map(|(id, _)| *id).collect();
+    if a.key_slot.is_some_and(|s| s != old.keyslot) {
+        bail!("{name}: the passphrase does not open keyslot {}", a.key_slot.unwrap_or_default());
+    }
+    let others: Vec<u32> = active.iter().copied().filter(|id| *id != old.keyslot).collect();
     if !others.is_empty() {
         tracing::warn!(
             "{name}: only keyslot {} (the passphrase given) gets a keyslot for the new key; keyslots {others:?} are removed when the reencryption finishes",

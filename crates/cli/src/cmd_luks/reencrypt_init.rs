@@ -18,15 +18,36 @@ use cryptbridge_volume::{Header, ReadAt, Secret};
 use super::reencrypt::ReencryptArgs;
 use crate::passphrase;
 
-/// cryptsetup's checksum block on an image file (its `device_block_size` of a regular file): no
-/// sector size is larger, so a block never splits one.
-const CHECKSUM_BLOCK: u32 = 4096;
+/// cryptsetup's `device_block_size` of the data device: the page size for a regular file, the
+/// logical block size for a block device (4096 where neither can be had).
+fn device_block_size(f: &File) -> u32 {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileTypeExt;
+    let block_device = f.metadata().is_ok_and(|m| m.file_type().is_block_device());
+    if block_device {
+        let mut size: libc::c_int = 0;
+        // SAFETY: BLKSSZGET writes one int through the pointer; `f` stays open.
+        let rc = unsafe { libc::ioctl(f.as_raw_fd(), libc::BLKSSZGET, &mut size) };
+        if rc == 0 && size > 0 {
+            return size as u32;
+        }
+        return 4096;
+    }
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u32::try_from(page).ok().filter(|p| *p > 0).unwrap_or(4096)
+}
 
 /// Initializes the reencryption of `h` (the header in `hfile`, named `name`); returns the
 /// passphrase read, for a run that continues at once.
 pub(super) fn run(a: &ReencryptArgs, hfile: &File, name: &str, h: &Luks2Header) -> Result<Secret> {
+    let detached = a.header.is_some();
+    let data_file = if detached { File::open(&a.device).with_context(|| format!("cannot open {}", a.device.display()))? } else { hfile.try_clone()? };
+    // cryptsetup's checksum block: the largest of the data device's block and both sector sizes.
+    let old_sector = h.segments.values().next().map_or(512, |s| s.sector_size) as u32;
+    let block = device_block_size(&data_file).max(old_sector).max(a.sector_size.unwrap_or(512) as u32);
     let resilience = match a.resilience.as_deref().unwrap_or("checksum") {
-        "checksum" => InitResilience::Checksum { hash: a.resilience_hash.clone(), block: CHECKSUM_BLOCK },
+        "checksum" => InitResilience::Checksum { hash: a.resilience_hash.clone(), block },
         "none" => InitResilience::None,
         "journal" => InitResilience::Journal,
         other => bail!("--resilience {other}: use checksum, journal or none (datashift is not supported here)"),
@@ -42,17 +63,11 @@ pub(super) fn run(a: &ReencryptArgs, hfile: &File, name: &str, h: &Luks2Header) 
         Some(bits) => Some(bits / 8),
         None => None,
     };
-    let detached = a.header.is_some();
     let data_offset = h.segments.values().next().map_or(0, |s| s.offset);
     if !detached && data_offset == 0 {
         bail!("{name}: the data starts at offset 0 (a detached-header volume?); give --header FILE");
     }
-    let data_size = if detached {
-        let d = File::open(&a.device).with_context(|| format!("cannot open {}", a.device.display()))?;
-        ReadAt::size(&d).with_context(|| format!("cannot size {}", a.device.display()))?
-    } else {
-        ReadAt::size(hfile).with_context(|| format!("cannot size {name}"))?
-    };
+    let data_size = ReadAt::size(&data_file).with_context(|| format!("cannot size {}", a.device.display()))?;
     let data_size = data_size.checked_sub(data_offset).context("the device ends before its data offset")?;
     let kdf_hash = Hash::from_name(&a.kdf.hash)?;
     let mut params = InitParams {

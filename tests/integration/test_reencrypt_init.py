@@ -166,3 +166,25 @@ def test_refusals_write_nothing(ws):
     v1 = sparse(ws.tmp / "v1.img", 32 * MiB)
     luks_format(v1, pw, "--type", "luks1", *FAST_PBKDF2)
     refused(v1, b"LUKS1", *KDF)
+
+
+def test_detached_header(ws):
+    """--header: the metadata equals cryptsetup's for the same header, and cryptsetup finishes
+    what cryptbridge initialized."""
+    need("cryptsetup")
+    hdr = ws.tmp / "v.hdr"
+    img, pw, plain, offset = volume_with_plaintext(ws, "--key-size", "256", "--sector-size", "512", header=hdr)
+    assert offset == 0
+    theirs = shutil.copy(hdr, ws.tmp / "theirs.hdr")
+    cryptsetup("reencrypt", "--init-only", "--force-offline-reencrypt", "--batch-mode", "--key-file", pw, *KDF, "--key-size", "512",
+               "--header", theirs, img)  # fmt: skip
+    p = cb_init(img, pw, "--header", hdr, "--key-size", "512")
+    assert p.returncode == 0, p.stderr
+    assert without_random(metadata(hdr)) == without_random(metadata(theirs))
+    cryptsetup("reencrypt", "--resume-only", "--force-offline-reencrypt", "--batch-mode", "--key-file", pw, "--header", hdr, img, timeout=300)
+    assert "requirements" not in header_json(hdr)["config"]
+    new_key = volume_key(hdr, pw)
+    assert len(new_key) == 64
+    with open(img, "rb") as f:
+        raw = f.read(len(plain))
+    assert xts_sectors(new_key, raw, 512, 0, False) == plain

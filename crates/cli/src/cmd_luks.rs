@@ -17,6 +17,7 @@ use serde_json::{json, Value};
 use crate::passphrase;
 
 mod reencrypt;
+mod reencrypt_init;
 
 #[derive(clap::Subcommand)]
 #[allow(clippy::large_enum_variant)] // parsed once from the command line
@@ -48,9 +49,9 @@ pub enum Command {
     /// Check a passphrase without changing or serving anything (as `cryptsetup open
     /// --test-passphrase`): exit status 0 if it opens a keyslot, 1 if not.
     TestPassphrase(TestPassphraseArgs),
-    /// Continue a LUKS2 reencryption that `cryptsetup reencrypt --init-only` started or that was
-    /// stopped cleanly (as `cryptsetup reencrypt --resume-only`): forward, old key to new key,
-    /// resilience none or checksum, with cryptsetup's commit points and lock.
+    /// Initialize (--init-only, as `cryptsetup reencrypt --init-only`) and continue (as
+    /// `cryptsetup reencrypt --resume-only`) a LUKS2 reencryption: forward, old key to new key,
+    /// resilience none or checksum, with cryptsetup's metadata, commit points and lock.
     Reencrypt(reencrypt::ReencryptArgs),
 }
 

@@ -255,7 +255,7 @@ fn luks1_destroy(dev: &HeaderDevice, h: &Luks1Header, slot: u32) -> Result<()> {
 
 /// The keyslots area: after both header copies, `keyslots_size` long, and (on a volume with its
 /// header) ending no later than the data.
-fn luks2_keyslots_area(dev: &HeaderDevice, h: &Luks2Header) -> (u64, u64) {
+pub fn luks2_keyslots_area(dev: &HeaderDevice, h: &Luks2Header) -> (u64, u64) {
     let start = 2 * h.binary.hdr_size;
     let mut end = start.saturating_add(h.config.keyslots_size);
     if !dev.detached {
@@ -267,7 +267,7 @@ fn luks2_keyslots_area(dev: &HeaderDevice, h: &Luks2Header) -> (u64, u64) {
 }
 
 /// The first free, 4 KiB-aligned stretch of `size` bytes in the keyslots area.
-fn luks2_find_gap(dev: &HeaderDevice, h: &Luks2Header, size: u64) -> Result<u64> {
+pub fn luks2_find_gap(dev: &HeaderDevice, h: &Luks2Header, size: u64) -> Result<u64> {
     let (start, end) = luks2_keyslots_area(dev, h);
     let mut used: Vec<(u64, u64)> =
         h.keyslots.values().filter_map(|k| k.luks2.as_ref()).map(|l| (l.area_offset, l.area_offset.saturating_add(l.area_size))).collect();
@@ -306,17 +306,52 @@ fn write_luks2(dev: &HeaderDevice, h: &Luks2Header, json: serde_json::Value) -> 
 /// header that references it.
 fn luks2_store(dev: &HeaderDevice, h: &Luks2Header, id: u32, key: &[u8], passphrase: &[u8], params: &NewKeyslot) -> Result<()> {
     let key_bytes = h.keyslot_check()?;
-    let (seg_id, segment) = h.segments.iter().next().expect("keyslot_check found one");
+    let (seg_id, _) = h.segments.iter().next().expect("keyslot_check found one");
     let (digest_id, digest) = h.segment_digest(*seg_id)?;
     if key.len() != key_bytes || !h.verify_key(digest, key)? {
         return Err(VolumeError::Invalid("the key does not match this volume's digest".into()));
     }
-    // cryptsetup encrypts a keyslot with the data cipher where it can, else aes-xts-plain64/512
-    // (as `luks format` here does).
-    let (area_cipher, area_key) = if segment.encryption == "aes-xts-plain64" { (segment.encryption.clone(), key.len()) } else { ("aes-xts-plain64".to_string(), 64) };
+    let mut json = h.json.clone();
+    let area = luks2_keyslot(dev, h, &mut json, id, key, key.len(), passphrase, params)?;
+    if !digest.keyslots.contains(&id) {
+        let slots = json["digests"][digest_id.to_string()]["keyslots"]
+            .as_array_mut()
+            .ok_or_else(|| VolumeError::Corrupt(format!("LUKS2 digest {digest_id} has no keyslots array")))?;
+        slots.push(serde_json::Value::String(id.to_string()));
+    }
+    write_synced(dev.file, &area.bytes, area.offset, &format!("keyslot {id}'s area on {}", dev.name))?;
+    write_luks2(dev, h, json)
+}
+
+/// A LUKS2 keyslot's area, encrypted and ready to be written before the header that names it.
+pub struct KeyslotArea {
+    pub offset: u64,
+    pub bytes: Secret,
+}
+
+/// Keyslot `id` holding `key` under `passphrase`, put into `json` (the metadata to be written next,
+/// which also says which areas are taken) in the first free part of the keyslots area; its area
+/// bytes are returned, not written. The area is encrypted as cryptsetup does (`luks format` here
+/// too): with the first segment's cipher where it is aes-xts-plain64, keyed with
+/// `area_key_bytes` (the volume key's length), else aes-xts-plain64 with a 512-bit key.
+#[allow(clippy::too_many_arguments)]
+pub fn luks2_keyslot(
+    dev: &HeaderDevice,
+    h: &Luks2Header,
+    json: &mut serde_json::Value,
+    id: u32,
+    key: &[u8],
+    area_key_bytes: usize,
+    passphrase: &[u8],
+    params: &NewKeyslot,
+) -> Result<KeyslotArea> {
+    let segment = h.segments.values().next().ok_or_else(|| VolumeError::Corrupt("LUKS2 metadata has no segment".into()))?;
+    let (area_cipher, area_key) =
+        if segment.encryption == "aes-xts-plain64" { (segment.encryption.clone(), area_key_bytes) } else { ("aes-xts-plain64".to_string(), 64) };
     let material_len = af::split_len(key.len(), luks1::STRIPES);
     let area_size = (material_len as u64).next_multiple_of(4096);
-    let area_offset = luks2_find_gap(dev, h, area_size)?;
+    let taken = Luks2Header::from_json(h.binary.clone(), json.clone())?;
+    let area_offset = luks2_find_gap(dev, &taken, area_size)?;
     let mut salt = [0u8; 32];
     os_random(&mut salt)?;
     let derived = params.kdf.derive(passphrase, &salt, area_key)?;
@@ -325,7 +360,6 @@ fn luks2_store(dev: &HeaderDevice, h: &Luks2Header, id: u32, key: &[u8], passphr
     area[..material_len].copy_from_slice(&material);
     drop(material);
     encrypt_area(&area_cipher, &derived, &mut area[..material_len])?;
-    let mut json = h.json.clone();
     // A keyslot rewritten under its id keeps its priority (cryptsetup rewrites the object in place).
     let priority = json["keyslots"].get(id.to_string()).and_then(|k| k.get("priority")).cloned();
     json["keyslots"][id.to_string()] = serde_json::json!({
@@ -338,14 +372,7 @@ fn luks2_store(dev: &HeaderDevice, h: &Luks2Header, id: u32, key: &[u8], passphr
     if let Some(p) = priority {
         json["keyslots"][id.to_string()]["priority"] = p;
     }
-    if !digest.keyslots.contains(&id) {
-        let slots = json["digests"][digest_id.to_string()]["keyslots"]
-            .as_array_mut()
-            .ok_or_else(|| VolumeError::Corrupt(format!("LUKS2 digest {digest_id} has no keyslots array")))?;
-        slots.push(serde_json::Value::String(id.to_string()));
-    }
-    write_synced(dev.file, &area, area_offset, &format!("keyslot {id}'s area on {}", dev.name))?;
-    write_luks2(dev, h, json)
+    Ok(KeyslotArea { offset: area_offset, bytes: area })
 }
 
 fn luks2_destroy(dev: &HeaderDevice, h: &Luks2Header, id: u32) -> Result<()> {

@@ -21,6 +21,7 @@ pub mod luks1;
 pub mod luks2;
 pub mod probe;
 pub mod reencrypt;
+pub mod reencrypt_init;
 pub mod secret;
 
 use std::fmt;

@@ -680,7 +680,7 @@ enum Part {
     New,
 }
 
-fn crypt_segment(offset: u64, size: Option<u64>, iv_tweak: u64, encryption: &str, sector_size: usize, hot: bool) -> Value {
+pub(crate) fn crypt_segment(offset: u64, size: Option<u64>, iv_tweak: u64, encryption: &str, sector_size: usize, hot: bool) -> Value {
     let mut o = serde_json::json!({
         "type": "crypt",
         "offset": offset.to_string(),

@@ -1,7 +1,8 @@
-//! `luks reencrypt`: continues a LUKS2 reencryption (old key to new key, forward, the data in
-//! place, resilience none, checksum or journal) that `cryptsetup reencrypt --init-only` started or
-//! that a previous run (of either tool) stopped, recovering first a hotzone a crash left; the steps
-//! and their commit points are [`crate::reencryption`]'s, the ones `serve --reencrypt` runs too.
+//! `luks reencrypt`: initializes (`reencrypt_init.rs`, as `cryptsetup reencrypt --init-only`) and
+//! continues a LUKS2 reencryption, the data in place (old key to new key; plaintext to a key or a
+//! key to plaintext with a detached header), resilience none, checksum or journal, that either
+//! tool started or stopped, recovering first a hotzone a crash left; the steps and their commit
+//! points are [`crate::reencryption`]'s, the ones `serve --reencrypt` runs too.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -21,56 +22,78 @@ use crate::reencryption::{self, Engines, Owned, Stepper};
 #[derive(clap::Args)]
 pub struct ReencryptArgs {
     /// The volume (with --header: its data device).
-    device: PathBuf,
+    pub(super) device: PathBuf,
     /// The volume's detached header file (as cryptsetup's --header).
     #[arg(long)]
-    header: Option<PathBuf>,
+    pub(super) header: Option<PathBuf>,
     /// Passphrase file, read whole as bytes (`-`: standard input); without it, asked for. It must
     /// open a keyslot of the old and of the new key (as cryptsetup sets them up).
     #[arg(short = 'd', long)]
-    key_file: Option<PathBuf>,
+    pub(super) key_file: Option<PathBuf>,
     /// Try this keyslot first for the key it holds.
     #[arg(short = 'S', long)]
-    key_slot: Option<u32>,
-    /// Only continue a reencryption already initialized (what this command does so far).
+    pub(super) key_slot: Option<u32>,
+    /// Only continue a reencryption already initialized.
+    #[arg(long, conflicts_with = "init_only")]
+    pub(super) resume_only: bool,
+    /// Initialize a reencryption (as `cryptsetup reencrypt --init-only`: a new random key in a
+    /// new keyslot under the same passphrase, the reencrypt keyslot and segments) without running
+    /// it. Without --init-only or --resume-only, a volume not in reencryption is initialized and
+    /// then re-encrypted.
     #[arg(long)]
-    resume_only: bool,
-    /// Initialize a reencryption without running it: not implemented here yet (use `cryptsetup
-    /// reencrypt --init-only`).
+    pub(super) init_only: bool,
+    /// The new data cipher (initializing; default: the current one).
+    #[arg(short = 'c', long)]
+    pub(super) cipher: Option<String>,
+    /// The new key size in bits (initializing; default: the current one).
+    #[arg(short = 's', long)]
+    pub(super) key_size: Option<usize>,
+    /// The new encryption sector size (initializing; default: the current one).
     #[arg(long)]
-    init_only: bool,
-    /// The resilience the reencryption was initialized with (`none`, `checksum` or `journal`);
-    /// another one is refused (changing it is not implemented).
+    pub(super) sector_size: Option<usize>,
+    /// Initializing: checksum (default), journal or none. Continuing: the resilience the reencryption
+    /// was initialized with (`none`, `checksum` or `journal`); another one is refused (changing it is not
+    /// implemented).
     #[arg(long)]
-    resilience: Option<String>,
+    pub(super) resilience: Option<String>,
+    /// The checksum resilience's hash (initializing).
+    #[arg(long, default_value = "sha256")]
+    pub(super) resilience_hash: String,
+    /// The new keyslot's KDF (initializing).
+    #[command(flatten)]
+    pub(super) kdf: super::KdfArgs,
     /// The most bytes rewritten per step (default 16M; with checksum resilience also bounded by
     /// the room in the reencrypt keyslot's area).
     #[arg(long, value_parser = crate::size::parse_size)]
-    hotzone_size: Option<u64>,
+    pub(super) hotzone_size: Option<u64>,
     /// Accepted for cryptsetup compatibility: nothing is asked for but the passphrase.
     #[arg(short = 'q', long)]
-    batch_mode: bool,
+    pub(super) batch_mode: bool,
     /// Progress as JSON lines on standard output (the default when stderr is not a terminal is a
     /// log line per 10 %).
     #[arg(long)]
-    json: bool,
+    pub(super) json: bool,
     /// Crypto threads (default: all cores).
     #[arg(long)]
-    threads: Option<usize>,
+    pub(super) threads: Option<usize>,
 }
 
 pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
-    if a.init_only {
-        bail!("initializing a reencryption is not implemented here yet: run `cryptsetup reencrypt --init-only`, then `cryptbridge luks reencrypt --resume-only`");
-    }
     let header_path = a.header.clone().unwrap_or_else(|| a.device.clone());
     let name = header_path.display().to_string();
     let hfile = std::fs::OpenOptions::new().read(true).write(true).open(&header_path).with_context(|| format!("cannot open {name} for writing"))?;
     let Header::Luks2(h) = Header::read(&hfile).with_context(|| name.clone())? else {
         bail!("{name}: LUKS1 has no reencryption; only LUKS2 volumes are re-encrypted");
     };
-    if h.reencryption().with_context(|| name.clone())?.is_none() {
-        bail!("{name}: no reencryption in progress; initialize one with `cryptsetup reencrypt --init-only` (initializing here is not implemented yet)");
+    let mut init_pass = None;
+    if a.init_only || (!a.resume_only && h.reencryption().with_context(|| name.clone())?.is_none()) {
+        let pass = super::reencrypt_init::run(&a, &hfile, &name, &h)?;
+        if a.init_only {
+            return Ok(ExitCode::SUCCESS);
+        }
+        init_pass = Some(pass);
+    } else if h.reencryption().with_context(|| name.clone())?.is_none() {
+        bail!("{name}: no reencryption in progress (--resume-only); initialize one with --init-only");
     }
     // Nothing is written before the refusals below.
     let mut owned = Owned::take(hfile, name.clone(), &h)?;
@@ -83,7 +106,10 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
     if a.header.is_none() && owned.plan.data_offset == 0 {
         bail!("{name}: the data starts at offset 0 (a detached-header volume?); give --header FILE");
     }
-    let pass = passphrase::read(a.key_file.as_deref(), &format!("Enter passphrase for {name}: "))?;
+    let pass = match init_pass {
+        Some(p) => p,
+        None => passphrase::read(a.key_file.as_deref(), &format!("Enter passphrase for {name}: "))?,
+    };
     let unlocked = owned
         .header
         .unlock_reencryption_with(&owned.file, &pass, a.key_slot, true)

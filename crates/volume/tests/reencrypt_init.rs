@@ -1,0 +1,139 @@
+//! `reencrypt_init`: the metadata an initialization writes parses back as the reencryption
+//! cryptsetup 2.6 starts (layout checked field by field against what `cryptsetup reencrypt
+//! --init-only` wrote for the same volume, see tests/integration/test_reencrypt_init.py), its
+//! digest verifies with both keys, and refusals write nothing.
+
+use std::fs::File;
+
+use cryptbridge_volume::format::{format, FormatParams};
+use cryptbridge_volume::hash::Hash;
+use cryptbridge_volume::kdf::Kdf;
+use cryptbridge_volume::keyslots::{HeaderDevice, NewKeyslot};
+use cryptbridge_volume::luks2::Luks2Header;
+use cryptbridge_volume::reencrypt::{Mode, ReencryptDirection, Resilience};
+use cryptbridge_volume::reencrypt_init::{init, InitParams, InitResilience};
+use cryptbridge_volume::{Header, ReadAt};
+
+const SIZE: u64 = 32 << 20;
+
+fn volume(dir: &std::path::Path, key_bytes: usize, sector_size: usize) -> (File, Luks2Header) {
+    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(dir.join("v.img")).unwrap();
+    f.set_len(SIZE).unwrap();
+    let p = FormatParams {
+        version: 2,
+        cipher: "aes-xts-plain64".into(),
+        key_bytes,
+        sector_size,
+        kdf: Kdf::Pbkdf2 { hash: Hash::Sha256, iterations: 1000 },
+        hash: Hash::Sha256,
+        digest_iterations: 1000,
+        label: String::new(),
+        data_offset: None,
+        detached: false,
+    };
+    format(&f, "v.img", SIZE, &p, b"pass").unwrap();
+    let Header::Luks2(h) = Header::read(&f).unwrap() else { panic!("LUKS2") };
+    (f, h)
+}
+
+fn params(h: &Luks2Header, key_bytes: Option<usize>, sector_size: Option<usize>, resilience: InitResilience) -> InitParams {
+    InitParams {
+        cipher: None,
+        key_bytes,
+        sector_size,
+        resilience,
+        keyslot: NewKeyslot { kdf: Kdf::Pbkdf2 { hash: Hash::Sha256, iterations: 1000 }, af_hash: Hash::Sha256 },
+        digest_hash: Hash::Sha256,
+        digest_iterations: Some(1000),
+        data_size: SIZE - h.segments[&0].offset,
+    }
+}
+
+#[test]
+fn the_initialized_metadata_parses_back_and_its_digest_verifies() {
+    for (key, sector, new_key, new_sector, res) in [
+        (64, 4096, None, None, InitResilience::Checksum { hash: "sha256".into(), block: 4096 }),
+        (32, 512, Some(64), Some(4096), InitResilience::None),
+        (64, 4096, None, Some(512), InitResilience::Journal),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let (f, h) = volume(dir.path(), key, sector);
+        let dev = HeaderDevice { file: &f, name: "v.img", detached: false };
+        let old = h.unlock_key(&f, b"pass", None).unwrap();
+        let p = params(&h, new_key, new_sector, res.clone());
+        let (written, plan) = init(&dev, &h, &old.volume_key, b"pass", &p).unwrap();
+        assert_eq!((plan.new_keyslot, plan.reencrypt_keyslot), (1, 2));
+        let Header::Luks2(back) = Header::read(&f).unwrap() else { panic!() };
+        assert_eq!(back.binary.seqid, h.binary.seqid + 1);
+        assert_eq!(back.json, written.json);
+        assert_eq!(back.config.requirements, vec!["online-reencrypt-v2".to_string()]);
+        let r = back.reencryption().unwrap().unwrap();
+        assert_eq!((r.version, r.keyslot.mode, r.keyslot.direction), (2, Mode::Reencrypt, ReencryptDirection::Forward));
+        let expect = match res {
+            InitResilience::None => Resilience::None,
+            InitResilience::Journal => Resilience::Journal,
+            InitResilience::Checksum { hash, block } => Resilience::Checksum { hash, sector_size: block },
+        };
+        assert_eq!(r.keyslot.resilience, expect);
+        assert_eq!((r.active.as_slice(), r.backup_previous, r.backup_final, r.hotzone), (&[0][..], 1, 2, None));
+        assert_eq!((r.old_digest, r.new_digest, r.digest), (Some(0), Some(1), 2));
+        // Areas as cryptsetup places them: the new keyslot right after the old one, the
+        // resilience area from there to the end of the keyslots area.
+        let a0 = back.keyslots[&0].luks2.clone().unwrap();
+        let a1 = back.keyslots[&1].luks2.clone().unwrap();
+        assert_eq!(a1.area_offset, a0.area_offset + a0.area_size);
+        assert_eq!(a1.area_key_size, key, "the new keyslot's area is keyed like the old one's");
+        assert_eq!(r.keyslot.area_offset, a1.area_offset + a1.area_size);
+        assert_eq!(r.keyslot.area_offset + r.keyslot.area_size, 2 * back.binary.hdr_size + back.config.keyslots_size);
+        assert_eq!(back.segments[&2].sector_size, new_sector.unwrap_or(sector));
+        assert_eq!(back.keyslots[&1].key_size, new_key.unwrap_or(key));
+
+        // The digest verifies with both keys (what `luks reencrypt` checks before it runs).
+        let u = back.unlock_reencryption(&f, b"pass", None).unwrap();
+        assert_eq!(u.keys[&0].as_slice(), old.volume_key.as_slice());
+        assert_eq!(u.keys[&1].len(), new_key.unwrap_or(key));
+        assert_ne!(u.keys[&1].as_slice(), old.volume_key.as_slice());
+        assert_eq!(u.keyslots, vec![0, 1]);
+        // Bound to the keys: another new key fails it.
+        let input = back.reencryption_digest_input(&r, Some(&old.volume_key), Some(&vec![7u8; u.keys[&1].len()])).unwrap();
+        assert!(!back.verify_key(&back.digests[&r.digest], &input).unwrap());
+        if !matches!(r.keyslot.resilience, Resilience::Journal) {
+            back.step_plan(&r).unwrap();
+        }
+    }
+}
+
+#[test]
+fn refusals_write_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (f, h) = volume(dir.path(), 64, 4096);
+    let dev = HeaderDevice { file: &f, name: "v.img", detached: false };
+    let old = h.unlock_key(&f, b"pass", None).unwrap();
+    let mut before = vec![0u8; h.segments[&0].offset as usize];
+    ReadAt::read_exact_at(&f, &mut before, 0).unwrap();
+    let check = |p: &InitParams, needle: &str| {
+        let e = init(&dev, &h, &old.volume_key, b"pass", p).unwrap_err().to_string();
+        assert!(e.contains(needle), "{e}");
+        let mut now = vec![0u8; before.len()];
+        ReadAt::read_exact_at(&f, &mut now, 0).unwrap();
+        assert!(now == before, "{needle}: the header area changed");
+    };
+    let ok = params(&h, None, None, InitResilience::None);
+    check(&InitParams { key_bytes: Some(24), ..ok.clone() }, "--key-size 192");
+    check(&InitParams { sector_size: Some(8192), ..ok.clone() }, "--sector-size 8192");
+    check(&InitParams { data_size: ok.data_size - 512, ..ok.clone() }, "not a whole number");
+    check(&InitParams { cipher: Some("nonesuch-xts-plain64".into()), ..ok.clone() }, "nonesuch");
+    // No room: the keyslots area filled by a keyslot (edited into the metadata).
+    let mut json = h.json.clone();
+    let end = 2 * h.binary.hdr_size + h.config.keyslots_size;
+    let a0 = h.keyslots[&0].luks2.clone().unwrap();
+    json["keyslots"]["0"]["area"]["size"] = serde_json::json!((end - a0.area_offset).to_string());
+    let full = Luks2Header::from_json(h.binary.clone(), json).unwrap();
+    let e = init(&dev, &full, &old.volume_key, b"pass", &ok).unwrap_err().to_string();
+    assert!(e.contains("no room"), "{e}");
+    // Already in reencryption.
+    init(&dev, &h, &old.volume_key, b"pass", &ok).unwrap();
+    let Header::Luks2(now) = Header::read(&f).unwrap() else { panic!() };
+    let e = init(&dev, &now, &old.volume_key, b"pass", &ok).unwrap_err().to_string();
+    assert!(e.contains("already in progress"), "{e}");
+}

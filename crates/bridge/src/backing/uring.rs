@@ -22,7 +22,14 @@
 //! Opening: the file is opened as [`super::file`] opens it, then one ring is set up and one
 //! sector read through it. Where that fails (a kernel without io_uring, `kernel.io_uring_disabled`,
 //! a seccomp filter, a file system whose reads io_uring refuses), [`open`] hands the plain file
-//! back end with the reason, and the caller logs it and serves on the thread path.
+//! back end with the reason, and the caller logs it and serves on the thread path. A ring refused
+//! later (the sysctl set while serving) sends the requests that find no free ring to
+//! pread/pwrite, with one warning.
+//!
+//! Measured (docs/bench/2026-11-28-io-uring.md): one `io_uring_enter` per request replaces one
+//! pread/pwrite, and ext4 hands writes that may block to io_uring's worker threads; CPU per byte
+//! rose, so `threads` stays the default. A gain needs the file back end on the core's
+//! asynchronous path, many requests per submission.
 
 use std::io;
 use std::os::unix::io::AsRawFd;

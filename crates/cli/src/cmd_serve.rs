@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use cryptbridge_bridge::backing::RemoteOptions;
+use cryptbridge_bridge::backing::{IoEngine, RemoteOptions};
 use cryptbridge_bridge::metrics::ExportInfo;
 use cryptbridge_bridge::nbd::uri::{self, NbdUri};
 use cryptbridge_bridge::{raise_open_file_limit, Backing, BackingOptions, Listener, Mapping, Server, ServerConfig, TlsMode, TlsPolicy};
@@ -35,6 +35,17 @@ pub enum VolumeType {
 }
 
 /// `--tls`: nbdkit's settings.
+/// `--io-engine`: how a file or block device back end submits its reads and writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum IoEngineArg {
+    /// pread/pwrite on the thread that runs the request.
+    Threads,
+    /// io_uring; where the kernel refuses it, the thread path with a warning.
+    Uring,
+    /// io_uring where the kernel allows it, else the thread path (one log line says why).
+    Auto,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum TlsArg {
     /// No TLS: NBD_OPT_STARTTLS is refused.
@@ -136,6 +147,13 @@ pub struct Args {
     /// Open the backing store with O_DIRECT, bypassing the page cache.
     #[arg(long)]
     direct: bool,
+    /// How reads and writes reach a file or block device: `threads` (pread/pwrite on the thread
+    /// that runs the request), `uring` (io_uring; a FUA write and its fdatasync go in one
+    /// submission) or `auto` (io_uring where the kernel allows it). Where io_uring is refused
+    /// (old kernel, kernel.io_uring_disabled, seccomp) the server uses threads and says so.
+    /// Default threads: io_uring did not lower CPU per byte (docs/bench/2026-11-28-io-uring.md).
+    #[arg(long, value_enum, default_value = "threads")]
+    io_engine: IoEngineArg,
     /// Crypto threads for large requests (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -258,6 +276,9 @@ fn remote_backing(args: &Args) -> Result<Option<NbdUri>> {
     let uri = uri::parse(spec).unwrap_or_else(|e| usage(format!("--backing: {e}")));
     if args.direct {
         usage("--direct applies to a file or device, not to an NBD export as --backing".into());
+    }
+    if args.io_engine == IoEngineArg::Uring {
+        usage("--io-engine uring applies to a file or device, not to an NBD export as --backing".into());
     }
     if args.volume_type() == VolumeType::Luks && args.header.is_none() {
         usage("--type luks with an NBD export as --backing needs the header in a local file (--header FILE)".into());
@@ -418,7 +439,14 @@ pub fn run(args: Args) -> Result<ExitCode> {
             };
             Backing::connect(uri, &backing_opts, &opts)?
         }
-        None => Backing::open(&args.backing, &backing_opts)?,
+        None => {
+            let engine = match args.io_engine {
+                IoEngineArg::Threads => IoEngine::Threads,
+                IoEngineArg::Uring => IoEngine::Uring,
+                IoEngineArg::Auto => IoEngine::Auto,
+            };
+            Backing::open_with(&args.backing, &backing_opts, engine)?
+        }
     };
     // A read-only upstream makes a read-only export; TRIM only where the upstream takes it.
     let read_only = args.read_only || backing.upstream().is_some_and(|e| e.read_only());

@@ -17,7 +17,7 @@ use std::path::Path;
 use super::{check_aligned, image_lock, BackingError, BackingOptions, Store};
 
 pub(super) struct FileBacking {
-    file: File,
+    pub(super) file: File,
     size: u64,
     is_block_device: bool,
     direct: bool,

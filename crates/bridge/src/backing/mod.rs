@@ -11,6 +11,7 @@
 mod file;
 mod image_lock;
 mod nbd;
+mod uring;
 
 use std::io;
 use std::os::fd::RawFd;
@@ -37,6 +38,18 @@ pub struct BackingOptions {
     /// O_DIRECT: bypass the page cache, as an inline bridge in front of a disk would.
     pub direct: bool,
     pub sector_size: usize,
+}
+
+/// How a file or block device back end submits its reads and writes (`serve --io-engine`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoEngine {
+    /// pread/pwrite on the thread that runs the request.
+    #[default]
+    Threads,
+    /// io_uring (see `uring`), or the thread path with a warning where the kernel refuses it.
+    Uring,
+    /// io_uring where the kernel allows it, else the thread path (logged at info level).
+    Auto,
 }
 
 #[derive(Debug, Error)]
@@ -139,6 +152,11 @@ pub trait Store: Send + Sync {
         None
     }
 
+    /// How its reads and writes are submitted: [`IoEngine::Uring`] or [`IoEngine::Threads`].
+    fn io_engine(&self) -> IoEngine {
+        IoEngine::Threads
+    }
+
     /// Whether opening it created it (a new file).
     fn created(&self) -> bool {
         false
@@ -194,6 +212,37 @@ impl Backing {
     /// the error is returned.
     pub fn open(path: &Path, opts: &BackingOptions) -> Result<Self, BackingError> {
         Ok(Self { store: Box::new(file::FileBacking::open(path, opts)?) })
+    }
+
+    /// [`Backing::open`], with reads and writes submitted by `engine`. Where io_uring is asked
+    /// for but cannot serve (no io_uring in the kernel, `kernel.io_uring_disabled`, a seccomp
+    /// filter, reads refused), the file is served on the thread path, with one log line saying
+    /// why: never an error.
+    pub fn open_with(path: &Path, opts: &BackingOptions, engine: IoEngine) -> Result<Self, BackingError> {
+        let file = file::FileBacking::open(path, opts)?;
+        if engine == IoEngine::Threads {
+            return Ok(Self { store: Box::new(file) });
+        }
+        match uring::open(file, opts.sector_size) {
+            Ok(u) => {
+                tracing::info!("backing {}: reads and writes through io_uring", path.display());
+                Ok(Self { store: Box::new(u) })
+            }
+            Err((file, why)) => {
+                let line = format!("backing {}: io_uring unavailable ({why}); reads and writes on the I/O threads (pread/pwrite)", path.display());
+                if engine == IoEngine::Uring {
+                    tracing::warn!("{line}");
+                } else {
+                    tracing::info!("{line}");
+                }
+                Ok(Self { store: Box::new(file) })
+            }
+        }
+    }
+
+    /// Whether reads and writes go through io_uring ([`Backing::open_with`]).
+    pub fn uses_io_uring(&self) -> bool {
+        self.store.io_engine() == IoEngine::Uring
     }
 
     /// Connects to the upstream export `uri` (see [`crate::nbd::client`]), whose size and block

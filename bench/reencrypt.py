@@ -94,6 +94,7 @@ from bridge import (  # noqa: E402
     fill_file,
     fio_job,
     human_size,
+    job_order,
     parse_size,
     sync_file,
 )
@@ -341,6 +342,18 @@ def compute(state: dict) -> dict:
         row["not_running_at_end"] = sum(1 for s in on if s.get("reencrypting_at_end") is not True)
         row["ratio"], row["pairs"] = paired(usable, "online", "baseline")
         row["verdict"] = verdict(row["ratio"], row["target"])
+        row["variants"] = {}
+        for name in state.get("config", {}).get("online_variants", {}):
+            tool = f"online@{name}"
+            von = [s for s in samples if s["tool"] == tool and s.get("ok")]
+            ratio, pairs = paired(usable, tool, "baseline")
+            vs_online, _ = paired(usable, tool, "online")
+            row["variants"][name] = {
+                "mbps": median([s["mbps"] for s in von if online_usable(s)]),
+                "server_cpu_s_per_gib": median([s.get("server_cpu_s_per_gib") for s in von if online_usable(s)]),
+                "reencrypted_bytes": median([s.get("reencrypted_bytes") for s in von]),
+                "reencrypted_mbps": median([s.get("reencrypted_mbps") for s in von]),
+                "ratio": ratio, "pairs": pairs, "verdict": verdict(ratio, row["target"]), "vs_online": vs_online}
         out["online"].append(row)
     return out
 
@@ -390,6 +403,19 @@ def markdown(state: dict) -> str:
                      f"{fmt(r['ratio'], 2)} | {r['pairs']} | ≥ {r['target']:g} | {r['verdict']}"
                      + (f" ({r['not_running_at_end']} online job(s) where the reencryption had ended: left out)"
                         if r["not_running_at_end"] else "") + " |")
+    names = list(cfg.get("online_variants", {}))
+    if names and res["online"]:
+        L += ["", "**Online, other builds in the same rotation (same baseline)**: "
+              + "; ".join(f"`{n}` = {cfg['online_variants'][n]}" for n in names), "",
+              "| Profile | build | online MB/s | CPU s/GiB | re-encrypted per job | reencryption MB/s | "
+              "/ baseline | pairs | verdict | / this build's online |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+        for r in res["online"]:
+            for n in names:
+                v = r["variants"].get(n, {})
+                rb = v.get("reencrypted_bytes")
+                L.append(f"| {r['profile']} | {n} | {fmt(v.get('mbps'), 0)} | {fmt(v.get('server_cpu_s_per_gib'), 3)} | "
+                         f"{fmt(rb / MiB if rb is not None else None, 0)} MiB | {fmt(v.get('reencrypted_mbps'), 1)} | "
+                         f"{fmt(v.get('ratio'), 2)} | {v.get('pairs')} | {v.get('verdict')} | {fmt(v.get('vs_online'), 2)} |")
     L += ["", "**Targets**", ""]
     for line in state.get("verdicts", []):
         L.append(f"- {line}")
@@ -463,6 +489,9 @@ def main() -> int:
     ap.add_argument("--online-rate", default=None,
                     help="online: serve --reencrypt-rate (default: none, the default rate; quick 32M so that "
                          "the small volume's reencryption outlasts the jobs)")
+    ap.add_argument("--online-variant", action="append", default=[], metavar="NAME=BINARY",
+                    help="online: also serve --reencrypt from this build (e.g. other back-off constants), "
+                         "as job online@NAME in the same rotation, its ratio to the same baseline reported")
     ap.add_argument("--cb-hotzone", default=None, help="--hotzone-size for `luks reencrypt` (default: its own)")
     ap.add_argument("--parts", default="offline,online", help="offline (with the idle runs), online, or both")
     ap.add_argument("--timeout", type=float, default=900, help="seconds allowed per reencryption")
@@ -483,6 +512,13 @@ def main() -> int:
     if set(modes) - set(RESILIENCES):
         ap.error(f"unknown resilience: {', '.join(sorted(set(modes) - set(RESILIENCES)))}")
     parts = set(args.parts.split(","))
+    variants = {}
+    for v in args.online_variant:
+        name, sep, path = v.partition("=")
+        if not sep or not name or not Path(path).exists():
+            ap.error(f"--online-variant {v}: want NAME=BINARY, an existing file")
+        variants[name] = Path(path).resolve()
+    online_tools = ["baseline", "online", *(f"online@{n}" for n in variants)]
     missing = check_tools(args.binary, "online" in parts)
     if missing:
         print("error: missing: " + ", ".join(missing), file=sys.stderr)
@@ -508,7 +544,8 @@ def main() -> int:
         "command": shjoin(["python3", "bench/reencrypt.py", *sys.argv[1:]]),
         "config": {"size": size, "online_size": online_size, "resilience": modes,
                    "online_resilience": args.online_resilience, "repeats": args.repeats, "runtime_s": args.runtime,
-                   "ramp_s": args.ramp, "cb_hotzone": args.cb_hotzone, "online_rate": args.online_rate, "parts": sorted(parts), "quick": q,
+                   "ramp_s": args.ramp, "cb_hotzone": args.cb_hotzone, "online_rate": args.online_rate,
+                   "online_variants": {k: str(v) for k, v in variants.items()}, "parts": sorted(parts), "quick": q,
                    "workdir": str(work), "workdir_fs": fs_of(work), "format": shjoin(FORMAT)},
         "units": "MB/s = 1e6 bytes/s; CPU s = user+sys of the child (getrusage); "
                  "server CPU s/GiB = utime+stime per 2^30 bytes the client moved; medians over repeats",
@@ -554,7 +591,7 @@ def main() -> int:
                     report(False)
         if "online" in parts:
             tmpl = make_templates(cs, work, online_size, [args.online_resilience], keyfile, "online")[args.online_resilience]
-            log(f"\nreencrypt online: {len(PROFILES) * 2 * args.repeats} fio jobs on {human_size(online_size)}")
+            log(f"\nreencrypt online: {len(PROFILES) * len(online_tools) * args.repeats} fio jobs on {human_size(online_size)}")
             for rep in range(1, args.repeats + 1):
                 log(f"\n== online repeat {rep}/{args.repeats}")
                 copy_image(tmpl, runimg)
@@ -563,28 +600,29 @@ def main() -> int:
                     # A pair starts on a copy with room left for its online job: a fresh copy of
                     # the template once the reencryption has gone past REFRESH of the volume.
                     last = next((x for x in reversed(state["online"].get(PROFILES[pi - 1].key, []) if pi else [])
-                                 if x["tool"] == "online" and x["repeat"] == rep), None)
+                                 if x["tool"].startswith("online") and x["repeat"] == rep
+                                 and x.get("done_at_end") is not None), None)
                     if not fresh and (last is None or last.get("done_at_end") is None
                                       or last["done_at_end"] > REFRESH * online_size):
                         log(f"  (fresh copy of {tmpl.name})")
                         copy_image(tmpl, runimg)
                     fresh = False
-                    order = ["baseline", "online"] if (rep + pi) % 2 else ["online", "baseline"]
-                    for tool in order:
+                    for tool in job_order(online_tools, rep - 1, pi):
                         extra = []
-                        sock = rundir / f"{tool}.sock"
-                        if tool == "online":
+                        sock = rundir / f"{tool.replace('@', '-')}.sock"
+                        binary = variants.get(tool.partition("@")[2], args.binary)
+                        if tool.startswith("online"):
                             extra = ["--reencrypt", "--metrics", sock.with_suffix(".metrics")]
                             if args.online_rate:
                                 extra += ["--reencrypt-rate", args.online_rate]
-                        srv = Server(tool, args.binary, runimg, keyfile, sock, logdir, extra)
+                        srv = Server(tool.replace("@", "-"), binary, runimg, keyfile, sock, logdir, extra)
                         out = jobdir / f"{prof.key}-{tool}-r{rep}.json"
                         try:
                             srv.start()
                             pid = srv.proc.pid if srv.proc else None
-                            d0, total = srv.reencryption() if tool == "online" else (None, None)
+                            d0, total = srv.reencryption() if tool.startswith("online") else (None, None)
                             s = fio_job(srv.uri, prof, online_size, args.runtime, args.ramp, out, pid)
-                            if tool == "online":
+                            if tool.startswith("online"):
                                 d1, total = srv.reencryption()
                                 if d0 is not None and d1 is not None:
                                     s["reencrypted_bytes"] = d1 - d0
@@ -601,11 +639,11 @@ def main() -> int:
                         s["tool"], s["repeat"] = tool, rep
                         state["online"].setdefault(prof.key, []).append(s)
                         extra_txt = ""
-                        if tool == "online":
+                        if tool.startswith("online"):
                             rb = s.get("reencrypted_bytes")
                             extra_txt = (f"  re-encrypted {fmt(rb / MiB if rb is not None else None, 0)} MiB, "
                                          f"running at end: {s.get('reencrypting_at_end')}")
-                        line = (f"  {prof.label:<18} {tool:<9} {fmt(s.get('mbps'), 0):>7} MB/s  server "
+                        line = (f"  {prof.label:<18} {tool:<14} {fmt(s.get('mbps'), 0):>7} MB/s  server "
                                 f"{fmt(s.get('server_cpu_s_per_gib'), 3)} s/GiB{extra_txt}")
                         log(line if s.get("ok") else line + f"  FAILED: {s.get('error')}")
                 report(False)

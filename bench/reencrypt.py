@@ -56,7 +56,6 @@ docs/bench/), fio JSON under bench/out/fio/reencrypt/, server logs under bench/o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import resource

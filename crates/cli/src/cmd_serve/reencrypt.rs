@@ -46,11 +46,14 @@ impl Job {
         self.stop.load(Ordering::SeqCst)
     }
 
-    /// Waits while clients make requests, at most `limit`; false when stopped meanwhile.
-    fn yield_to_clients(&self, limit: Duration) -> bool {
+    /// Waits while clients make requests, at most `limit`; false when stopped meanwhile. `seen`:
+    /// the clients' activity when the last step ended (no client since then: no wait at all).
+    fn yield_to_clients(&self, limit: Duration, mut seen: u64) -> bool {
         let m = metrics::global();
+        if m.client_activity() == seen && m.in_flight() == 0 {
+            return !self.stopped();
+        }
         let waited = Instant::now();
-        let mut seen = m.client_activity();
         loop {
             std::thread::sleep(LOOK);
             if self.stopped() {
@@ -77,9 +80,10 @@ impl Job {
             rate.map_or(String::new(), |r| format!(", at most {r} bytes/s")),
         );
         let mut last_step = Duration::ZERO;
+        let mut activity = m.client_activity().wrapping_sub(1);
         let mut tenth = first * 10 / size;
         while !steps.finished() {
-            if !self.yield_to_clients((last_step * BACKOFF).max(LOOK)) {
+            if !self.yield_to_clients((last_step * BACKOFF).max(LOOK), activity) {
                 break;
             }
             if let Some(r) = rate.filter(|&r| r > 0) {
@@ -97,6 +101,7 @@ impl Job {
                 return;
             }
             last_step = t.elapsed();
+            activity = m.client_activity();
             m.reencryption(steps.done, size);
             if steps.done * 10 / size > tenth {
                 tenth = steps.done * 10 / size;

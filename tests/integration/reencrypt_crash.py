@@ -347,7 +347,8 @@ class Campaign:
         rr.recovered_hotzone = is_hot(header_json(vol.img))
         if rr.recovered_hotzone:
             cryptsetup("repair", "--batch-mode", "--key-file", vol.pw, vol.img)
-        cryptsetup("reencrypt", "--resume-only", "--batch-mode", "--force-offline-reencrypt", "--key-file", vol.pw, vol.img)
+        if in_progress(vol.img):  # a repair of the last hotzone finishes the reencryption
+            cryptsetup("reencrypt", "--resume-only", "--batch-mode", "--force-offline-reencrypt", "--key-file", vol.pw, vol.img)
         with open(vol.img, "rb") as f:
             f.seek(vol.offset)
             raw = f.read(len(vol.model))

@@ -625,6 +625,18 @@ class RoundResult:
         return self.clean and self.intact and not self.problems
 
 
+def build_undo_shim(workdir: Path) -> Path:
+    """Compiles crash_undo_shim.c into `workdir`; the power-loss model's LD_PRELOAD library."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise FileNotFoundError("--power-loss needs a C compiler (cc) for crash_undo_shim.c")
+    shim = workdir / "crash_undo_shim.so"
+    r = sh([cc, "-O2", "-Wall", "-shared", "-fPIC", "-o", shim, Path(__file__).resolve().with_name("crash_undo_shim.c"), "-ldl"], 120)
+    if r.rc != 0:
+        raise StackError(f"building the undo shim failed: {r.text()}")
+    return shim
+
+
 def apply_undo(log: Path, backing: Path, fraction: float, rng: random.Random) -> tuple[int, int, int]:
     """Writes back the old bytes of the logged writes that no completed sync covered (each with
     probability `fraction`), newest first. Returns (writes not covered, undone, bytes undone)."""
@@ -694,14 +706,7 @@ class Campaign:
         # a private copy: a rebuild of the shared target dir mid-campaign must not change the binary
         shutil.copy2(BIN, self.bin)
         if self.power_loss:
-            cc = shutil.which("cc") or shutil.which("gcc")
-            if cc is None:
-                raise FileNotFoundError("--power-loss needs a C compiler (cc) for crash_undo_shim.c")
-            self.shim = self.workdir / "crash_undo_shim.so"
-            r = sh([cc, "-O2", "-Wall", "-shared", "-fPIC", "-o", self.shim,
-                    Path(__file__).resolve().with_name("crash_undo_shim.c"), "-ldl"], 120)
-            if r.rc != 0:
-                raise StackError(f"building the undo shim failed: {r.text()}")
+            self.shim = build_undo_shim(self.workdir)
         self.bin_info = f"{BIN} (mtime {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(BIN.stat().st_mtime))}, " \
                         f"sha256 {_sha(self.bin)[:16]})"
         key_bytes = os.urandom(64)

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from crash_campaign import apply_undo  # noqa: E402
+from crash_campaign import apply_undo, build_undo_shim  # noqa: E402
 from nbd_client import NBDClient  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,12 +71,13 @@ def skip_reason() -> Optional[str]:
     return None
 
 
-def xts(key: bytes, data: bytes, sector: int, encrypt: bool) -> bytes:
+def xts_sectors(key: bytes, data: bytes, sector: int, first_iv: int, encrypt: bool) -> bytes:
+    """aes-xts-plain64 over whole sectors, IVs counting 512-byte units (LUKS at every sector size)."""
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
     out = bytearray()
     for i in range(0, len(data), sector):
-        c = Cipher(algorithms.AES(key), modes.XTS((i // 512).to_bytes(16, "little")))
+        c = Cipher(algorithms.AES(key), modes.XTS((first_iv + i // 512).to_bytes(16, "little")))
         op = c.encryptor() if encrypt else c.decryptor()
         out += op.update(data[i : i + sector]) + op.finalize()
     return bytes(out)
@@ -90,6 +91,8 @@ def cryptsetup(*args, timeout: float = 300, check: bool = True) -> subprocess.Co
 
 
 def header_json(img: Path):
+    """The primary header's JSON, read directly (no lock: the other tool may be rewriting it, so a
+    torn read is reported as None)."""
     with open(img, "rb") as f:
         binary = f.read(4096)
         hdr_size = struct.unpack(">Q", binary[8:16])[0]
@@ -100,13 +103,13 @@ def header_json(img: Path):
         return None
 
 
-def active(meta) -> list:
+def active_segments(meta) -> list:
     backups = {"backup-previous", "backup-final", "backup-moved-segment"}
     return [s for _, s in sorted(meta["segments"].items(), key=lambda kv: int(kv[0])) if not backups & set(s.get("flags", []))]
 
 
 def is_hot(meta) -> bool:
-    return bool(meta) and any("in-reencryption" in s.get("flags", []) for s in active(meta))
+    return bool(meta) and any("in-reencryption" in s.get("flags", []) for s in active_segments(meta))
 
 
 def in_progress(img: Path) -> bool:
@@ -247,12 +250,7 @@ class Campaign:
             raise FileNotFoundError(f"{BIN} not found: run `cargo build --release --locked` first")
         shutil.copy2(BIN, self.bin)
         if self.power_loss:
-            cc = shutil.which("cc") or shutil.which("gcc")
-            if cc is None:
-                raise FileNotFoundError("--power-loss needs a C compiler (cc) for crash_undo_shim.c")
-            self.shim = self.workdir / "crash_undo_shim.so"
-            subprocess.run([cc, "-O2", "-Wall", "-shared", "-fPIC", "-o", str(self.shim),
-                            str(Path(__file__).resolve().with_name("crash_undo_shim.c")), "-ldl"], check=True, timeout=120)  # fmt: skip
+            self.shim = build_undo_shim(self.workdir)
         for mode in self.modes:
             img, pw = self.workdir / f"{mode}.img", self.workdir / f"{mode}.pass"
             fd = os.open(pw, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -266,7 +264,7 @@ class Campaign:
             plain = os.urandom(self.size - offset)
             with open(img, "r+b") as f:
                 f.seek(offset)
-                f.write(xts(volume_key(img, pw), plain, 4096, True))
+                f.write(xts_sectors(volume_key(img, pw), plain, 4096, 0, True))
             vol = Volume(mode, img, pw, offset, bytearray(plain))
             vol.init()
             self.volumes[mode] = vol
@@ -352,7 +350,7 @@ class Campaign:
         with open(vol.img, "rb") as f:
             f.seek(vol.offset)
             raw = f.read(len(vol.model))
-        self.compare(xts(volume_key(vol.img, vol.pw), raw, 4096, False), vol, pending, rr)
+        self.compare(xts_sectors(volume_key(vol.img, vol.pw), raw, 4096, 0, False), vol, pending, rr)
 
     def round(self, n: int, mode: str) -> Round:
         vol = self.volumes[mode]

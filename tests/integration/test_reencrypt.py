@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import signal
-import struct
 import subprocess
 import time
 from pathlib import Path
@@ -22,40 +21,12 @@ import pytest
 
 from conftest import MiB, assert_no_panic, cb
 from nbd_client import NBDClient
+from reencrypt_crash import active_segments, header_json, xts_sectors
 from test_luks import FAST_PBKDF2, PASS, cryptsetup, data_layout, luks_format, need, rewrite_luks2, serve_fails, serve_luks, sparse, volume_key, write_file
 
-xts = pytest.importorskip("cryptography.hazmat.primitives.ciphers", reason="the Python cryptography package is needed for the independent XTS")
+pytest.importorskip("cryptography.hazmat.primitives.ciphers", reason="the Python cryptography package is needed for the independent XTS")
 
 IMAGE = 64 * MiB
-
-
-def xts_sectors(key: bytes, data: bytes, sector: int, first_iv: int, encrypt: bool) -> bytes:
-    """aes-xts-plain64 over whole sectors, IVs counting 512-byte units (LUKS at every sector size)."""
-    out = bytearray()
-    for i in range(0, len(data), sector):
-        tweak = (first_iv + i // 512).to_bytes(16, "little")
-        c = xts.Cipher(xts.algorithms.AES(key), xts.modes.XTS(tweak))
-        op = c.encryptor() if encrypt else c.decryptor()
-        out += op.update(data[i : i + sector]) + op.finalize()
-    return bytes(out)
-
-
-def header_json(img: Path):
-    """The primary header's JSON, read directly (no lock: cryptsetup may be rewriting it, so a
-    torn read is reported as None)."""
-    with open(img, "rb") as f:
-        binary = f.read(4096)
-        hdr_size = struct.unpack(">Q", binary[8:16])[0]
-        area = f.read(hdr_size - 4096)
-    try:
-        return json.loads(area.split(b"\0", 1)[0])
-    except ValueError:
-        return None
-
-
-def active_segments(meta) -> list:
-    backups = {"backup-previous", "backup-final", "backup-moved-segment"}
-    return [s for _, s in sorted(meta["segments"].items(), key=lambda kv: int(kv[0])) if not backups & set(s.get("flags", []))]
 
 
 def volume_with_plaintext(ws, *fmt, header: Optional[Path] = None) -> tuple[Path, Path, bytes, int]:

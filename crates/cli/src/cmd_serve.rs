@@ -572,10 +572,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
 /// LUKS device as plain; a server has nobody to ask, so it refuses and names both ways on.
 fn refuse_luks_as_plain(backing: &cryptbridge_bridge::Backing, path: &Path) -> Result<()> {
     // One aligned sector, so that an O_DIRECT backing can read it too.
-    const SECTOR: usize = 4096;
-    let mut buf = vec![0u8; 2 * SECTOR];
-    let start = buf.as_ptr().align_offset(SECTOR);
-    let first = &mut buf[start..start + SECTOR];
+    const SECTOR: usize = crate::aligned::Aligned::ALIGN;
+    let mut buf = crate::aligned::Aligned::new(SECTOR);
+    let first = buf.bytes();
     let len = (backing.size() as usize).min(SECTOR) / 512 * 512;
     if let Err(e) = backing.read_at(&mut first[..len], 0) {
         // The check guards against a mistake; a store whose first sector cannot be read now can

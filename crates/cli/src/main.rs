@@ -1,5 +1,6 @@
 //! `cryptbridge`: the command-line front end. Each subcommand lives in its own module.
 
+mod aligned;
 mod cmd_bench;
 mod cmd_cipher;
 mod cmd_file;

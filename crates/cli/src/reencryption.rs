@@ -21,6 +21,7 @@ use std::collections::BTreeMap;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use cryptbridge_bridge::{Backing, Mapping, Region, StepCommit};
@@ -140,29 +141,9 @@ impl Owned {
     }
 }
 
-/// Bytes `[offset, offset + len)` of `backing` in a buffer aligned for O_DIRECT.
-struct Aligned {
-    raw: Vec<u8>,
-    start: usize,
-    len: usize,
-}
-
-impl Aligned {
-    const ALIGN: usize = 4096;
-
-    fn new(len: usize) -> Self {
-        let raw = vec![0u8; len + Self::ALIGN];
-        let start = raw.as_ptr().align_offset(Self::ALIGN);
-        Self { raw, start, len }
-    }
-
-    fn bytes(&mut self) -> &mut [u8] {
-        &mut self.raw[self.start..self.start + self.len]
-    }
-}
-
-/// Recovers the hotzone a crash left (`o.plan.hot`) on the data device `backing`, commits it as
-/// rewritten and returns the volume's state after that. `data_size`: the data area's length.
+/// Recovers the hotzone a crash left (`o.plan.hot`) on the data device `backing` and commits it as
+/// rewritten (`o` then holds the header and plan after that, or `finished` when it was the last
+/// step). `data_size`: the data area's length.
 pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u64) -> Result<()> {
     let Some(len) = o.plan.hot else { return Ok(()) };
     let plan = o.plan.clone();
@@ -176,7 +157,7 @@ pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u
     };
     let area = o.state.keyslot.area_offset;
     let what = format!("{}: the hotzone at byte {start} ({len} bytes) of an interrupted step", o.name);
-    let mut buf = Aligned::new(usize::try_from(len).context("hotzone size")?);
+    let mut buf = crate::aligned::Aligned::new(usize::try_from(len).context("hotzone size")?);
     let mut rewritten = 0u64;
     match plan.resilience {
         StepResilience::None => bail!(
@@ -234,7 +215,7 @@ pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u
 /// A step's commit points, written to the header by [`Mapping::remap`] around its rewrite.
 struct Commits<'a> {
     o: &'a mut Owned,
-    /// Where the step starts and its length.
+    /// The step's bytes done before it and its length (as `step_metadata` takes them).
     hotzone: (u64, u64),
     data_size: u64,
     /// The error of a commit, with its context (remap hands on only its text).
@@ -329,6 +310,10 @@ pub struct Stepper {
     pub done: u64,
     /// The finished metadata is written (by the last step): the old keyslots' areas to wipe.
     wipe: Option<Areas>,
+    /// This run's start and bytes done then, for its rate; the last tenth of the volume logged.
+    started: Instant,
+    first: u64,
+    logged_tenth: u64,
 }
 
 impl Stepper {
@@ -352,7 +337,7 @@ impl Stepper {
             bail!("the hotzone must be at least {unit} bytes (and the reencrypt keyslot's area must have room for one)");
         }
         let done = plan.done(data_size);
-        Ok(Self { owned, engines, mapping, device_size, data_size, hotzone, done, wipe: None })
+        Ok(Self { owned, engines, mapping, device_size, data_size, hotzone, done, wipe: None, started: Instant::now(), first: done, logged_tenth: done * 10 / data_size })
     }
 
     pub fn data_size(&self) -> u64 {
@@ -369,6 +354,25 @@ impl Stepper {
 
     pub fn resilience(&self) -> &'static str {
         self.owned.plan.resilience.name()
+    }
+
+    /// Bytes per second rewritten since this run started.
+    pub fn rate(&self) -> f64 {
+        (self.done - self.first) as f64 / self.started.elapsed().as_secs_f64().max(1e-3)
+    }
+
+    /// Since this run started.
+    pub fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// A log line each time another tenth of the volume is done.
+    pub fn log_tenths(&mut self) {
+        let tenth = self.done * 10 / self.data_size;
+        if tenth > self.logged_tenth {
+            self.logged_tenth = tenth;
+            tracing::info!("{} of {} bytes re-encrypted ({:.1} MiB/s)", self.done, self.data_size, self.rate() / f64::from(1 << 20));
+        }
     }
 
     pub fn finished(&self) -> bool {

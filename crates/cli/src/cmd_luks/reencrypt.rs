@@ -9,7 +9,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use cryptbridge_bridge::{Backing, BackingOptions, Mapping};
@@ -153,7 +152,6 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
         "{name}: re-encrypting from byte {plan_done} of {data_size} (resilience {initialized}, hotzone {} bytes)",
         steps.hotzone()
     );
-    let started = Instant::now();
     // On a terminal: a bar with the rate and the time left.
     let bar = (std::io::stderr().is_terminal() && !a.json).then(|| {
         let style = indicatif::ProgressStyle::with_template("{percent:>3}% [{bar:32}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec}, {eta} left")
@@ -163,20 +161,16 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
         bar.reset_eta();
         bar
     });
-    let mut last_tenth = plan_done * 10 / data_size;
     while !steps.finished() && !stop.load(Ordering::SeqCst) {
         steps.step()?;
-        let done = steps.done;
-        let secs = started.elapsed().as_secs_f64().max(1e-3);
-        let rate = (done - plan_done) as f64 / secs;
+        let (done, rate) = (steps.done, steps.rate());
         let left = (data_size - done) as f64 / rate.max(1.0);
         if a.json {
             println!("{}", serde_json::json!({"done": done, "size": data_size, "bytes_per_second": rate as u64, "seconds_left": left as u64}));
         } else if let Some(bar) = &bar {
             bar.set_position(done);
-        } else if done * 10 / data_size > last_tenth {
-            last_tenth = done * 10 / data_size;
-            tracing::info!("{done} of {data_size} bytes re-encrypted ({:.1} MiB/s)", rate / (1 << 20) as f64);
+        } else {
+            steps.log_tenths();
         }
     }
     if let Some(bar) = bar {
@@ -186,7 +180,8 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
         tracing::info!("{name}: stopped at byte {} of {data_size}; `luks reencrypt --resume-only` (or cryptsetup's) continues", steps.done);
         return Ok(ExitCode::SUCCESS);
     }
+    let took = steps.elapsed();
     steps.finish()?;
-    tracing::info!("{name}: reencryption finished ({data_size} bytes in {:.1} s)", started.elapsed().as_secs_f64());
+    tracing::info!("{name}: reencryption finished ({data_size} bytes in {:.1} s)", took.as_secs_f64());
     Ok(ExitCode::SUCCESS)
 }

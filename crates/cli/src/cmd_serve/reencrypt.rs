@@ -81,7 +81,6 @@ impl Job {
         );
         let mut last_step = Duration::ZERO;
         let mut activity = m.client_activity().wrapping_sub(1);
-        let mut tenth = first * 10 / size;
         while !steps.finished() {
             if !self.yield_to_clients((last_step * BACKOFF).max(LOOK), activity) {
                 break;
@@ -103,11 +102,7 @@ impl Job {
             last_step = t.elapsed();
             activity = m.client_activity();
             m.reencryption(steps.done, size);
-            if steps.done * 10 / size > tenth {
-                tenth = steps.done * 10 / size;
-                let rate = (steps.done - first) as f64 / started.elapsed().as_secs_f64().max(1e-3);
-                tracing::info!("{} of {size} bytes re-encrypted ({:.1} MiB/s)", steps.done, rate / f64::from(1 << 20));
-            }
+            steps.log_tenths();
         }
         if !steps.finished() {
             tracing::info!("reencryption stopped at byte {} of {size}; a restart with --reencrypt (or `luks reencrypt --resume-only`) continues", steps.done);

@@ -183,6 +183,12 @@ pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u
             rewrite(buf.bytes(), start)?;
             rewritten = len;
         }
+        // The step's source is intact (the step writes `shift` bytes further on): done again.
+        StepResilience::Datashift { .. } => {
+            backing.read_at(buf.bytes(), plan.source_offset(start)).with_context(|| format!("{what}: cannot read its source"))?;
+            rewrite(buf.bytes(), start)?;
+            rewritten = len;
+        }
     }
     if rewritten > 0 {
         backing.write_at(buf.bytes(), plan.data_offset + start, false).with_context(|| format!("{what}: cannot write it"))?;
@@ -196,6 +202,7 @@ pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u
             for (offset, len) in wipe {
                 reencrypt::wipe_area(&o.file, &o.name, offset, len)?;
             }
+            wipe_moved(&plan, backing, &o.name)?;
             o.finished = true;
         }
         None => {
@@ -210,6 +217,16 @@ pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u
         plan.resilience.name()
     );
     Ok(())
+}
+
+/// Overwrites with random bytes the copy of the plaintext's first bytes that moving data left at
+/// the end of the data device, once the finished metadata no longer names it (as cryptsetup does).
+fn wipe_moved(plan: &StepPlan, backing: &Backing, name: &str) -> Result<()> {
+    let Some((offset, len)) = plan.moved_area() else { return Ok(()) };
+    let mut noise = crate::aligned::Aligned::new(usize::try_from(len).context("moved segment size")?);
+    rand::TryRngCore::try_fill_bytes(&mut rand::rngs::OsRng, noise.bytes()).map_err(|e| anyhow::anyhow!("the system random generator failed: {e}"))?;
+    backing.write_at(noise.bytes(), offset, false).with_context(|| format!("{name}: cannot wipe the moved plaintext at byte {offset}"))?;
+    backing.flush().with_context(|| format!("{name}: cannot sync the wiped moved plaintext"))
 }
 
 /// A step's commit points, written to the header by [`Mapping::remap`] around its rewrite.
@@ -254,6 +271,8 @@ impl Commits<'_> {
                 o.file.write_all_at(&sums, area).context("cannot write the resilience checksums")?;
             }
             StepResilience::Journal => o.file.write_all_at(old, area).context("cannot write the resilience journal")?,
+            // The source stays where it is: the metadata alone marks the step.
+            StepResilience::Datashift { .. } => {}
         }
         // Durable before the metadata that points at it.
         o.file.sync_data().context("cannot sync the resilience area")?;
@@ -331,8 +350,14 @@ impl Stepper {
             StepResilience::None => u64::MAX,
             StepResilience::Checksum { hash, block } => area / hash.output_len() as u64 * block as u64,
             StepResilience::Journal => area,
+            StepResilience::Datashift { .. } => u64::MAX,
         };
-        let hotzone = hotzone.min(room) / unit * unit;
+        let hotzone = match plan.resilience {
+            // cryptsetup's step: the shift exactly.
+            StepResilience::Datashift { shift } if shift.is_multiple_of(unit) => shift,
+            StepResilience::Datashift { shift } => bail!("the data shift ({shift} bytes) is not a whole number of {unit}-byte sectors"),
+            _ => hotzone.min(room) / unit * unit,
+        };
         if hotzone == 0 {
             bail!("the hotzone must be at least {unit} bytes (and the reencrypt keyslot's area must have room for one)");
         }
@@ -382,14 +407,13 @@ impl Stepper {
     /// Rewrites the next hotzone under the new key, through every commit point.
     pub fn step(&mut self) -> Result<()> {
         let (done, data_size) = (self.done, self.data_size);
-        let len = self.hotzone.min(data_size - done);
         let o = &mut self.owned;
+        let (start, len) = o.plan.next_step(done, self.hotzone, data_size);
         // The table once the step is done, from the metadata that will say so.
         let after = o.header.step_metadata(&o.state, &o.plan, done, len, data_size, false)?;
         let preview = Luks2Header::from_json(o.header.binary.clone(), after)?;
         let preview_state = preview.reencryption()?.context("the step's metadata has no reencryption")?;
         let next = self.engines.table(&preview.check_regions(&preview_state)?, self.device_size, self.mapping.sector_size())?;
-        let start = o.plan.step_start(done, len, data_size);
         let mut commits = Commits { o, hotzone: (done, len), data_size, error: None, wipe: None };
         if let Err(e) = self.mapping.remap(start, len, next, &mut commits) {
             let name = commits.o.name.clone();
@@ -422,6 +446,7 @@ impl Stepper {
         for (offset, len) in wipe {
             reencrypt::wipe_area(&o.file, &o.name, offset, len)?;
         }
+        wipe_moved(&o.plan, self.mapping.backing(), &o.name)?;
         drop(o.lock);
         Ok(())
     }

@@ -597,6 +597,10 @@ pub enum StepResilience {
     Checksum { hash: crate::hash::Hash, block: usize },
     /// The hotzone's old ciphertext copied whole into the area: after a crash, rewritten from it.
     Journal,
+    /// The data moves (encrypt with `--reduce-device-size`): a step reads `shift` bytes of
+    /// plaintext and writes them encrypted `shift` bytes further on, so its source is never
+    /// overwritten by it; after a crash, the step is done again from the source.
+    Datashift { shift: u64 },
 }
 
 impl StepResilience {
@@ -605,6 +609,7 @@ impl StepResilience {
             StepResilience::None => "none",
             StepResilience::Checksum { .. } => "checksum",
             StepResilience::Journal => "journal",
+            StepResilience::Datashift { .. } => "datashift",
         }
     }
 }
@@ -624,14 +629,22 @@ impl Side {
     }
 }
 
-/// What a run needs to continue a reencryption that cryptsetup (or a previous run) left, the data
-/// staying where it is: old key to new key, plaintext to a key (`encrypt`, a detached header) or a
-/// key to plaintext (`decrypt`), forward (from the start) or backward (from the end).
+/// What a run needs to continue a reencryption that cryptsetup (or a previous run) left: old key
+/// to new key, plaintext to a key (`encrypt`, a detached header) or a key to plaintext
+/// (`decrypt`), forward (from the start) or backward (from the end), the data staying where it
+/// is; or plaintext to a key with the data moving (`encrypt --reduce-device-size`, [`DataShift`]).
 #[derive(Debug, Clone)]
 pub struct StepPlan {
     pub direction: ReencryptDirection,
-    /// Where the data starts on the data device.
+    /// Where the new data starts on the data device.
     pub data_offset: u64,
+    /// Where the old data starts on the data device (`data_offset` unless the data moves).
+    pub old_offset: u64,
+    /// The moving data of an `encrypt --reduce-device-size`.
+    pub shift: Option<DataShift>,
+    /// The volume's size where the segment list fixes it (the data moves); `None`: the data
+    /// device's size past `data_offset`.
+    pub fixed_size: Option<u64>,
     /// Where the new part meets the rest in the volume, in bytes: forward, the end of the new part
     /// (`None`: the new segment covers the whole device, only the finish is left); backward, the
     /// start of the new part, or of the hotzone if any (`None`: nothing is new yet).
@@ -647,7 +660,58 @@ pub struct StepPlan {
     backups: [Value; 2],
 }
 
+/// The data of an `encrypt --reduce-device-size` (cryptsetup's layout): the plaintext's first
+/// `size` bytes were copied to `moved_offset` (the end of the device, the `backup-moved-segment`)
+/// before the header took their place; each step encrypts `size` bytes of plaintext from the end
+/// backwards into the place `size` bytes further on, the last step those first bytes from the copy.
+#[derive(Debug, Clone)]
+pub struct DataShift {
+    pub size: u64,
+    pub moved_offset: u64,
+    /// The `backup-moved-segment` as stored.
+    backup_moved: Value,
+}
+
 impl StepPlan {
+    /// The volume's size on a `device_size`-byte data device.
+    pub fn data_size(&self, device_size: u64) -> Option<u64> {
+        match self.fixed_size {
+            Some(z) => Some(z).filter(|&z| self.data_offset.checked_add(z).is_some_and(|end| end <= device_size)),
+            None => device_size.checked_sub(self.data_offset).filter(|&z| z > 0),
+        }
+    }
+
+    /// The next step after `done` bytes of a `data_size`-byte volume, at most `max_len` bytes:
+    /// (start in the volume, length). With moving data every step is the shift long but the one
+    /// that ends at the moved part (cryptsetup's order: the plaintext's first `shift` bytes last).
+    pub fn next_step(&self, done: u64, max_len: u64, data_size: u64) -> (u64, u64) {
+        if let (Some(s), ReencryptDirection::Backward) = (&self.shift, self.direction) {
+            let boundary = data_size - done;
+            if boundary > s.size {
+                let len = s.size.min(boundary - s.size);
+                return (boundary - len, len);
+            }
+            return (0, boundary);
+        }
+        let len = max_len.min(data_size - done);
+        (self.step_start(done, len, data_size), len)
+    }
+
+    /// Where the source of the step at `start` lies on the data device: the old data, or for the
+    /// first bytes of moving data their copy.
+    pub fn source_offset(&self, start: u64) -> u64 {
+        match &self.shift {
+            Some(s) if start == 0 => s.moved_offset,
+            _ => self.old_offset + start,
+        }
+    }
+
+    /// The stretch of the data device to overwrite once the reencryption is finished: the copy
+    /// of the plaintext's first bytes that moving data left (cryptsetup wipes it with random bytes).
+    pub fn moved_area(&self) -> Option<(u64, u64)> {
+        self.shift.as_ref().map(|s| (s.moved_offset, s.size))
+    }
+
     /// Bytes of a `data_size`-byte volume already under the new key (the hotzone not counted).
     pub fn done(&self, data_size: u64) -> u64 {
         match (self.direction, self.boundary) {
@@ -721,8 +785,10 @@ impl Luks2Header {
     /// The plan to continue `state`, or a refusal naming what is not supported yet.
     pub fn step_plan(&self, state: &Reencryption) -> Result<StepPlan> {
         let direction = state.keyslot.direction;
+        let moving = matches!(state.keyslot.resilience, Resilience::Datashift { .. }) && state.backup_moved.is_some();
         match (state.keyslot.mode, direction) {
             (Mode::Reencrypt, _) | (Mode::Encrypt, ReencryptDirection::Forward) | (Mode::Decrypt, ReencryptDirection::Backward) => {}
+            (Mode::Encrypt, ReencryptDirection::Backward) if moving => {}
             (mode, dir) => {
                 return Err(unsupported(format!(
                     "cryptbridge does not run a {mode:?} reencryption in the {dir:?} direction; use `cryptsetup reencrypt --resume-only`"
@@ -733,20 +799,45 @@ impl Luks2Header {
             Resilience::None => StepResilience::None,
             Resilience::Checksum { hash, sector_size } => StepResilience::Checksum { hash: crate::hash::Hash::from_name(hash)?, block: *sector_size as usize },
             Resilience::Journal => StepResilience::Journal,
+            Resilience::Datashift { shift_size } if moving => StepResilience::Datashift { shift: *shift_size },
             other => {
                 return Err(unsupported(format!(
-                    "cryptbridge supports resilience none, checksum and journal so far, not {} (the data moves); use `cryptsetup reencrypt --resume-only`",
-                    other.name()
+                    "cryptbridge runs resilience none, checksum, journal and the datashift of an encryption with a moved first segment, not {}{}; use `cryptsetup reencrypt --resume-only`",
+                    other.name(),
+                    if state.backup_moved.is_none() { " without a moved segment" } else { "" }
                 )))
             }
         };
-        if state.backup_moved.is_some() {
-            return Err(unsupported("a moved segment (datashift) is not supported by cryptbridge's reencryption yet".into()));
-        }
         let (old_seg, new_seg) = (&self.segments[&state.backup_previous], &self.segments[&state.backup_final]);
-        if old_seg.offset != new_seg.offset || old_seg.size.is_some() || new_seg.size.is_some() || old_seg.iv_tweak != 0 || new_seg.iv_tweak != 0 {
-            return Err(unsupported("cryptbridge's reencryption needs the old and new data at the same offset over the whole device".into()));
-        }
+        let shift = match (resilience, state.backup_moved) {
+            (StepResilience::Datashift { shift }, Some(moved_id)) => {
+                // cryptsetup's layout: [header: shift][the plaintext from `shift` on][free: shift][the plaintext's first `shift` bytes]
+                // with the old (linear) data at 0 and the new one `shift` further on.
+                let moved = &self.segments[&moved_id];
+                let fits = old_seg.kind == "linear"
+                    && old_seg.offset == 0
+                    && old_seg.size.is_some_and(|d| d >= shift)
+                    && new_seg.kind == "crypt"
+                    && new_seg.offset == shift
+                    && new_seg.size.is_none()
+                    && new_seg.iv_tweak == 0
+                    && moved.kind == "linear"
+                    && moved.size == Some(shift)
+                    && old_seg.size.and_then(|d| d.checked_add(shift)).is_some_and(|end| moved.offset >= end);
+                if !fits || shift == 0 {
+                    return Err(unsupported(
+                        "this data shift layout is not the one `cryptsetup reencrypt --encrypt --reduce-device-size` makes; use `cryptsetup reencrypt --resume-only`".into(),
+                    ));
+                }
+                Some(DataShift { size: shift, moved_offset: moved.offset, backup_moved: Value::Object(self.raw_segment(moved_id)?.clone()) })
+            }
+            _ => {
+                if old_seg.offset != new_seg.offset || old_seg.size.is_some() || new_seg.size.is_some() || old_seg.iv_tweak != 0 || new_seg.iv_tweak != 0 {
+                    return Err(unsupported("cryptbridge's reencryption needs the old and new data at the same offset over the whole device".into()));
+                }
+                None
+            }
+        };
         let old = self.side(state.backup_previous, state.old_digest);
         let new = self.side(state.backup_final, state.new_digest);
         if let StepResilience::Checksum { block, .. } = resilience {
@@ -754,7 +845,7 @@ impl Luks2Header {
                 return Err(unsupported(format!("checksum blocks of {block} bytes do not hold whole {} and {}-byte sectors", old.sector_size(), new.sector_size())));
             }
         }
-        let data_offset = old_seg.offset;
+        let (data_offset, old_offset) = (new_seg.offset, old_seg.offset);
         let regions = self.check_regions(state)?;
         // Each region: which side it is on, checked to lie where its place in the volume says.
         let mut parts = Vec::with_capacity(regions.len());
@@ -769,23 +860,34 @@ impl Luks2Header {
                     _ => return Err(corrupt(format!("segment {} is neither the old nor the new data", r.segment_id))),
                 }
             };
-            if r.offset != data_offset + r.logical_offset || (r.crypt.is_some() && r.iv_tweak != r.logical_offset / 512) {
+            let moved = shift.as_ref().is_some_and(|s| part == Part::Old && r.logical_offset == 0 && r.offset == s.moved_offset && r.size == Some(s.size));
+            let base = if part == Part::Old { old_offset } else { data_offset };
+            if !moved && (r.offset != base + r.logical_offset || (r.crypt.is_some() && r.iv_tweak != r.logical_offset / 512)) {
                 return Err(corrupt(format!("segment {} is not where its place in the volume says", r.segment_id)));
+            }
+            if shift.is_some() && part == Part::Old && !moved && r.logical_offset < shift.as_ref().map_or(0, |s| s.size) {
+                return Err(corrupt(format!("segment {}: the plaintext's first bytes are not in the moved segment", r.segment_id)));
             }
             parts.push((part, r));
         }
-        // Forward: new, hotzone, old; backward: old, hotzone, new; each at most once.
+        // Forward: new, hotzone, old; backward: old, hotzone, new; the hotzone at most once (the
+        // old data of moving data is two segments: the moved first bytes and the rest).
         let order = match direction {
             ReencryptDirection::Forward => [Part::New, Part::Hot, Part::Old],
             ReencryptDirection::Backward => [Part::Old, Part::Hot, Part::New],
         };
         let mut at = 0;
-        for (part, _) in &parts {
+        for (i, (part, _)) in parts.iter().enumerate() {
+            let repeat = i > 0 && parts[i - 1].0 == *part && *part != Part::Hot;
             match order[at..].iter().position(|p| p == part) {
-                Some(i) => at += i + 1,
+                Some(j) => at += j + 1,
+                None if repeat => {}
                 None => return Err(unsupported("segment layout not supported by cryptbridge's reencryption".into())),
             }
         }
+        // Moving data: the plaintext's size (the old segment's), also once cryptsetup's last step
+        // left the new segment alone, `dynamic`, before its finish.
+        let fixed_size = if shift.is_some() { old_seg.size } else { None };
         let find = |p: Part| parts.iter().find(|(q, _)| *q == p).map(|(_, r)| *r);
         let hot = match find(Part::Hot) {
             Some(h) => Some(h.size.ok_or_else(|| corrupt("the hotzone has no size".into()))?),
@@ -805,6 +907,9 @@ impl Luks2Header {
         Ok(StepPlan {
             direction,
             data_offset,
+            old_offset,
+            shift,
+            fixed_size,
             boundary,
             hot,
             old,
@@ -836,10 +941,24 @@ impl Luks2Header {
             pieces.extend([(Part::Old, 0, lo), (Part::New, lo, data_size)]);
         }
         pieces.retain(|&(_, from, to)| from < to);
+        // Moving data: the old data's first `shift` bytes are the moved copy, a segment of its own.
+        if let Some(s) = &plan.shift {
+            if let Some(i) = pieces.iter().position(|&(p, from, to)| p == Part::Old && from == 0 && to > s.size) {
+                pieces.insert(i + 1, (Part::Old, s.size, pieces[i].2));
+                pieces[i].2 = s.size;
+            }
+        }
         let mut segs: Vec<(Value, Vec<u32>)> = Vec::new();
         let last = pieces.len() - 1;
         for (i, &(part, from, to)) in pieces.iter().enumerate() {
-            let size = (i < last || part == Part::Hot).then_some(to - from);
+            // Moving data keeps every size fixed until the finish (the device is larger than the
+            // plaintext: it also holds the moved copy).
+            let size = (i < last || part == Part::Hot || plan.shift.is_some()).then_some(to - from);
+            let offset = match (&plan.shift, part) {
+                (Some(s), Part::Old) if from == 0 => s.moved_offset,
+                (_, Part::Old) => plan.old_offset + from,
+                _ => d + from,
+            };
             let (side, digests) = match part {
                 Part::Old => (&plan.old, plan.old.digest.into_iter().collect::<Vec<_>>()),
                 Part::New => (&plan.new, plan.new.digest.into_iter().collect()),
@@ -851,10 +970,13 @@ impl Luks2Header {
                     (&plan.new, ds)
                 }
             };
-            segs.push((side_segment(side, d + from, size, from, part == Part::Hot), digests));
+            segs.push((side_segment(side, offset, size, from, part == Part::Hot), digests));
         }
         segs.push((plan.backups[0].clone(), plan.old.digest.into_iter().collect()));
         segs.push((plan.backups[1].clone(), plan.new.digest.into_iter().collect()));
+        if let Some(s) = &plan.shift {
+            segs.push((s.backup_moved.clone(), Vec::new()));
+        }
         let mut json = self.json.clone();
         let mut segments = Map::new();
         let mut by_digest: BTreeMap<u32, Vec<Value>> = BTreeMap::new();

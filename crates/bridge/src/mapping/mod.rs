@@ -381,6 +381,12 @@ impl Mapping {
         self.sector_size
     }
 
+    /// The back end itself, for what lies outside the export (a reencryption wiping the moved
+    /// copy of an encryption's first bytes).
+    pub fn backing(&self) -> &Backing {
+        &self.backing
+    }
+
     /// Keeps at most `bytes` of request buffers for reuse once their requests are done (the
     /// budget bounds those in flight; this bounds the rest). They are freed after a burst.
     pub fn set_buffer_cache_limit(&self, bytes: u64) {

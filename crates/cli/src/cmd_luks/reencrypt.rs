@@ -129,7 +129,7 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
         StepResilience::Checksum { block, .. } => block as u64,
         _ => 512,
     });
-    let data_size = device_size.checked_sub(plan.data_offset).filter(|s| *s > 0).context("the device ends before its data offset")?;
+    let data_size = plan.data_size(device_size).context("the device ends before its data")?;
     if !data_size.is_multiple_of(unit) {
         bail!("{}: the data area ({data_size} bytes) is not a whole number of {unit}-byte sectors", data_path.display());
     }

@@ -270,7 +270,7 @@ fn regions(r: Reencrypting, primary_segment: &DataSegment, backing: Backing, pri
         let table = engines.table(&regions, device_size, sector).with_context(within)?;
         return Ok((Arc::new(Mapping::with_regions(backing, table).with_context(within)?), None));
     };
-    let data_size = device_size.checked_sub(owned.plan.data_offset).filter(|&s| s > 0).with_context(|| format!("{}: the device ends before its data", within()))?;
+    let data_size = owned.plan.data_size(device_size).with_context(|| format!("{}: the device ends before its data", within()))?;
     if !data_size.is_multiple_of(sector) {
         anyhow::bail!("{}: the data area ({data_size} bytes) is not a whole number of {sector}-byte sectors", within());
     }

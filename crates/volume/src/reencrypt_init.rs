@@ -250,3 +250,142 @@ pub fn init(dev: &HeaderDevice, h: &Luks2Header, old_key: &[u8], passphrase: &[u
     let written = reencrypt::write_metadata(dev.file, dev.name, h, plan.json.clone())?;
     Ok((written, plan))
 }
+
+/// Where `encrypt_with_shift` puts things on a `device_size`-byte device for a shift of `shift`
+/// bytes (cryptsetup's `--reduce-device-size 2 x shift`): the header and keyslots in the first
+/// `shift` bytes, the plaintext's first `shift` bytes copied to the last `shift` bytes, and the
+/// plaintext, `device_size - 2 x shift` bytes, encrypted `shift` bytes further on than it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShiftLayout {
+    pub shift: u64,
+    /// The plaintext's size: what the file system on it must fit in.
+    pub data_size: u64,
+    /// Where the plaintext's first `shift` bytes are copied.
+    pub moved_offset: u64,
+}
+
+impl ShiftLayout {
+    /// Checks a `--reduce-device-size` of `reduce` bytes on a `device_size`-byte device for
+    /// `sector_size`-byte sectors and a keyslot of `key_bytes`.
+    pub fn new(device_size: u64, reduce: u64, sector_size: usize, key_bytes: usize) -> Result<Self> {
+        let ss = sector_size as u64;
+        let shift = reduce / 2;
+        let unit = 4096u64.max(ss);
+        if reduce == 0 || !reduce.is_multiple_of(2 * unit) {
+            return Err(invalid(format!("--reduce-device-size {reduce}: a multiple of {} bytes (twice the header's alignment), e.g. 32M", 2 * unit)));
+        }
+        let slot_area = (crate::af::split_len(key_bytes, crate::luks1::STRIPES) as u64).div_ceil(4096) * 4096;
+        let header_min = crate::format::LUKS2_KEYSLOTS_OFFSET + slot_area + 4096;
+        if shift < header_min {
+            return Err(invalid(format!(
+                "--reduce-device-size {reduce}: half of it ({shift} bytes) must hold the LUKS2 header and a keyslot ({header_min} bytes); cryptsetup recommends 32M"
+            )));
+        }
+        let data_size = device_size.checked_sub(2 * shift).filter(|&d| d >= shift && d.is_multiple_of(ss)).ok_or_else(|| {
+            invalid(format!(
+                "the device ({device_size} bytes) must hold the {reduce} bytes given up and at least {shift} bytes of data, a whole number of {ss}-byte sectors"
+            ))
+        })?;
+        Ok(Self { shift, data_size, moved_offset: device_size - shift })
+    }
+}
+
+/// A memory-only file (Linux `memfd_create`): the new header is made in one before anything is
+/// written to the device, as cryptsetup makes it in a temporary file.
+fn memory_file() -> Result<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: memfd_create takes a NUL-terminated name and flags; the descriptor it returns is
+    // owned by the File from here on.
+    let fd = unsafe { libc::memfd_create(c"cryptbridge-luks2-header".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(crate::error::io_err("cannot create a memory file for the new header".to_string())(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+}
+
+/// Starts `cryptsetup reencrypt --encrypt --reduce-device-size` on `dev` (`name`), which holds
+/// plaintext (a file system shrunk to `layout.data_size` bytes or less): a new LUKS2 volume (per
+/// `p`; its data offset the shift) whose data is the plaintext, encrypted from the end
+/// backwards by the reencryption this writes (resilience `datashift`, mode `encrypt`, direction
+/// `backward`, the moved first segment), with the metadata cryptsetup 2.6.1 writes for it.
+///
+/// Order: the header is made in memory and checked; the plaintext's first `shift` bytes are
+/// copied to the end of the device and synced; then the keyslots area (random but keyslot 0)
+/// and both header copies are written over them. A crash before the last write leaves the
+/// plaintext and its copy whole, with no header (or one whose state says just that).
+pub fn encrypt_with_shift(dev: &std::fs::File, name: &str, layout: ShiftLayout, p: &crate::format::FormatParams, passphrase: &[u8]) -> Result<Luks2Header> {
+    use crate::ReadAt;
+    let ShiftLayout { shift, data_size, moved_offset } = layout;
+    if crate::Header::read(dev).is_ok() {
+        return Err(invalid(format!("{name} already has a LUKS header; --encrypt makes a volume of plaintext")));
+    }
+    if p.version != 2 || p.detached || p.data_offset != Some(shift) {
+        return Err(invalid("an encryption with a data shift makes a LUKS2 volume with its header in front, at the shift".into()));
+    }
+    // The header, made in memory.
+    let mem = memory_file()?;
+    crate::format::format(&mem, name, shift + data_size, p, passphrase)?;
+    let crate::Header::Luks2(made) = crate::Header::read(&mem)? else { return Err(invalid("the new header is not LUKS2".into())) };
+    let key = made.unlock_key(&mem, passphrase, Some(0))?.volume_key;
+    let slot0 = made.keyslots.get(&0).and_then(|k| k.luks2.as_ref()).ok_or_else(|| invalid("the new header has no keyslot 0".into()))?;
+    let (slot_offset, slot_size) = (slot0.area_offset, slot0.area_size);
+
+    let mut json = made.json.clone();
+    json["config"]["keyslots_size"] = json!((shift - crate::format::LUKS2_KEYSLOTS_OFFSET).to_string());
+    let linear = |offset: u64, size: u64| json!({"type": "linear", "offset": offset.to_string(), "size": size.to_string()});
+    let mut segs: Vec<Value> = vec![linear(moved_offset, shift)];
+    if data_size > shift {
+        segs.push(linear(shift, data_size - shift));
+    }
+    let mut moved = linear(moved_offset, shift);
+    moved["flags"] = json!(["backup-moved-segment"]);
+    let mut previous = linear(0, data_size);
+    previous["flags"] = json!(["backup-previous"]);
+    let mut fin = reencrypt::crypt_segment(shift, None, 0, &p.cipher, p.sector_size, false);
+    fin["flags"] = json!(["backup-final"]);
+    segs.extend([moved, previous, fin]);
+    let final_id = segs.len() - 1;
+    json["segments"] = Value::Object(segs.into_iter().enumerate().map(|(i, s)| (i.to_string(), s)).collect());
+    json["digests"]["0"]["segments"] = json!([final_id.to_string()]);
+    let area_offset = (slot_offset + slot_size).next_multiple_of(4096);
+    json["keyslots"]["1"] = json!({
+        "area": {"offset": area_offset.to_string(), "size": "4096", "type": "datashift", "shift_size": shift.to_string()},
+        "type": "reencrypt", "key_size": 1, "mode": "encrypt", "direction": "backward", "priority": 0,
+    });
+    json["config"]["requirements"] = json!({"mandatory": [REQUIREMENT]});
+    // A placeholder, so that the metadata parses as a reencryption; replaced below.
+    json["digests"]["1"] = digest_json(b"placeholder", p.hash, Some(1000), &[1], &[])?;
+    let staged = Luks2Header::from_json(made.binary.clone(), json.clone())?;
+    let state = staged.reencryption()?.ok_or_else(|| invalid("the staged metadata shows no reencryption".into()))?;
+    let input = staged.reencryption_digest_input(&state, None, Some(key.as_slice()))?;
+    json["digests"]["1"] = digest_json(&input, p.hash, Some(p.digest_iterations), &[1], &[])?;
+    drop((input, key));
+    let binary = crate::luks2::BinaryHeader { seqid: made.binary.seqid + 1, ..made.binary.clone() };
+    let written = Luks2Header::from_json(binary.clone(), json.clone())?;
+    let state = written.reencryption()?.ok_or_else(|| invalid("the new metadata shows no reencryption".into()))?;
+    written.step_plan(&state)?;
+    let (primary, secondary) = crate::luks2::encode_copies(&binary, &json)?;
+
+    // What the header's first `shift` bytes become: random, keyslot 0's area, the header copies.
+    // Not key material (keyslot 0's area is encrypted): plain memory, not the locked kind.
+    let mut head = zeroize::Zeroizing::new(vec![0u8; usize::try_from(shift).map_err(|_| invalid(format!("shift of {shift} bytes")))?]);
+    os_random(head.as_mut_slice())?;
+    let at = |o: u64| o as usize;
+    mem.read_exact_at(&mut head.as_mut_slice()[at(slot_offset)..at(slot_offset + slot_size)], slot_offset)
+        .map_err(crate::error::io_err("cannot read the new keyslot back".to_string()))?;
+    drop(mem);
+
+    let _lock = crate::format::DeviceLock::exclusive(dev, name)?;
+    // 1. The plaintext's first bytes to the end of the device, durable before anything covers them.
+    let mut first = zeroize::Zeroizing::new(vec![0u8; head.len()]);
+    dev.read_exact_at(first.as_mut_slice(), 0).map_err(crate::error::io_err(format!("cannot read the first {shift} bytes of {name}")))?;
+    write_synced(dev, first.as_slice(), moved_offset, &format!("the moved first {shift} bytes of {name}"))?;
+    drop(first);
+    // 2. The keyslots area, 3. the secondary header, 4. the primary one.
+    let keyslots_start = crate::format::LUKS2_KEYSLOTS_OFFSET as usize;
+    write_synced(dev, &head.as_slice()[keyslots_start..], keyslots_start as u64, &format!("the keyslots area of {name}"))?;
+    write_synced(dev, &secondary, binary.hdr_size, &format!("the secondary LUKS2 header of {name}"))?;
+    write_synced(dev, &primary, 0, &format!("the primary LUKS2 header of {name}"))?;
+    Ok(written)
+}

@@ -65,7 +65,22 @@ pub struct ReencryptArgs {
     /// the room in the reencrypt keyslot's area).
     #[arg(long, value_parser = crate::size::parse_size)]
     pub(super) hotzone_size: Option<u64>,
-    /// Accepted for cryptsetup compatibility: nothing is asked for but the passphrase.
+    /// Make the unencrypted DEVICE a LUKS2 volume in place (with --reduce-device-size), as
+    /// `cryptsetup reencrypt --encrypt`: the new key comes from the passphrase given.
+    #[arg(long, conflicts_with_all = ["resume_only", "decrypt"])]
+    pub(super) encrypt: bool,
+    /// With --encrypt: the bytes given up at the end of the device (the file system on it must end
+    /// before them); the data moves by half of it to make room for the header (e.g. 32M).
+    #[arg(long, value_parser = crate::size::parse_size, requires = "encrypt")]
+    pub(super) reduce_device_size: Option<u64>,
+    /// Starting a decryption is left to cryptsetup (`cryptsetup reencrypt --decrypt --init-only`);
+    /// this one continues it with --resume-only.
+    #[arg(long)]
+    pub(super) decrypt: bool,
+    /// With --encrypt: the volume type (luks2; LUKS1 has no reencryption).
+    #[arg(long = "type", default_value = "luks2")]
+    pub(super) luks_type: String,
+    /// Do not ask before anything is overwritten (--encrypt asks on a terminal).
     #[arg(short = 'q', long)]
     pub(super) batch_mode: bool,
     /// Progress as JSON lines on standard output (the default when stderr is not a terminal is a
@@ -78,14 +93,27 @@ pub struct ReencryptArgs {
 }
 
 pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
+    if a.decrypt {
+        bail!(
+            "--decrypt: cryptbridge continues a decryption but does not start one; start it with `cryptsetup reencrypt --decrypt --init-only --header FILE DEVICE`, \
+             then `cryptbridge luks reencrypt --resume-only --header FILE DEVICE`"
+        );
+    }
+    let mut init_pass = None;
+    if a.encrypt {
+        let pass = super::reencrypt_encrypt::run(&a)?;
+        if a.init_only {
+            return Ok(ExitCode::SUCCESS);
+        }
+        init_pass = Some(pass);
+    }
     let header_path = a.header.clone().unwrap_or_else(|| a.device.clone());
     let name = header_path.display().to_string();
     let hfile = std::fs::OpenOptions::new().read(true).write(true).open(&header_path).with_context(|| format!("cannot open {name} for writing"))?;
     let Header::Luks2(h) = Header::read(&hfile).with_context(|| name.clone())? else {
         bail!("{name}: LUKS1 has no reencryption; only LUKS2 volumes are re-encrypted");
     };
-    let mut init_pass = None;
-    if a.init_only || (!a.resume_only && h.reencryption().with_context(|| name.clone())?.is_none()) {
+    if init_pass.is_none() && (a.init_only || (!a.resume_only && h.reencryption().with_context(|| name.clone())?.is_none())) {
         let pass = super::reencrypt_init::run(&a, &hfile, &name, &h)?;
         if a.init_only {
             return Ok(ExitCode::SUCCESS);

@@ -3,7 +3,9 @@
 recovery by either tool, and a check of every sector and every acknowledged write.
 
 Per resilience mode (checksum, journal) one LUKS2 volume (cryptsetup luksFormat, plaintext written
-with an independent XTS), its reencryption initialized by `cryptsetup reencrypt --init-only`.
+with an independent XTS), its reencryption initialized by `cryptsetup reencrypt --init-only`; for
+datashift, an unencrypted image whose encryption `cryptsetup reencrypt --encrypt --init-only
+--reduce-device-size` initialized (the data moves by half of that, the first part to the end).
 Rounds:
 
 1. Crash phase. Normally `cryptbridge serve --reencrypt --reencrypt-rate R` while a client writes
@@ -15,7 +17,7 @@ Rounds:
    instead. Power-loss rounds (every other one with --power-loss): the server runs under the
    LD_PRELOAD undo shim of crash_campaign.py, and after the kill the writes no completed
    fdatasync covered are undone (all of them, or a random half), header writes included.
-2. Recovery. Every third round by cryptsetup (`repair`, then `reencrypt --resume-only
+2. Recovery. Every third round by cryptsetup (whichever tool was killed) (`repair`, then `reencrypt --resume-only
    --force-offline-reencrypt` to the end; the data area then decrypted here with the key
    `luksDump --dump-volume-key` prints), the others by `cryptbridge serve --reencrypt`, which
    recovers the hotzone (checksum: the blocks whose hash still matches the old ciphertext; journal:
@@ -59,6 +61,7 @@ MiB = 1 << 20
 PASS = b"reencrypt crash campaign"
 SECTOR = 4096  # the volumes' sector, old and new
 FAST = ["--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000"]
+SHIFT = 4 * MiB  # datashift: the data moves by this (--reduce-device-size twice it)
 
 
 def skip_reason() -> Optional[str]:
@@ -131,11 +134,20 @@ class Volume:
     pw: Path
     offset: int
     model: bytearray  # the plaintext every byte must read as
+    size: int = 0  # the image's
     inits: int = 0
 
     def init(self) -> None:
-        cryptsetup("reencrypt", "--init-only", "--batch-mode", "--force-offline-reencrypt", "--key-file", self.pw, *FAST,
-                   "--resilience", self.resilience, self.img)  # fmt: skip
+        if self.resilience == "datashift":
+            # A finished encryption leaves a LUKS2 volume: the next rounds start from plaintext again.
+            with open(self.img, "wb") as f:
+                f.truncate(self.size)
+                f.write(self.model)
+            cryptsetup("reencrypt", "--encrypt", "--init-only", "--type", "luks2", "--batch-mode", "--key-file", self.pw, *FAST,
+                       "--sector-size", str(SECTOR), "--reduce-device-size", str(2 * SHIFT), self.img)  # fmt: skip
+        else:
+            cryptsetup("reencrypt", "--init-only", "--batch-mode", "--force-offline-reencrypt", "--key-file", self.pw, *FAST,
+                       "--resilience", self.resilience, self.img)  # fmt: skip
         self.inits += 1
 
 
@@ -235,7 +247,7 @@ class Writer(threading.Thread):
 
 class Campaign:
     def __init__(self, workdir: Path, seed: int, log=print, size: int = 80 * MiB, power_loss: bool = False, lie: bool = False,
-                 modes: tuple = ("checksum", "journal"), rate: str = "16M"):  # fmt: skip
+                 modes: tuple = ("checksum", "journal", "datashift"), rate: str = "16M"):  # fmt: skip
         self.workdir, self.rng, self.log, self.size = workdir, random.Random(seed), log, size
         self.power_loss, self.lie, self.modes, self.rate = power_loss or lie, lie, modes, rate
         self.sockdir = Path(tempfile.mkdtemp(prefix="cbrc", dir="/tmp"))
@@ -256,6 +268,12 @@ class Campaign:
             fd = os.open(pw, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.write(fd, PASS)
             os.close(fd)
+            if mode == "datashift":
+                vol = Volume(mode, img, pw, SHIFT, bytearray(os.urandom(self.size - 2 * SHIFT)), self.size)
+                vol.init()
+                self.volumes[mode] = vol
+                self.log(f"volume {mode}: {self.size // MiB} MiB of plaintext, its encryption initialized (moving {SHIFT // MiB} MiB)")
+                continue
             with open(img, "wb") as f:
                 f.truncate(self.size)
             cryptsetup("luksFormat", "--batch-mode", "--type", "luks2", "--key-file", pw, *FAST, "--sector-size", "4096", img)
@@ -265,7 +283,7 @@ class Campaign:
             with open(img, "r+b") as f:
                 f.seek(offset)
                 f.write(xts_sectors(volume_key(img, pw), plain, 4096, 0, True))
-            vol = Volume(mode, img, pw, offset, bytearray(plain))
+            vol = Volume(mode, img, pw, offset, bytearray(plain), self.size)
             vol.init()
             self.volumes[mode] = vol
             self.log(f"volume {mode}: {self.size // MiB} MiB LUKS2, 4096-byte sectors, reencryption initialized (resilience {mode})")
@@ -361,7 +379,7 @@ class Campaign:
             if not in_progress(vol.img):
                 vol.init()
             pending = self.crash_phase(vol, rr)
-            by_cryptsetup = n % 3 == 2 and rr.killed == "cryptbridge"
+            by_cryptsetup = n % 3 == 2
             if in_progress(vol.img) and by_cryptsetup:
                 self.recover_with_cryptsetup(vol, rr, pending)
             else:
@@ -419,6 +437,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--power-loss", action="store_true", help="undo unsynced writes after the kill in every other round")
     ap.add_argument("--lie", action="store_true", help="negative control: the shim counts no sync")
+    ap.add_argument("--modes", default="checksum,journal,datashift", help="resilience modes, comma-separated (default: all three)")
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--json", type=Path, help="write the rounds and the summary here")
     a = ap.parse_args()
@@ -428,7 +447,7 @@ def main() -> int:
         return 0
     workdir = a.workdir or Path(tempfile.mkdtemp(prefix="cb-reencrypt-crash-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    results, summary = run_campaign(a.rounds, workdir, a.seed, power_loss=a.power_loss, lie=a.lie)
+    results, summary = run_campaign(a.rounds, workdir, a.seed, power_loss=a.power_loss, lie=a.lie, modes=tuple(a.modes.split(",")))
     print(json.dumps(summary, indent=2))
     if a.json:
         a.json.write_text(json.dumps({"summary": summary, "rounds": [r.__dict__ | {"ok": r.ok} for r in results]}, indent=2))

@@ -646,6 +646,15 @@ def test_luks_format_offset_must_be_a_multiple_of_4096_bytes(ws):
     assert p.returncode == 0, p.stderr
     assert data_layout(img) == (40008 * 512, 512)
     cryptsetup("open", "--test-passphrase", "--key-file", pw, img)
+    # Below LUKS2's default 16 MiB the keyslots area ends at the data, as cryptsetup makes it.
+    img = sparse(ws.tmp / "v4.img", 24 * MiB)
+    p = cb_format(img, pw, "luks2", "pbkdf2", 512, 512, "--offset", "8192")
+    assert p.returncode == 0, p.stderr
+    assert data_layout(img) == (4 * MiB, 512)
+    meta = json.loads(cryptsetup("luksDump", "--dump-json-metadata", img).stdout)
+    assert meta["config"]["keyslots_size"] == str(4 * MiB - 32768)
+    cryptsetup("open", "--test-passphrase", "--key-file", pw, img)
+    assert run([require_binary(), "luks", "dump", img], timeout=60).returncode == 0
 
 
 def test_luks_format_refuses_before_any_kdf(ws):

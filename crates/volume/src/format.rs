@@ -344,8 +344,9 @@ fn format_luks2(new: NewHeader) -> Result<Formatted> {
     let material_len = material.len();
     let data_offset = p.data_offset.unwrap_or(if p.detached { 0 } else { LUKS2_DATA_OFFSET });
     let area_size = (material_len as u64).div_ceil(4096) * 4096;
-    // The keyslots area runs to the data (or, detached, to the default 16 MiB).
-    let keyslots_end = if p.detached || data_offset < LUKS2_DATA_OFFSET { LUKS2_DATA_OFFSET.max(LUKS2_KEYSLOTS_OFFSET + area_size) } else { data_offset };
+    // The keyslots area runs to the data (as cryptsetup's with --offset, smaller than 16 MiB
+    // too), or, detached, to the default 16 MiB.
+    let keyslots_end = if p.detached { LUKS2_DATA_OFFSET.max(LUKS2_KEYSLOTS_OFFSET + area_size) } else { data_offset };
     if !p.detached && data_offset < LUKS2_KEYSLOTS_OFFSET + area_size {
         return Err(VolumeError::Invalid(format!("data offset {data_offset} leaves no room for the header and keyslot")));
     }

@@ -137,3 +137,67 @@ fn refusals_write_nothing() {
     let e = init(&dev, &now, &old.volume_key, b"pass", &ok).unwrap_err().to_string();
     assert!(e.contains("already in progress"), "{e}");
 }
+
+/// `encrypt_with_shift`: the plaintext's first bytes move to the end before the header covers
+/// them, the metadata is cryptsetup's datashift layout (checked field by field against cryptsetup
+/// 2.6.1 in tests/integration/test_reencrypt_datashift.py), its digest verifies with the new key
+/// alone, and the steps run backwards a shift at a time, the moved part last.
+#[test]
+fn an_encryption_with_a_data_shift_starts_as_cryptsetup_starts_it() {
+    use cryptbridge_volume::reencrypt::StepResilience;
+    use cryptbridge_volume::reencrypt_init::{encrypt_with_shift, ShiftLayout};
+    use std::os::unix::fs::FileExt;
+    const MIB: u64 = 1 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(dir.path().join("p.img")).unwrap();
+    let size = 22 * MIB; // 14 MiB of data, a 4 MiB shift: not a whole number of shifts
+    let plain: Vec<u8> = (0..size - 8 * MIB).map(|i| (i * 7 % 251) as u8).collect();
+    f.write_all_at(&plain, 0).unwrap();
+    f.set_len(size).unwrap();
+    let layout = ShiftLayout::new(size, 8 * MIB, 512, 64).unwrap();
+    assert_eq!(layout, ShiftLayout { shift: 4 * MIB, data_size: 14 * MIB, moved_offset: 18 * MIB });
+    let p = FormatParams {
+        version: 2,
+        cipher: "aes-xts-plain64".into(),
+        key_bytes: 64,
+        sector_size: 512,
+        kdf: Kdf::Pbkdf2 { hash: Hash::Sha256, iterations: 1000 },
+        hash: Hash::Sha256,
+        digest_iterations: 1000,
+        label: String::new(),
+        data_offset: Some(4 * MIB),
+        detached: false,
+    };
+    let written = encrypt_with_shift(&f, "p.img", layout, &p, b"pass").unwrap();
+    let mut moved = vec![0u8; (4 * MIB) as usize];
+    ReadAt::read_exact_at(&f, &mut moved, 18 * MIB).unwrap();
+    assert_eq!(moved, plain[..moved.len()], "the first shift bytes are not at the end");
+    let Header::Luks2(h) = Header::read(&f).unwrap() else { panic!("LUKS2") };
+    assert_eq!(h.json, written.json);
+    assert_eq!(h.json["config"]["keyslots_size"], (4 * MIB - 32768).to_string());
+    let state = h.reencryption().unwrap().unwrap();
+    assert_eq!((state.keyslot.mode, state.keyslot.direction), (Mode::Encrypt, ReencryptDirection::Backward));
+    assert_eq!(state.keyslot.resilience, Resilience::Datashift { shift_size: 4 * MIB });
+    assert!(state.backup_moved.is_some() && state.old_digest.is_none() && state.new_digest.is_some());
+    // The reencryption digest verifies with the key the passphrase opens (unlock checks it).
+    let unlocked = h.unlock_reencryption(&f, b"pass", None).unwrap();
+    assert_eq!(unlocked.keys.len(), 1);
+    let plan = h.step_plan(&state).unwrap();
+    assert_eq!(plan.resilience, StepResilience::Datashift { shift: 4 * MIB });
+    assert_eq!((plan.data_offset, plan.old_offset, plan.data_size(size)), (4 * MIB, 0, Some(14 * MIB)));
+    // cryptsetup's order: 4 MiB steps from the end, then the 2 MiB left above the moved part, then the moved part.
+    let mut done = 0;
+    let mut steps = Vec::new();
+    while done < 14 * MIB {
+        let (start, len) = plan.next_step(done, 16 * MIB, 14 * MIB);
+        steps.push((start / MIB, len / MIB));
+        done += len;
+    }
+    assert_eq!(steps, [(10, 4), (6, 4), (4, 2), (0, 4)]);
+    assert_eq!(plan.source_offset(0), 18 * MIB);
+    assert_eq!(plan.source_offset(6 * MIB), 6 * MIB);
+    // A second start on what is now a LUKS volume is refused, nothing written.
+    let before = std::fs::read(dir.path().join("p.img")).unwrap();
+    assert!(encrypt_with_shift(&f, "p.img", layout, &p, b"pass").unwrap_err().to_string().contains("already has a LUKS header"));
+    assert_eq!(std::fs::read(dir.path().join("p.img")).unwrap(), before);
+}

@@ -17,7 +17,8 @@ Rounds:
    instead. Power-loss rounds (every other one with --power-loss): the server runs under the
    LD_PRELOAD undo shim of crash_campaign.py, and after the kill the writes no completed
    fdatasync covered are undone (all of them, or a random half), header writes included.
-2. Recovery. Every third round by cryptsetup (whichever tool was killed) (`repair`, then `reencrypt --resume-only
+2. Recovery. Every third round by cryptsetup (whichever tool was killed; when that round's
+   reencryption finished before the kill, the next round still in progress) (`repair`, then `reencrypt --resume-only
    --force-offline-reencrypt` to the end; the data area then decrypted here with the key
    `luksDump --dump-volume-key` prints), the others by `cryptbridge serve --reencrypt`, which
    recovers the hotzone (checksum: the blocks whose hash still matches the old ciphertext; journal:
@@ -256,6 +257,7 @@ class Campaign:
         self.volumes: dict[str, Volume] = {}
         self.results: list[Round] = []
         self.before: Optional[bytes] = None
+        self.cryptsetup_owed: dict[str, int] = {}
 
     def setup(self) -> None:
         if not BIN.exists():
@@ -379,8 +381,12 @@ class Campaign:
             if not in_progress(vol.img):
                 vol.init()
             pending = self.crash_phase(vol, rr)
-            by_cryptsetup = n % 3 == 2
-            if in_progress(vol.img) and by_cryptsetup:
+            # Every third round is cryptsetup's to recover; one it could not take (the reencryption
+            # finished before the kill) passes to the next round still in progress.
+            if n % 3 == 2:
+                self.cryptsetup_owed[mode] = self.cryptsetup_owed.get(mode, 0) + 1
+            if in_progress(vol.img) and self.cryptsetup_owed.get(mode, 0) > 0:
+                self.cryptsetup_owed[mode] -= 1
                 self.recover_with_cryptsetup(vol, rr, pending)
             else:
                 self.recover_with_cryptbridge(vol, rr, pending)

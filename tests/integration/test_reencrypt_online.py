@@ -249,6 +249,38 @@ def test_reencrypt_refusals(ws):
     assert img.read_bytes()[: 16 * MiB] == before
 
 
+def test_a_volume_in_reencryption_is_served_under_the_reencryption_lock(ws):
+    """A plain `serve` (no --reencrypt) of a volume in reencryption holds cryptsetup's reencryption
+    lock while it serves: `cryptsetup reencrypt --resume-only` (which would move data under the
+    server) is refused meanwhile, and runs once the server is gone; and a server does not start
+    while another process holds the lock."""
+    need("cryptsetup")
+    img, pw, plain, offset = volume_with_plaintext(ws)
+    init(img, pw)
+    b = serve_luks(ws, img, pw)
+    before = img.read_bytes()
+    p = cryptsetup("reencrypt", "--resume-only", "--batch-mode", "--force-offline-reencrypt", "--key-file", pw, img, check=False)
+    assert p.returncode != 0 and b"already running" in p.stderr, p.stderr
+    assert img.read_bytes() == before
+    assert read_all(b.uri, len(plain)) == plain
+    assert b.stop() == 0
+    # `luks reencrypt` stopped (SIGSTOP) once it runs: it holds the lock.
+    held = subprocess.Popen([require_binary(), "luks", "reencrypt", "--resume-only", "--key-file", str(pw), "--hotzone-size", "1M", str(img)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        line = b""
+        while b"re-encrypting from byte" not in line:
+            line = held.stderr.readline()
+            assert line, "luks reencrypt ended before it ran"
+        held.send_signal(signal.SIGSTOP)
+        p = serve_fails(ws, "--backing", img, "--key-file", pw)
+        assert p.returncode == 1 and b"already running" in p.stderr, p.stderr
+    finally:
+        held.send_signal(signal.SIGCONT)
+        assert held.wait(timeout=300) == 0, held.stderr.read()
+    check_data_area(img, pw, offset, plain)
+
+
 @pytest.mark.parametrize("old", ["aes-cbc-essiv:sha256", "aes-cbc-plain64", "aes-xts-plain", "aes-xts-essiv:sha256"])
 def test_an_old_volume_moves_to_xts_plain64_while_served(ws, old):
     """A LUKS2 volume in one of the old IV modes, its data written through the bridge ->

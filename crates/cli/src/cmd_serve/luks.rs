@@ -16,7 +16,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use cryptbridge_bridge::{Backing, Mapping};
 use cryptbridge_engine::{Engine, SectorLayout};
-use cryptbridge_volume::reencrypt::{self, hotzone_refusal};
+use cryptbridge_volume::reencrypt::{self, hotzone_refusal, ReencryptionLock};
 use cryptbridge_volume::{DataSegment, Header, Secret};
 
 use super::{usage, Args, VolumeType};
@@ -31,6 +31,10 @@ pub struct Volume {
     keyslot: u32,
     /// A reencryption in progress: the export's regions and the keys they need.
     reencryption: Option<Reencrypting>,
+    /// Served without --reencrypt, a volume in reencryption is held under cryptsetup's
+    /// reencryption lock for as long as it is served: a `cryptsetup reencrypt` (or `luks
+    /// reencrypt`) meanwhile would move data under the mapping this server uses.
+    _reencryption_lock: Option<ReencryptionLock>,
 }
 
 /// The opened state of a volume in reencryption, until [`window`] builds its regions.
@@ -90,11 +94,16 @@ impl Volume {
 fn open_reencrypting(args: &Args, header: &Header, file: &std::fs::File, header_path: &Path) -> Result<Option<Volume>> {
     let name = header_path.display().to_string();
     let Header::Luks2(h) = header else { unreachable!("only LUKS2 records a reencryption") };
-    let owned = match args.reencrypt {
-        true => Some(Owned::take(file.try_clone()?, name.clone(), h)?),
-        false => None,
+    let (owned, lock, reread) = match args.reencrypt {
+        true => (Some(Owned::take(file.try_clone()?, name.clone(), h)?), None, None),
+        false => {
+            let lock = ReencryptionLock::take(&h.binary.uuid).with_context(|| format!("{name} cannot be served while its reencryption runs elsewhere"))?;
+            // Under the lock, the header as the last run left it.
+            let Header::Luks2(now) = Header::read(file).with_context(|| name.clone())? else { anyhow::bail!("{name}: no longer a LUKS2 header") };
+            (None, Some(lock), Some(now))
+        }
     };
-    let h = owned.as_ref().map_or(h, |o| &o.header);
+    let h = owned.as_ref().map(|o| &o.header).or(reread.as_ref()).unwrap_or(h);
     let state = h.reencryption()?.context("the reencryption finished meanwhile")?;
     if let (Some(seg), None) = (state.hotzone, &owned) {
         anyhow::bail!("{name}: {}", hotzone_refusal(seg));
@@ -151,6 +160,7 @@ fn open_reencrypting(args: &Args, header: &Header, file: &std::fs::File, header_
         version: 2,
         keyslot: keyslots[0],
         reencryption: Some(Reencrypting { regions, segments: all_segments, keys, primary, threads, owned }),
+        _reencryption_lock: lock,
     }))
 }
 
@@ -240,6 +250,7 @@ pub fn open(args: &Args) -> Result<Option<Volume>> {
         version: header.version(),
         keyslot: unlocked.keyslot,
         reencryption: None,
+        _reencryption_lock: None,
     }))
 }
 

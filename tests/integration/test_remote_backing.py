@@ -825,6 +825,8 @@ def test_broken_upstream_replies_give_eio(ws, mode, multi_conn):
         assert "upstream connection lost" in b.stderr()
         if multi_conn:
             assert "own upstream connection lost" in b.stderr()
+        if mode == "never-reply":
+            assert "to look for a LUKS header" in b.stderr(), b.stderr()[-3000:]
     finally:
         fake.close()
 

@@ -235,17 +235,28 @@ def _group_alive(pgid: int) -> bool:
 
 def _stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM to the block's process group (as Ctrl-C in its terminal), then SIGKILL."""
-    _kill_group(proc, signal.SIGTERM)
+    _stop_groups([proc])
+
+
+def _stop_groups(procs: list) -> None:
+    """_stop_group for several blocks at once: SIGTERM to every group, then each is waited for
+    (up to STOP_TIMEOUT from that SIGTERM, then SIGKILL), so that their shutdowns (a server's
+    takes a second or two) overlap instead of adding up."""
+    for proc in procs:
+        _kill_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT
-    while time.monotonic() < deadline and _group_alive(proc.pid):
-        proc.poll()
+    while time.monotonic() < deadline and any(_group_alive(p.pid) for p in procs):
+        for p in procs:
+            p.poll()
         time.sleep(0.05)
-    if _group_alive(proc.pid):
-        _kill_group(proc, signal.SIGKILL)
-    try:
-        proc.wait(timeout=STOP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pass
+    for proc in procs:
+        if _group_alive(proc.pid):
+            _kill_group(proc, signal.SIGKILL)
+    for proc in procs:
+        try:
+            proc.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 @dataclass
@@ -345,9 +356,10 @@ class DocRun:
         return blocks
 
     def stop_background(self) -> None:
-        for r in self.background:
-            early = r.proc.poll()
-            _stop_group(r.proc)
+        # Whether each exited early is read before any is stopped; then all are stopped at once.
+        early_exits = [r.proc.poll() for r in self.background]
+        _stop_groups([r.proc for r in self.background])
+        for r, early in zip(self.background, early_exits):
             log = _tail(r.out) + _tail(r.err)
             if early is not None:
                 self.fail(r.block, f"exited with status {early} while it should have been serving", log)

@@ -226,11 +226,27 @@ def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs. An exited one counts as gone although it is a
+    zombie until reaped: a server whose block's shell died first is reaped by PID 1, which in
+    some sandboxes takes a second or two."""
     try:
         os.killpg(pgid, 0)
-        return True
     except (ProcessLookupError, PermissionError):
         return False
+    try:
+        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return True
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # After the command: state, ppid, pgrp.
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
 
 
 def _stop_group(proc: subprocess.Popen) -> None:

@@ -226,26 +226,53 @@ def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs. An exited one counts as gone although it is a
+    zombie until reaped: a server whose block's shell died first is reaped by PID 1, which in
+    some sandboxes takes a second or two."""
     try:
         os.killpg(pgid, 0)
-        return True
     except (ProcessLookupError, PermissionError):
         return False
+    try:
+        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return True
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # After the command: state, ppid, pgrp.
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM to the block's process group (as Ctrl-C in its terminal), then SIGKILL."""
-    _kill_group(proc, signal.SIGTERM)
+    _stop_groups([proc])
+
+
+def _stop_groups(procs: list) -> None:
+    """_stop_group for several blocks at once: SIGTERM to every group, then each is waited for
+    (up to STOP_TIMEOUT from that SIGTERM, then SIGKILL), so that their shutdowns (a server's
+    takes a second or two) overlap instead of adding up."""
+    for proc in procs:
+        _kill_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT
-    while time.monotonic() < deadline and _group_alive(proc.pid):
-        proc.poll()
+    while time.monotonic() < deadline and any(_group_alive(p.pid) for p in procs):
+        for p in procs:
+            p.poll()
         time.sleep(0.05)
-    if _group_alive(proc.pid):
-        _kill_group(proc, signal.SIGKILL)
-    try:
-        proc.wait(timeout=STOP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pass
+    for proc in procs:
+        if _group_alive(proc.pid):
+            _kill_group(proc, signal.SIGKILL)
+    for proc in procs:
+        try:
+            proc.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 @dataclass
@@ -345,9 +372,10 @@ class DocRun:
         return blocks
 
     def stop_background(self) -> None:
-        for r in self.background:
-            early = r.proc.poll()
-            _stop_group(r.proc)
+        # Whether each exited early is read before any is stopped; then all are stopped at once.
+        early_exits = [r.proc.poll() for r in self.background]
+        _stop_groups([r.proc for r in self.background])
+        for r, early in zip(self.background, early_exits):
             log = _tail(r.out) + _tail(r.err)
             if early is not None:
                 self.fail(r.block, f"exited with status {early} while it should have been serving", log)

@@ -358,7 +358,9 @@ def test_cryptsetup_waits_for_our_lock(ws):
             if p is not None and p.poll() is None:
                 p.kill()
     assert cs_slots(img) == [0, 1, 2]
-    assert opens(img, ours_new) and opens(img, theirs_new) and opens(img, pw)
+    # Ours took the lock first, so it wrote keyslot 1 and cryptsetup, after waiting, keyslot 2:
+    # --key-slot 2 spares cryptsetup trying theirs on keyslot 1 (10M PBKDF2 iterations, ~10 s).
+    assert opens(img, ours_new) and opens(img, theirs_new, "--key-slot", "2") and opens(img, pw)
 
 
 def test_format_over_a_filesystem_asks_on_a_terminal(ws):

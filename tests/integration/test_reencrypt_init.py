@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 
 import pytest
@@ -188,3 +189,83 @@ def test_detached_header(ws):
     with open(img, "rb") as f:
         raw = f.read(len(plain))
     assert xts_sectors(new_key, raw, 512, 0, False) == plain
+
+
+@pytest.mark.parametrize("finisher", ["cryptbridge", "cryptsetup"])
+@pytest.mark.parametrize("mode", ["encrypt", "decrypt"])
+def test_detached_encrypt_and_decrypt_initialized_here(ws, mode, finisher):
+    """`luks reencrypt --encrypt|--decrypt --header HDR --init-only` writes what `cryptsetup
+    reencrypt --encrypt|--decrypt --init-only --header HDR` writes for a copy of the same devices
+    (salts and digests aside); either tool then finishes it: encrypt, the data device decrypts with
+    the key cryptsetup prints; decrypt, it holds the plaintext."""
+    need("cryptsetup")
+    size = 24 * MiB
+    pw = ws.tmp / "pass"
+    pw.write_bytes(b"detached")
+    os.chmod(pw, 0o600)
+    plain = os.urandom(size)
+    devs = {}
+    for who in ("cb", "cs"):
+        img, hdr = ws.tmp / f"{who}.img", ws.tmp / f"{who}.hdr"
+        if mode == "decrypt":
+            if who == "cb":
+                img.write_bytes(bytes(size))
+                cryptsetup("luksFormat", "--batch-mode", "--type", "luks2", "--key-file", pw, *KDF, "--sector-size", "4096", "--header", hdr, img)
+                img.write_bytes(xts_sectors(volume_key(hdr, pw), plain, 4096, 0, True))
+            else:  # the same header and data
+                shutil.copyfile(ws.tmp / "cb.hdr", hdr)
+                shutil.copyfile(ws.tmp / "cb.img", img)
+        else:
+            img.write_bytes(plain)
+        devs[who] = (img, hdr)
+    (img, hdr), (cs_img, cs_hdr) = devs["cb"], devs["cs"]
+    flag = f"--{mode}"
+    p = cb_init(img, pw, flag, "--header", hdr)
+    assert p.returncode == 0, p.stderr
+    assert_no_panic(p.stderr.decode())
+    opts = ["--type", "luks2"] if mode == "encrypt" else []
+    cryptsetup("reencrypt", flag, "--init-only", "--batch-mode", "--force-offline-reencrypt", *opts, "--header", cs_hdr, "--key-file", pw, *KDF, cs_img)
+    ours, theirs = without_random(metadata(hdr)), without_random(metadata(cs_hdr))
+    if mode == "decrypt":  # no new keyslot: both benchmark the reencryption digest's iterations
+        for m in (ours, theirs):
+            assert m["digests"]["1"].pop("iterations") >= 1000
+    assert ours == theirs
+    if finisher == "cryptbridge":
+        r = cb("luks", "reencrypt", "--resume-only", "--header", str(hdr), "--key-file", str(pw), str(img), timeout=300)
+        assert r.returncode == 0, r.stderr
+    else:
+        cryptsetup("reencrypt", "--resume-only", "--batch-mode", "--force-offline-reencrypt", "--header", hdr, "--key-file", pw, img, timeout=300)
+    meta = header_json(hdr)
+    assert "requirements" not in meta["config"], meta["config"]
+    raw = img.read_bytes()
+    if mode == "decrypt":
+        assert raw == plain, "the data device does not hold the plaintext"
+    else:
+        assert xts_sectors(volume_key(hdr, pw), raw, 512, 0, False) == plain, "the data device does not decrypt to the plaintext"
+
+
+def test_encrypt_and_decrypt_refusals_write_nothing(ws):
+    """What is not done here, or cannot be, is refused with the reason (exit 1) before anything is
+    written: --decrypt of a volume whose header is in front of its data (cryptsetup 2.6 moves the
+    data), --decrypt with a new cipher, --encrypt with both --header and --reduce-device-size, and
+    --encrypt of a device that is a LUKS volume already."""
+    need("cryptsetup")
+    img, pw, _, _ = volume_with_plaintext(ws)
+    before = hashlib.sha256(img.read_bytes()).hexdigest()
+    cases = [
+        (["--decrypt"], b"moves the data"),
+        (["--encrypt", "--header", ws.tmp / "new.hdr"], b"already has a LUKS header"),
+        (["--encrypt", "--header", ws.tmp / "new.hdr", "--reduce-device-size", "8M"], b"give one of --header and --reduce-device-size"),
+    ]
+    for opts, why in cases:
+        p = cb_init(img, pw, *opts)
+        assert p.returncode == 1 and why in p.stderr, (opts, p.stderr)
+        assert_no_panic(p.stderr.decode())
+        assert hashlib.sha256(img.read_bytes()).hexdigest() == before, opts
+    data, hdr = ws.tmp / "d.img", ws.tmp / "d.hdr"
+    sparse(data, 24 * MiB)
+    luks_format(data, pw, *KDF, header=hdr)
+    before = hashlib.sha256(hdr.read_bytes()).hexdigest()
+    p = cb_init(data, pw, "--decrypt", "--header", hdr, "--cipher", "aes-cbc-essiv:sha256")
+    assert p.returncode == 1 and b"do not apply" in p.stderr, p.stderr
+    assert hashlib.sha256(hdr.read_bytes()).hexdigest() == before

@@ -43,6 +43,9 @@ pub enum InitResilience {
 /// What `reencrypt --init-only` is asked for.
 #[derive(Debug, Clone)]
 pub struct InitParams {
+    /// `--decrypt` (a detached header): the data becomes plaintext, from the end backwards, and no
+    /// new key is made (the cipher, key size and new keyslot fields are not used).
+    pub decrypt: bool,
     /// The new data cipher (dm-crypt spec); `None`: the current one.
     pub cipher: Option<String>,
     /// The new key length in bytes; `None`: the current one.
@@ -63,9 +66,9 @@ pub struct InitParams {
 /// The metadata an initialization writes, not yet written.
 pub struct InitPlan {
     pub json: Value,
-    /// The new keyslot's area (written before the metadata).
-    pub area: KeyslotArea,
-    pub new_keyslot: u32,
+    /// The new keyslot's area (written before the metadata); none when decrypting.
+    pub area: Option<KeyslotArea>,
+    pub new_keyslot: Option<u32>,
     pub reencrypt_keyslot: u32,
 }
 
@@ -110,12 +113,16 @@ impl Luks2Header {
         let (old_digest, _) = self.segment_digest(old_seg_id)?;
         let mut json = self.json.clone();
 
-        // The new key and its keyslot (cryptsetup: an unbound key added first).
-        let mut new_key = Secret::new(key_bytes);
-        os_random(new_key.as_mut_slice())?;
-        let new_slot = lowest_free(&json["keyslots"]).ok_or_else(|| invalid(format!("all {LUKS2_KEYSLOTS} LUKS2 keyslots are in use")))?;
-        let area = keyslots::luks2_keyslot(dev, self, &mut json, new_slot, new_key.as_slice(), old_key.len(), passphrase, &p.keyslot)?;
-        let new_digest = lowest_free(&json["digests"]).ok_or_else(|| invalid("no free digest id".into()))?;
+        // The new key and its keyslot (cryptsetup: an unbound key added first); none to decrypt.
+        let mut new = None;
+        if !p.decrypt {
+            let mut new_key = Secret::new(key_bytes);
+            os_random(new_key.as_mut_slice())?;
+            let slot = lowest_free(&json["keyslots"]).ok_or_else(|| invalid(format!("all {LUKS2_KEYSLOTS} LUKS2 keyslots are in use")))?;
+            let area = keyslots::luks2_keyslot(dev, self, &mut json, slot, new_key.as_slice(), old_key.len(), passphrase, &p.keyslot)?;
+            let digest = lowest_free(&json["digests"]).ok_or_else(|| invalid("no free digest id".into()))?;
+            new = Some((new_key, slot, area, digest));
+        }
 
         // The reencrypt keyslot: the largest free stretch of the keyslots area that is left.
         let taken = Luks2Header::from_json(self.binary.clone(), json.clone())?;
@@ -135,14 +142,18 @@ impl Luks2Header {
                 area_json["sector_size"] = json!(block);
             }
         }
+        let (mode, direction) = if p.decrypt { ("decrypt", "backward") } else { ("reencrypt", "forward") };
         json["keyslots"][reenc_slot.to_string()] =
-            json!({"area": area_json, "type": "reencrypt", "key_size": 1, "mode": "reencrypt", "direction": "forward", "priority": 0});
+            json!({"area": area_json, "type": "reencrypt", "key_size": 1, "mode": mode, "direction": direction, "priority": 0});
 
-        // Segments: the old one, its backup, the new one's backup.
+        // Segments: the old one, its backup, the new one's backup (plaintext when decrypting).
         let old_raw = json["segments"][old_seg_id.to_string()].clone();
         let mut previous = old_raw.clone();
         previous["flags"] = json!(["backup-previous"]);
-        let mut fin = reencrypt::crypt_segment(old.offset, None, 0, &cipher, sector_size, false);
+        let mut fin = match p.decrypt {
+            true => json!({"type": "linear", "offset": old.offset.to_string(), "size": "dynamic"}),
+            false => reencrypt::crypt_segment(old.offset, None, 0, &cipher, sector_size, false),
+        };
         fin["flags"] = json!(["backup-final"]);
         let mut segments = Map::new();
         segments.insert("0".into(), old_raw);
@@ -152,7 +163,9 @@ impl Luks2Header {
         for (id, d) in json["digests"].as_object_mut().ok_or_else(|| invalid("digests is not an object".into()))?.iter_mut() {
             d["segments"] = if id.parse::<u32>().ok() == Some(old_digest) { json!(["0", "1"]) } else { json!([]) };
         }
-        json["digests"][new_digest.to_string()] = digest_json(new_key.as_slice(), p.digest_hash, p.digest_iterations, &[new_slot], &[2])?;
+        if let Some((key, slot, _, digest)) = &new {
+            json["digests"][digest.to_string()] = digest_json(key.as_slice(), p.digest_hash, p.digest_iterations, &[*slot], &[2])?;
+        }
         let reenc_digest = lowest_free(&json["digests"]).ok_or_else(|| invalid("no free digest id".into()))?;
         // A placeholder, so that the metadata parses as a reencryption; replaced below.
         json["digests"][reenc_digest.to_string()] = digest_json(b"placeholder", p.digest_hash, Some(1000), &[reenc_slot], &[])?;
@@ -164,7 +177,7 @@ impl Luks2Header {
         // The reencryption digest over both keys and the metadata as it will be stored.
         let staged = Luks2Header::from_json(self.binary.clone(), json.clone())?;
         let state = staged.reencryption()?.ok_or_else(|| invalid("the staged metadata shows no reencryption".into()))?;
-        let input = staged.reencryption_digest_input(&state, Some(old_key), Some(new_key.as_slice()))?;
+        let input = staged.reencryption_digest_input(&state, Some(old_key), new.as_ref().map(|n| n.0.as_slice()))?;
         json["digests"][reenc_digest.to_string()] = digest_json(&input, p.digest_hash, p.digest_iterations, &[reenc_slot], &[])?;
         drop(input);
         // What is written must read back as a reencryption this code (and cryptsetup) continues.
@@ -174,7 +187,11 @@ impl Luks2Header {
         if p.resilience != InitResilience::Journal {
             check.step_plan(&state)?;
         }
-        Ok(InitPlan { json, area, new_keyslot: new_slot, reencrypt_keyslot: reenc_slot })
+        let (area, new_keyslot) = match new {
+            Some((_, slot, area, _)) => (Some(area), Some(slot)),
+            None => (None, None),
+        };
+        Ok(InitPlan { json, area, new_keyslot, reencrypt_keyslot: reenc_slot })
     }
 
     /// The refusals that need no key: run before the passphrase is asked for.
@@ -192,6 +209,16 @@ impl Luks2Header {
                 "{}: segment {old_seg_id} is not one plain crypt segment over the whole device; use cryptsetup",
                 dev.name
             )));
+        }
+        if p.decrypt && !dev.detached {
+            return Err(VolumeError::Unsupported(format!(
+                "{}: decrypting a volume whose header is in front of its data moves the data (cryptsetup 2.6's datashift-checksum), which cryptbridge does not do; \
+                 use `cryptsetup reencrypt --decrypt --header NEW-HEADER-FILE`",
+                dev.name
+            )));
+        }
+        if p.decrypt && (p.cipher.is_some() || p.key_bytes.is_some() || p.sector_size.is_some()) {
+            return Err(invalid("--decrypt makes plaintext: --cipher, --key-size and --sector-size do not apply".into()));
         }
         let cipher = p.cipher.as_deref().unwrap_or(&old.encryption);
         crypto_api_name(cipher)?;
@@ -246,7 +273,9 @@ fn max_gap(dev: &HeaderDevice, h: &Luks2Header) -> Result<(u64, u64)> {
 /// cryptsetup's reencryption lock. Returns the header as written.
 pub fn init(dev: &HeaderDevice, h: &Luks2Header, old_key: &[u8], passphrase: &[u8], p: &InitParams) -> Result<(Luks2Header, InitPlan)> {
     let plan = h.reencryption_init(dev, old_key, passphrase, p)?;
-    write_synced(dev.file, &plan.area.bytes, plan.area.offset, &format!("keyslot {}'s area on {}", plan.new_keyslot, dev.name))?;
+    if let (Some(area), Some(slot)) = (&plan.area, plan.new_keyslot) {
+        write_synced(dev.file, &area.bytes, area.offset, &format!("keyslot {slot}'s area on {}", dev.name))?;
+    }
     let written = reencrypt::write_metadata(dev.file, dev.name, h, plan.json.clone())?;
     Ok((written, plan))
 }
@@ -387,5 +416,78 @@ pub fn encrypt_with_shift(dev: &std::fs::File, name: &str, layout: ShiftLayout, 
     write_synced(dev, &head.as_slice()[keyslots_start..], keyslots_start as u64, &format!("the keyslots area of {name}"))?;
     write_synced(dev, &secondary, binary.hdr_size, &format!("the secondary LUKS2 header of {name}"))?;
     write_synced(dev, &primary, 0, &format!("the primary LUKS2 header of {name}"))?;
+    Ok(written)
+}
+
+/// Starts `cryptsetup reencrypt --encrypt --header HEADER DEVICE`: a new LUKS2 header in its own
+/// file (`header`, per `p`, detached, the data from offset 0) for `data` (`data_size` bytes of
+/// plaintext, which stays where it is), and the encryption of that data from the start forwards
+/// (mode `encrypt`, direction `forward`, the reencrypt keyslot's area the largest free stretch of
+/// the keyslots area, of type `resilience`), with the metadata cryptsetup 2.6.1 writes for it.
+/// The header is made in memory and checked first; the header file is written whole (keyslots
+/// area, secondary, primary); nothing is written to the data device.
+pub fn encrypt_detached(header: &std::fs::File, name: &str, data_size: u64, p: &crate::format::FormatParams, resilience: &InitResilience, passphrase: &[u8]) -> Result<Luks2Header> {
+    use crate::ReadAt;
+    if crate::Header::read(header).is_ok() {
+        return Err(invalid(format!("{name} already holds a LUKS header; --encrypt writes a new one")));
+    }
+    if p.version != 2 || !p.detached || p.data_offset.unwrap_or(0) != 0 {
+        return Err(invalid("an encryption with a detached header makes a LUKS2 header whose data starts at offset 0".into()));
+    }
+    if !data_size.is_multiple_of(p.sector_size as u64) || data_size == 0 {
+        return Err(invalid(format!("the data device ({data_size} bytes) is not a whole number of {}-byte sectors", p.sector_size)));
+    }
+    let mem = memory_file()?;
+    crate::format::format(&mem, name, data_size, p, passphrase)?;
+    let crate::Header::Luks2(made) = crate::Header::read(&mem)? else { return Err(invalid("the new header is not LUKS2".into())) };
+    let key = made.unlock_key(&mem, passphrase, Some(0))?.volume_key;
+    let mut json = made.json.clone();
+    let dynamic_linear = |flag: Option<&str>| {
+        let mut o = json!({"type": "linear", "offset": "0", "size": "dynamic"});
+        if let Some(f) = flag {
+            o["flags"] = json!([f]);
+        }
+        o
+    };
+    let mut fin = reencrypt::crypt_segment(0, None, 0, &p.cipher, p.sector_size, false);
+    fin["flags"] = json!(["backup-final"]);
+    json["segments"] = json!({"0": dynamic_linear(None), "1": dynamic_linear(Some("backup-previous")), "2": fin});
+    json["digests"]["0"]["segments"] = json!(["2"]);
+    let (area_offset, area_size) = max_gap(&HeaderDevice { file: &mem, name, detached: true }, &made)?;
+    let mut area_json = json!({"offset": area_offset.to_string(), "size": area_size.to_string()});
+    match resilience {
+        InitResilience::None => area_json["type"] = json!("none"),
+        InitResilience::Journal => area_json["type"] = json!("journal"),
+        InitResilience::Checksum { hash, block } => {
+            Hash::from_name(hash)?;
+            area_json["type"] = json!("checksum");
+            area_json["hash"] = json!(hash);
+            area_json["sector_size"] = json!(block);
+        }
+    }
+    json["keyslots"]["1"] = json!({"area": area_json, "type": "reencrypt", "key_size": 1, "mode": "encrypt", "direction": "forward", "priority": 0});
+    json["config"]["requirements"] = json!({"mandatory": [REQUIREMENT]});
+    json["digests"]["1"] = digest_json(b"placeholder", p.hash, Some(1000), &[1], &[])?;
+    let staged = Luks2Header::from_json(made.binary.clone(), json.clone())?;
+    let state = staged.reencryption()?.ok_or_else(|| invalid("the staged metadata shows no reencryption".into()))?;
+    let input = staged.reencryption_digest_input(&state, None, Some(key.as_slice()))?;
+    json["digests"]["1"] = digest_json(&input, p.hash, Some(p.digest_iterations), &[1], &[])?;
+    drop((input, key));
+    let binary = crate::luks2::BinaryHeader { seqid: made.binary.seqid + 1, ..made.binary.clone() };
+    let written = Luks2Header::from_json(binary.clone(), json.clone())?;
+    let state = written.reencryption()?.ok_or_else(|| invalid("the new metadata shows no reencryption".into()))?;
+    if !matches!(resilience, InitResilience::Journal) {
+        written.step_plan(&state)?;
+    }
+    let (primary, secondary) = crate::luks2::encode_copies(&binary, &json)?;
+    let len = ReadAt::size(&mem).map_err(crate::error::io_err("cannot size the new header".to_string()))?;
+    let mut image = zeroize::Zeroizing::new(vec![0u8; usize::try_from(len).map_err(|_| invalid(format!("header of {len} bytes")))?]);
+    mem.read_exact_at(&mut image, 0).map_err(crate::error::io_err("cannot read the new header back".to_string()))?;
+    drop(mem);
+    let _lock = crate::format::DeviceLock::exclusive(header, name)?;
+    let keyslots_start = crate::format::LUKS2_KEYSLOTS_OFFSET as usize;
+    write_synced(header, &image[keyslots_start..], keyslots_start as u64, &format!("the keyslots area of {name}"))?;
+    write_synced(header, &secondary, binary.hdr_size, &format!("the secondary LUKS2 header of {name}"))?;
+    write_synced(header, &primary, 0, &format!("the primary LUKS2 header of {name}"))?;
     Ok(written)
 }

@@ -38,6 +38,7 @@ fn volume(dir: &std::path::Path, key_bytes: usize, sector_size: usize) -> (File,
 
 fn params(h: &Luks2Header, key_bytes: Option<usize>, sector_size: Option<usize>, resilience: InitResilience) -> InitParams {
     InitParams {
+        decrypt: false,
         cipher: None,
         key_bytes,
         sector_size,
@@ -62,7 +63,7 @@ fn the_initialized_metadata_parses_back_and_its_digest_verifies() {
         let old = h.unlock_key(&f, b"pass", None).unwrap();
         let p = params(&h, new_key, new_sector, res.clone());
         let (written, plan) = init(&dev, &h, &old.volume_key, b"pass", &p).unwrap();
-        assert_eq!((plan.new_keyslot, plan.reencrypt_keyslot), (1, 2));
+        assert_eq!((plan.new_keyslot, plan.reencrypt_keyslot), (Some(1), 2));
         let Header::Luks2(back) = Header::read(&f).unwrap() else { panic!() };
         assert_eq!(back.binary.seqid, h.binary.seqid + 1);
         assert_eq!(back.json, written.json);

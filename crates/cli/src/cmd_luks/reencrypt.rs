@@ -73,9 +73,9 @@ pub struct ReencryptArgs {
     /// before them); the data moves by half of it to make room for the header (e.g. 32M).
     #[arg(long, value_parser = crate::size::parse_size, requires = "encrypt")]
     pub(super) reduce_device_size: Option<u64>,
-    /// Starting a decryption is left to cryptsetup (`cryptsetup reencrypt --decrypt --init-only`);
-    /// this one continues it with --resume-only.
-    #[arg(long)]
+    /// Make the volume plaintext (with a detached --header; as `cryptsetup reencrypt --decrypt`):
+    /// from the end backwards, the header's keyslots gone at the end.
+    #[arg(long, conflicts_with_all = ["resume_only"])]
     pub(super) decrypt: bool,
     /// With --encrypt: the volume type (luks2; LUKS1 has no reencryption).
     #[arg(long = "type", default_value = "luks2")]
@@ -93,12 +93,6 @@ pub struct ReencryptArgs {
 }
 
 pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
-    if a.decrypt {
-        bail!(
-            "--decrypt: cryptbridge continues a decryption but does not start one; start it with `cryptsetup reencrypt --decrypt --init-only --header FILE DEVICE`, \
-             then `cryptbridge luks reencrypt --resume-only --header FILE DEVICE`"
-        );
-    }
     let mut init_pass = None;
     if a.encrypt {
         let pass = super::reencrypt_encrypt::run(&a)?;

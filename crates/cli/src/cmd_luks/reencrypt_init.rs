@@ -20,7 +20,7 @@ use crate::passphrase;
 
 /// cryptsetup's `device_block_size` of the data device: the page size for a regular file, the
 /// logical block size for a block device (4096 where neither can be had).
-fn device_block_size(f: &File) -> u32 {
+pub(super) fn device_block_size(f: &File) -> u32 {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileTypeExt;
     let block_device = f.metadata().is_ok_and(|m| m.file_type().is_block_device());
@@ -61,6 +61,12 @@ pub(super) fn run(a: &ReencryptArgs, hfile: &File, name: &str, h: &Luks2Header) 
         None => None,
     };
     let data_offset = h.segments.values().next().map_or(0, |s| s.offset);
+    if a.decrypt && !detached {
+        bail!(
+            "{name}: --decrypt of a volume whose header is in front of its data moves the data (cryptsetup 2.6's datashift-checksum), which cryptbridge does not do; \
+             use `cryptsetup reencrypt --decrypt --header NEW-HEADER-FILE {name}`"
+        );
+    }
     if !detached && data_offset == 0 {
         bail!("{name}: the data starts at offset 0 (a detached-header volume?); give --header FILE");
     }
@@ -68,6 +74,7 @@ pub(super) fn run(a: &ReencryptArgs, hfile: &File, name: &str, h: &Luks2Header) 
     let data_size = data_size.checked_sub(data_offset).context("the device ends before its data offset")?;
     let kdf_hash = Hash::from_name(&a.kdf.hash)?;
     let mut params = InitParams {
+        decrypt: a.decrypt,
         cipher: a.cipher.clone(),
         key_bytes,
         sector_size: a.sector_size,
@@ -75,7 +82,9 @@ pub(super) fn run(a: &ReencryptArgs, hfile: &File, name: &str, h: &Luks2Header) 
         // Replaced once the passphrase is checked (the benchmark takes seconds).
         keyslot: NewKeyslot { kdf: cryptbridge_volume::kdf::Kdf::Pbkdf2 { hash: kdf_hash, iterations: MIN_PBKDF2_ITERATIONS }, af_hash: kdf_hash },
         digest_hash: kdf_hash,
-        digest_iterations: a.kdf.pbkdf_force_iterations.map(|_| MIN_PBKDF2_ITERATIONS),
+        // cryptsetup applies --pbkdf-force-iterations to the digests along with the new keyslot;
+        // a decryption makes none, and its reencryption digest is benchmarked.
+        digest_iterations: a.kdf.pbkdf_force_iterations.filter(|_| !a.decrypt).map(|_| MIN_PBKDF2_ITERATIONS),
         data_size,
     };
     let dev = HeaderDevice { file: hfile, name, detached };
@@ -86,7 +95,7 @@ pub(super) fn run(a: &ReencryptArgs, hfile: &File, name: &str, h: &Luks2Header) 
     let Header::Luks2(h) = Header::read(hfile).with_context(|| name.to_string())? else { bail!("{name} is no longer LUKS2") };
     h.reencryption_init_check(&dev, &params).with_context(|| format!("{name}: no reencryption initialized"))?;
     let active: Vec<u32> = h.keyslots.iter().filter(|(_, k)| k.kind == "luks2").map(|(id, _)| *id).collect();
-    if a.key_slot.is_none() && active.len() > 1 {
+    if a.key_slot.is_none() && active.len() > 1 && !a.decrypt {
         // cryptsetup: "Key file can be used only with --key-slot or with exactly one key slot
         // active" (typed, it asks for every keyslot's passphrase; one passphrase is read here).
         bail!("{name} has keyslots {active:?}: give --key-slot N (the keyslot whose passphrase is given; the others are removed when the reencryption finishes)");
@@ -103,16 +112,20 @@ pub(super) fn run(a: &ReencryptArgs, hfile: &File, name: &str, h: &Luks2Header) 
             old.keyslot
         );
     }
-    let new_bytes = key_bytes.unwrap_or(old.volume_key.len());
-    params.keyslot = NewKeyslot { kdf: super::pick_kdf(2, &a.kdf, kdf_hash, new_bytes)?, af_hash: kdf_hash };
+    if !a.decrypt {
+        let new_bytes = key_bytes.unwrap_or(old.volume_key.len());
+        params.keyslot = NewKeyslot { kdf: super::pick_kdf(2, &a.kdf, kdf_hash, new_bytes)?, af_hash: kdf_hash };
+    }
     let (_, plan) = reencrypt_init::init(&dev, &h, &old.volume_key, &pass, &params).with_context(|| format!("{name}: no reencryption initialized"))?;
     drop(old);
-    tracing::info!(
-        "{name}: reencryption initialized (new key in keyslot {}, reencrypt keyslot {}, {})",
-        plan.new_keyslot,
-        plan.reencrypt_keyslot,
-        params.keyslot.kdf.name()
-    );
+    match plan.new_keyslot {
+        Some(slot) => tracing::info!(
+            "{name}: reencryption initialized (new key in keyslot {slot}, reencrypt keyslot {}, {})",
+            plan.reencrypt_keyslot,
+            params.keyslot.kdf.name()
+        ),
+        None => tracing::info!("{name}: decryption initialized (reencrypt keyslot {})", plan.reencrypt_keyslot),
+    }
     drop(lock);
     Ok(pass)
 }

@@ -173,7 +173,7 @@ def test_refusals_change_nothing(ws):
         assert_no_panic(p.stderr.decode())
         assert sha(img) == before, opts
     p = cb("luks", "reencrypt", "--decrypt", "--key-file", str(pw), str(img))
-    assert p.returncode == 1 and b"does not start one" in p.stderr, p.stderr
+    assert p.returncode == 1 and b"no LUKS header found" in p.stderr, p.stderr
     # Without --batch-mode and no terminal to ask on: refused, nothing written.
     p = cb("luks", "reencrypt", "--encrypt", "--reduce-device-size", str(REDUCE), "--key-file", str(pw), *KDF, str(img))
     assert p.returncode == 1 and b"--batch-mode" in p.stderr, p.stderr

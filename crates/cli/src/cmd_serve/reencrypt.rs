@@ -14,7 +14,7 @@ use cryptbridge_bridge::metrics;
 use crate::reencryption::Stepper;
 
 /// How much longer than its last step the job waits while clients are active.
-const BACKOFF: u32 = 4;
+const BACKOFF: u32 = 16;
 /// How often the job looks at the clients' activity while it waits.
 const LOOK: Duration = Duration::from_millis(2);
 

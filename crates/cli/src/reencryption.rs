@@ -232,6 +232,8 @@ fn wipe_moved(plan: &StepPlan, backing: &Backing, name: &str) -> Result<()> {
 /// A step's commit points, written to the header by [`Mapping::remap`] around its rewrite.
 struct Commits<'a> {
     o: &'a mut Owned,
+    /// The data device.
+    data: &'a Backing,
     /// The step's bytes done before it and its length (as `step_metadata` takes them).
     hotzone: (u64, u64),
     data_size: u64,
@@ -263,6 +265,11 @@ impl Commits<'_> {
         match o.plan.resilience {
             StepResilience::None => return Ok(()),
             StepResilience::Checksum { hash, block } => {
+                // The hashes must be of what the disk holds: a client's write to the hotzone that
+                // nothing synced yet (its FLUSH not come) would otherwise, lost to a power cut,
+                // leave old ciphertext no hash matches, which recovery takes for new. With the
+                // header in front the area's sync below covers the data too; detached, it does not.
+                self.data.flush().context("cannot sync the hotzone before its checksums")?;
                 let hl = hash.output_len();
                 let mut sums = vec![0u8; old.len() / block * hl];
                 for (i, b) in old.chunks(block).enumerate() {
@@ -414,7 +421,7 @@ impl Stepper {
         let preview = Luks2Header::from_json(o.header.binary.clone(), after)?;
         let preview_state = preview.reencryption()?.context("the step's metadata has no reencryption")?;
         let next = self.engines.table(&preview.check_regions(&preview_state)?, self.device_size, self.mapping.sector_size())?;
-        let mut commits = Commits { o, hotzone: (done, len), data_size, error: None, wipe: None };
+        let mut commits = Commits { o, data: self.mapping.backing(), hotzone: (done, len), data_size, error: None, wipe: None };
         if let Err(e) = self.mapping.remap(start, len, next, &mut commits) {
             let name = commits.o.name.clone();
             return Err(match commits.error.take() {

@@ -128,20 +128,7 @@ impl Luks2Header {
         let taken = Luks2Header::from_json(self.binary.clone(), json.clone())?;
         let (area_offset, area_size) = max_gap(dev, &taken)?;
         let reenc_slot = lowest_free(&json["keyslots"]).ok_or_else(|| invalid(format!("all {LUKS2_KEYSLOTS} LUKS2 keyslots are in use")))?;
-        let mut area_json = json!({"offset": area_offset.to_string(), "size": area_size.to_string()});
-        match &p.resilience {
-            InitResilience::None => area_json["type"] = json!("none"),
-            InitResilience::Journal => area_json["type"] = json!("journal"),
-            InitResilience::Checksum { hash, block } => {
-                let h = Hash::from_name(hash)?;
-                if area_size < h.output_len() as u64 {
-                    return Err(invalid(format!("no room for the checksum resilience area in the keyslots area of {}", dev.name)));
-                }
-                area_json["type"] = json!("checksum");
-                area_json["hash"] = json!(hash);
-                area_json["sector_size"] = json!(block);
-            }
-        }
+        let area_json = resilience_area(&p.resilience, area_offset, area_size, dev.name)?;
         let (mode, direction) = if p.decrypt { ("decrypt", "backward") } else { ("reencrypt", "forward") };
         json["keyslots"][reenc_slot.to_string()] =
             json!({"area": area_json, "type": "reencrypt", "key_size": 1, "mode": mode, "direction": direction, "priority": 0});
@@ -167,26 +154,12 @@ impl Luks2Header {
             json["digests"][digest.to_string()] = digest_json(key.as_slice(), p.digest_hash, p.digest_iterations, &[*slot], &[2])?;
         }
         let reenc_digest = lowest_free(&json["digests"]).ok_or_else(|| invalid("no free digest id".into()))?;
-        // A placeholder, so that the metadata parses as a reencryption; replaced below.
-        json["digests"][reenc_digest.to_string()] = digest_json(b"placeholder", p.digest_hash, Some(1000), &[reenc_slot], &[])?;
         let config = json["config"].as_object_mut().ok_or_else(|| invalid("config is not an object".into()))?;
         let req = config.entry("requirements").or_insert_with(|| json!({}));
         let mandatory = req.as_object_mut().ok_or_else(|| invalid("config.requirements is not an object".into()))?.entry("mandatory").or_insert_with(|| json!([]));
         mandatory.as_array_mut().ok_or_else(|| invalid("config.requirements.mandatory is not a list".into()))?.push(json!(REQUIREMENT));
-
-        // The reencryption digest over both keys and the metadata as it will be stored.
-        let staged = Luks2Header::from_json(self.binary.clone(), json.clone())?;
-        let state = staged.reencryption()?.ok_or_else(|| invalid("the staged metadata shows no reencryption".into()))?;
-        let input = staged.reencryption_digest_input(&state, Some(old_key), new.as_ref().map(|n| n.0.as_slice()))?;
-        json["digests"][reenc_digest.to_string()] = digest_json(&input, p.digest_hash, p.digest_iterations, &[reenc_slot], &[])?;
-        drop(input);
-        // What is written must read back as a reencryption this code (and cryptsetup) continues.
-        let check = Luks2Header::from_json(self.binary.clone(), json.clone())?;
-        let state = check.reencryption()?.ok_or_else(|| invalid("the new metadata shows no reencryption".into()))?;
-        check.check_regions(&state)?;
-        if p.resilience != InitResilience::Journal {
-            check.step_plan(&state)?;
-        }
+        let keys = Keys { old: Some(old_key), new: new.as_ref().map(|n| n.0.as_slice()) };
+        seal(&self.binary, &mut json, (reenc_digest, reenc_slot), keys, p.digest_hash, p.digest_iterations)?;
         let (area, new_keyslot) = match new {
             Some((_, slot, area, _)) => (Some(area), Some(slot)),
             None => (None, None),
@@ -319,6 +292,71 @@ impl ShiftLayout {
     }
 }
 
+/// The reencrypt keyslot's area at `[offset, offset + size)` of the keyslots area of `name`, of
+/// the type `resilience` names.
+fn resilience_area(resilience: &InitResilience, offset: u64, size: u64, name: &str) -> Result<Value> {
+    let mut area = json!({"offset": offset.to_string(), "size": size.to_string()});
+    match resilience {
+        InitResilience::None => area["type"] = json!("none"),
+        InitResilience::Journal => area["type"] = json!("journal"),
+        InitResilience::Checksum { hash, block } => {
+            let h = Hash::from_name(hash)?;
+            if size < h.output_len() as u64 {
+                return Err(invalid(format!("no room for the checksum resilience area in the keyslots area of {name}")));
+            }
+            area["type"] = json!("checksum");
+            area["hash"] = json!(hash);
+            area["sector_size"] = json!(block);
+        }
+    }
+    Ok(area)
+}
+
+/// The volume keys a reencryption digest covers (`None`: that side is plaintext).
+struct Keys<'a> {
+    old: Option<&'a [u8]>,
+    new: Option<&'a [u8]>,
+}
+
+/// Sets the reencryption digest `digest` of the reencrypt keyslot `slot` in `json` (metadata that
+/// is complete but for it) over `keys` and that metadata, and checks that what is to be written
+/// reads back, with `binary`, as a reencryption this code (and cryptsetup) continues.
+fn seal(binary: &crate::luks2::BinaryHeader, json: &mut Value, (digest, slot): (u32, u32), keys: Keys, hash: Hash, iterations: Option<u32>) -> Result<Luks2Header> {
+    // A placeholder, so that the metadata parses as a reencryption; replaced below.
+    json["digests"][digest.to_string()] = digest_json(b"placeholder", hash, Some(1000), &[slot], &[])?;
+    let staged = Luks2Header::from_json(binary.clone(), json.clone())?;
+    let state = staged.reencryption()?.ok_or_else(|| invalid("the staged metadata shows no reencryption".into()))?;
+    let input = staged.reencryption_digest_input(&state, keys.old, keys.new)?;
+    json["digests"][digest.to_string()] = digest_json(&input, hash, iterations, &[slot], &[])?;
+    drop(input);
+    let sealed = Luks2Header::from_json(binary.clone(), json.clone())?;
+    let state = sealed.reencryption()?.ok_or_else(|| invalid("the new metadata shows no reencryption".into()))?;
+    sealed.check_regions(&state)?;
+    sealed.step_plan(&state)?;
+    Ok(sealed)
+}
+
+/// A new LUKS2 volume's header (`p`, for `data_size` bytes of data) made in a memory file, read
+/// back, and its volume key.
+fn made_in_memory(name: &str, data_size: u64, p: &crate::format::FormatParams, passphrase: &[u8]) -> Result<(std::fs::File, Luks2Header, Secret)> {
+    let mem = memory_file()?;
+    crate::format::format(&mem, name, data_size, p, passphrase)?;
+    let crate::Header::Luks2(made) = crate::Header::read(&mem)? else { return Err(invalid("the new header is not LUKS2".into())) };
+    let key = made.unlock_key(&mem, passphrase, Some(0))?.volume_key;
+    Ok((mem, made, key))
+}
+
+/// Writes a new header over what `file` (`name`) holds, under its `flock`: `keyslots` (the
+/// keyslots area, from its offset on), then the secondary copy of `binary` with `json`, then the
+/// primary one, each synced.
+fn write_new_header(file: &std::fs::File, name: &str, keyslots: &[u8], binary: &crate::luks2::BinaryHeader, json: &Value) -> Result<()> {
+    let (primary, secondary) = crate::luks2::encode_copies(binary, json)?;
+    let _lock = crate::format::DeviceLock::exclusive(file, name)?;
+    write_synced(file, keyslots, crate::format::LUKS2_KEYSLOTS_OFFSET, &format!("the keyslots area of {name}"))?;
+    write_synced(file, &secondary, binary.hdr_size, &format!("the secondary LUKS2 header of {name}"))?;
+    write_synced(file, &primary, 0, &format!("the primary LUKS2 header of {name}"))
+}
+
 /// A memory-only file (Linux `memfd_create`): the new header is made in one before anything is
 /// written to the device, as cryptsetup makes it in a temporary file.
 fn memory_file() -> Result<std::fs::File> {
@@ -352,11 +390,7 @@ pub fn encrypt_with_shift(dev: &std::fs::File, name: &str, layout: ShiftLayout, 
     if p.version != 2 || p.detached || p.data_offset != Some(shift) {
         return Err(invalid("an encryption with a data shift makes a LUKS2 volume with its header in front, at the shift".into()));
     }
-    // The header, made in memory.
-    let mem = memory_file()?;
-    crate::format::format(&mem, name, shift + data_size, p, passphrase)?;
-    let crate::Header::Luks2(made) = crate::Header::read(&mem)? else { return Err(invalid("the new header is not LUKS2".into())) };
-    let key = made.unlock_key(&mem, passphrase, Some(0))?.volume_key;
+    let (mem, made, key) = made_in_memory(name, shift + data_size, p, passphrase)?;
     let slot0 = made.keyslots.get(&0).and_then(|k| k.luks2.as_ref()).ok_or_else(|| invalid("the new header has no keyslot 0".into()))?;
     let (slot_offset, slot_size) = (slot0.area_offset, slot0.area_size);
 
@@ -383,18 +417,9 @@ pub fn encrypt_with_shift(dev: &std::fs::File, name: &str, layout: ShiftLayout, 
         "type": "reencrypt", "key_size": 1, "mode": "encrypt", "direction": "backward", "priority": 0,
     });
     json["config"]["requirements"] = json!({"mandatory": [REQUIREMENT]});
-    // A placeholder, so that the metadata parses as a reencryption; replaced below.
-    json["digests"]["1"] = digest_json(b"placeholder", p.hash, Some(1000), &[1], &[])?;
-    let staged = Luks2Header::from_json(made.binary.clone(), json.clone())?;
-    let state = staged.reencryption()?.ok_or_else(|| invalid("the staged metadata shows no reencryption".into()))?;
-    let input = staged.reencryption_digest_input(&state, None, Some(key.as_slice()))?;
-    json["digests"]["1"] = digest_json(&input, p.hash, Some(p.digest_iterations), &[1], &[])?;
-    drop((input, key));
     let binary = crate::luks2::BinaryHeader { seqid: made.binary.seqid + 1, ..made.binary.clone() };
-    let written = Luks2Header::from_json(binary.clone(), json.clone())?;
-    let state = written.reencryption()?.ok_or_else(|| invalid("the new metadata shows no reencryption".into()))?;
-    written.step_plan(&state)?;
-    let (primary, secondary) = crate::luks2::encode_copies(&binary, &json)?;
+    let written = seal(&binary, &mut json, (1, 1), Keys { old: None, new: Some(key.as_slice()) }, p.hash, Some(p.digest_iterations))?;
+    drop(key);
 
     // What the header's first `shift` bytes become: random, keyslot 0's area, the header copies.
     // Not key material (keyslot 0's area is encrypted): plain memory, not the locked kind.
@@ -412,10 +437,7 @@ pub fn encrypt_with_shift(dev: &std::fs::File, name: &str, layout: ShiftLayout, 
     write_synced(dev, first.as_slice(), moved_offset, &format!("the moved first {shift} bytes of {name}"))?;
     drop(first);
     // 2. The keyslots area, 3. the secondary header, 4. the primary one.
-    let keyslots_start = crate::format::LUKS2_KEYSLOTS_OFFSET as usize;
-    write_synced(dev, &head.as_slice()[keyslots_start..], keyslots_start as u64, &format!("the keyslots area of {name}"))?;
-    write_synced(dev, &secondary, binary.hdr_size, &format!("the secondary LUKS2 header of {name}"))?;
-    write_synced(dev, &primary, 0, &format!("the primary LUKS2 header of {name}"))?;
+    write_new_header(dev, name, &head[crate::format::LUKS2_KEYSLOTS_OFFSET as usize..], &binary, &json)?;
     Ok(written)
 }
 
@@ -437,10 +459,7 @@ pub fn encrypt_detached(header: &std::fs::File, name: &str, data_size: u64, p: &
     if !data_size.is_multiple_of(p.sector_size as u64) || data_size == 0 {
         return Err(invalid(format!("the data device ({data_size} bytes) is not a whole number of {}-byte sectors", p.sector_size)));
     }
-    let mem = memory_file()?;
-    crate::format::format(&mem, name, data_size, p, passphrase)?;
-    let crate::Header::Luks2(made) = crate::Header::read(&mem)? else { return Err(invalid("the new header is not LUKS2".into())) };
-    let key = made.unlock_key(&mem, passphrase, Some(0))?.volume_key;
+    let (mem, made, key) = made_in_memory(name, data_size, p, passphrase)?;
     let mut json = made.json.clone();
     let dynamic_linear = |flag: Option<&str>| {
         let mut o = json!({"type": "linear", "offset": "0", "size": "dynamic"});
@@ -454,40 +473,16 @@ pub fn encrypt_detached(header: &std::fs::File, name: &str, data_size: u64, p: &
     json["segments"] = json!({"0": dynamic_linear(None), "1": dynamic_linear(Some("backup-previous")), "2": fin});
     json["digests"]["0"]["segments"] = json!(["2"]);
     let (area_offset, area_size) = max_gap(&HeaderDevice { file: &mem, name, detached: true }, &made)?;
-    let mut area_json = json!({"offset": area_offset.to_string(), "size": area_size.to_string()});
-    match resilience {
-        InitResilience::None => area_json["type"] = json!("none"),
-        InitResilience::Journal => area_json["type"] = json!("journal"),
-        InitResilience::Checksum { hash, block } => {
-            Hash::from_name(hash)?;
-            area_json["type"] = json!("checksum");
-            area_json["hash"] = json!(hash);
-            area_json["sector_size"] = json!(block);
-        }
-    }
+    let area_json = resilience_area(resilience, area_offset, area_size, name)?;
     json["keyslots"]["1"] = json!({"area": area_json, "type": "reencrypt", "key_size": 1, "mode": "encrypt", "direction": "forward", "priority": 0});
     json["config"]["requirements"] = json!({"mandatory": [REQUIREMENT]});
-    json["digests"]["1"] = digest_json(b"placeholder", p.hash, Some(1000), &[1], &[])?;
-    let staged = Luks2Header::from_json(made.binary.clone(), json.clone())?;
-    let state = staged.reencryption()?.ok_or_else(|| invalid("the staged metadata shows no reencryption".into()))?;
-    let input = staged.reencryption_digest_input(&state, None, Some(key.as_slice()))?;
-    json["digests"]["1"] = digest_json(&input, p.hash, Some(p.digest_iterations), &[1], &[])?;
-    drop((input, key));
     let binary = crate::luks2::BinaryHeader { seqid: made.binary.seqid + 1, ..made.binary.clone() };
-    let written = Luks2Header::from_json(binary.clone(), json.clone())?;
-    let state = written.reencryption()?.ok_or_else(|| invalid("the new metadata shows no reencryption".into()))?;
-    if !matches!(resilience, InitResilience::Journal) {
-        written.step_plan(&state)?;
-    }
-    let (primary, secondary) = crate::luks2::encode_copies(&binary, &json)?;
+    let written = seal(&binary, &mut json, (1, 1), Keys { old: None, new: Some(key.as_slice()) }, p.hash, Some(p.digest_iterations))?;
+    drop(key);
     let len = ReadAt::size(&mem).map_err(crate::error::io_err("cannot size the new header".to_string()))?;
     let mut image = zeroize::Zeroizing::new(vec![0u8; usize::try_from(len).map_err(|_| invalid(format!("header of {len} bytes")))?]);
     mem.read_exact_at(&mut image, 0).map_err(crate::error::io_err("cannot read the new header back".to_string()))?;
     drop(mem);
-    let _lock = crate::format::DeviceLock::exclusive(header, name)?;
-    let keyslots_start = crate::format::LUKS2_KEYSLOTS_OFFSET as usize;
-    write_synced(header, &image[keyslots_start..], keyslots_start as u64, &format!("the keyslots area of {name}"))?;
-    write_synced(header, &secondary, binary.hdr_size, &format!("the secondary LUKS2 header of {name}"))?;
-    write_synced(header, &primary, 0, &format!("the primary LUKS2 header of {name}"))?;
+    write_new_header(header, name, &image[crate::format::LUKS2_KEYSLOTS_OFFSET as usize..], &binary, &json)?;
     Ok(written)
 }

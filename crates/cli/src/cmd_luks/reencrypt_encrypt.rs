@@ -12,7 +12,7 @@ use std::fs::File;
 use anyhow::{bail, Context, Result};
 use cryptbridge_volume::format::{self, FormatParams, MIN_PBKDF2_ITERATIONS};
 use cryptbridge_volume::hash::Hash;
-use cryptbridge_volume::reencrypt_init::{self, InitResilience, ShiftLayout};
+use cryptbridge_volume::reencrypt_init::{self, ShiftLayout};
 use cryptbridge_volume::{Header, ReadAt, Secret};
 
 use super::reencrypt::ReencryptArgs;
@@ -75,17 +75,9 @@ impl New {
 fn detached(a: &ReencryptArgs, header: &std::path::Path, new: &New) -> Result<Secret> {
     use std::os::unix::fs::OpenOptionsExt;
     let (name, hname) = (a.device.display().to_string(), header.display().to_string());
-    let resilience = match a.resilience.as_deref().unwrap_or("checksum") {
-        "checksum" => {
-            let data = File::open(&a.device).with_context(|| format!("cannot open {name}"))?;
-            let block = super::reencrypt_init::device_block_size(&data).max(new.sector_size as u32);
-            InitResilience::Checksum { hash: a.resilience_hash.clone(), block }
-        }
-        "none" => InitResilience::None,
-        "journal" => InitResilience::Journal,
-        other => bail!("--resilience {other}: use checksum, journal or none (the data stays where it is)"),
-    };
     let data = File::open(&a.device).with_context(|| format!("cannot open {name}"))?;
+    // cryptsetup's checksum block: the largest of the data device's block and the sector size.
+    let resilience = super::reencrypt_init::init_resilience(a, super::reencrypt_init::device_block_size(&data).max(new.sector_size as u32))?;
     let data_size = ReadAt::size(&data).with_context(|| format!("cannot size {name}"))?;
     if Header::read(&data).is_ok() {
         bail!("{name} already has a LUKS header; --encrypt makes a volume of plaintext");
@@ -121,26 +113,25 @@ fn detached(a: &ReencryptArgs, header: &std::path::Path, new: &New) -> Result<Se
 
 /// `--encrypt --reduce-device-size SIZE`: the header in front, the data moving by SIZE/2.
 fn shifted(a: &ReencryptArgs, reduce: u64, new: &New, name: &str) -> Result<Secret> {
-    let name = name.to_string();
     if let Some(r) = a.resilience.as_deref().filter(|r| *r != "datashift") {
         bail!("--resilience {r}: an encryption that moves the data is protected by the move itself (datashift)");
     }
-    let (key_bytes, cipher, sector_size) = (new.key_bytes, new.cipher.clone(), new.sector_size);
-    let key_bits = key_bytes * 8;
     let dev = std::fs::OpenOptions::new().read(true).write(true).open(&a.device).with_context(|| format!("cannot open {name} for writing"))?;
     let device_size = ReadAt::size(&dev).with_context(|| format!("cannot size {name}"))?;
-    let layout = ShiftLayout::new(device_size, reduce, sector_size, key_bytes).with_context(|| name.clone())?;
-    format::Layout { version: 2, cipher: &cipher, key_bytes, sector_size, data_offset: Some(layout.shift), detached: false }
+    let layout = ShiftLayout::new(device_size, reduce, new.sector_size, new.key_bytes).with_context(|| name.to_string())?;
+    format::Layout { version: 2, cipher: &new.cipher, key_bytes: new.key_bytes, sector_size: new.sector_size, data_offset: Some(layout.shift), detached: false }
         .check_options()
-        .with_context(|| name.clone())?;
-    confirm(a.batch_mode, &dev, &name, &layout)?;
-    let pass = super::read_new_passphrase(a.key_file.as_deref(), &name)?;
+        .with_context(|| name.to_string())?;
+    confirm(a.batch_mode, &dev, name, &layout)?;
+    let pass = super::read_new_passphrase(a.key_file.as_deref(), name)?;
     let params = new.params(a, Some(layout.shift), false)?;
-    let h = reencrypt_init::encrypt_with_shift(&dev, &name, layout, &params, &pass).with_context(|| format!("{name}: no encryption started"))?;
+    let h = reencrypt_init::encrypt_with_shift(&dev, name, layout, &params, &pass).with_context(|| format!("{name}: no encryption started"))?;
     tracing::info!(
-        "{name}: LUKS2 {} written ({} {key_bits}-bit, {sector_size}-byte sectors, {}); encryption initialized: {} bytes of data, moving {} bytes on",
+        "{name}: LUKS2 {} written ({} {}-bit, {}-byte sectors, {}); encryption initialized: {} bytes of data, moving {} bytes on",
         h.binary.uuid,
         params.cipher,
+        new.key_bytes * 8,
+        new.sector_size,
         params.kdf.name(),
         layout.data_size,
         layout.shift

@@ -38,6 +38,21 @@ pub(super) fn device_block_size(f: &File) -> u32 {
     u32::try_from(page).ok().filter(|p| *p > 0).unwrap_or(4096)
 }
 
+/// The resilience of a reencryption that leaves the data where it is, from --resilience
+/// (checksum by default, of `block`-byte blocks) and --resilience-hash.
+pub(super) fn init_resilience(a: &ReencryptArgs, block: u32) -> Result<InitResilience> {
+    let resilience = match a.resilience.as_deref().unwrap_or("checksum") {
+        "checksum" => InitResilience::Checksum { hash: a.resilience_hash.clone(), block },
+        "none" => InitResilience::None,
+        "journal" => InitResilience::Journal,
+        other => bail!("--resilience {other}: use checksum, journal or none (datashift is the resilience of --encrypt --reduce-device-size)"),
+    };
+    if a.resilience_hash != "sha256" && !matches!(resilience, InitResilience::Checksum { .. }) {
+        bail!("--resilience-hash applies to --resilience checksum only");
+    }
+    Ok(resilience)
+}
+
 /// Initializes the reencryption of `h` (the header in `hfile`, named `name`); returns the
 /// passphrase read, for a run that continues at once.
 pub(super) fn run(a: &ReencryptArgs, hfile: &File, name: &str, h: &Luks2Header) -> Result<Secret> {
@@ -46,15 +61,7 @@ pub(super) fn run(a: &ReencryptArgs, hfile: &File, name: &str, h: &Luks2Header) 
     // cryptsetup's checksum block: the largest of the data device's block and both sector sizes.
     let old_sector = h.segments.values().next().map_or(512, |s| s.sector_size) as u32;
     let block = device_block_size(&data_file).max(old_sector).max(a.sector_size.unwrap_or(512) as u32);
-    let resilience = match a.resilience.as_deref().unwrap_or("checksum") {
-        "checksum" => InitResilience::Checksum { hash: a.resilience_hash.clone(), block },
-        "none" => InitResilience::None,
-        "journal" => InitResilience::Journal,
-        other => bail!("--resilience {other}: use checksum, journal or none (datashift is not supported here)"),
-    };
-    if a.resilience_hash != "sha256" && !matches!(resilience, InitResilience::Checksum { .. }) {
-        bail!("--resilience-hash applies to --resilience checksum only");
-    }
+    let resilience = init_resilience(a, block)?;
     let key_bytes = match a.key_size {
         Some(bits) if bits == 0 || !bits.is_multiple_of(8) => bail!("--key-size {bits}: a whole number of bytes in bits, e.g. 256 or 512"),
         Some(bits) => Some(bits / 8),

@@ -85,15 +85,19 @@ impl Engines {
     }
 
     /// The header's active segments as the mapping's regions on a `device_size`-byte data device,
-    /// each cut to whole `sector`-byte sectors.
-    pub fn table(&self, regions: &[reencrypt::Region], device_size: u64, sector: u64) -> Result<Vec<Region>> {
+    /// each cut to whole `sector`-byte sectors; a `dynamic` one ends with the device or, where the
+    /// plan knows it ([`StepPlan::data_size`]: a decryption's moving data ends before the device
+    /// does), with the volume's `data_size` bytes.
+    pub fn table(&self, regions: &[reencrypt::Region], device_size: u64, data_size: Option<u64>, sector: u64) -> Result<Vec<Region>> {
         let mut out = Vec::with_capacity(regions.len());
         for g in regions {
             let len = match g.size {
                 Some(z) => z,
-                None => device_size.checked_sub(g.offset).filter(|&l| l > 0).with_context(|| {
-                    format!("the data device ({device_size} bytes) ends before segment {} at byte {}", g.segment_id, g.offset)
-                })?,
+                None => device_size
+                    .checked_sub(g.offset)
+                    .map(|l| data_size.and_then(|d| d.checked_sub(g.logical_offset)).map_or(l, |v| v.min(l)))
+                    .filter(|&l| l > 0)
+                    .with_context(|| format!("the data device ({device_size} bytes) ends before segment {} at byte {}", g.segment_id, g.offset))?,
             } / sector
                 * sector;
             let (engine, first_sector) = match (&g.crypt, g.digest) {
@@ -156,10 +160,11 @@ pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u
         new.process(Direction::Encrypt, at / new_ss, buf, Spread::Pool).map_err(|e| anyhow::anyhow!("{e}"))
     };
     let area = o.state.keyslot.area_offset;
+    let resilience = plan.step_resilience(start);
     let what = format!("{}: the hotzone at byte {start} ({len} bytes) of an interrupted step", o.name);
     let mut buf = crate::aligned::Aligned::new(usize::try_from(len).context("hotzone size")?);
     let mut rewritten = 0u64;
-    match plan.resilience {
+    match resilience {
         StepResilience::None => bail!(
             "{what} cannot be recovered: resilience `none` keeps nothing to tell rewritten sectors from old ones (cryptsetup cannot either); \
              its bytes may be lost"
@@ -183,7 +188,7 @@ pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u
             rewrite(buf.bytes(), start)?;
             rewritten = len;
         }
-        // The step's source is intact (the step writes `shift` bytes further on): done again.
+        // The step's source is intact (the step writes `shift` bytes away): done again.
         StepResilience::Datashift { .. } => {
             backing.read_at(buf.bytes(), plan.source_offset(start)).with_context(|| format!("{what}: cannot read its source"))?;
             rewrite(buf.bytes(), start)?;
@@ -214,19 +219,20 @@ pub fn recover(o: &mut Owned, backing: &Backing, engines: &Engines, data_size: u
         "{}: recovered the hotzone of an interrupted step (bytes {start}..{}, resilience {}): {rewritten} bytes were still under the old key",
         o.name,
         start + len,
-        plan.resilience.name()
+        resilience.name()
     );
     Ok(())
 }
 
-/// Overwrites with random bytes the copy of the plaintext's first bytes that moving data left at
-/// the end of the data device, once the finished metadata no longer names it (as cryptsetup does).
+/// Overwrites with random bytes what moving data left behind on the data device (the copy of an
+/// encryption's first plaintext bytes; the old ciphertext past a decryption's end), once the
+/// finished metadata no longer names it (as cryptsetup does).
 fn wipe_moved(plan: &StepPlan, backing: &Backing, name: &str) -> Result<()> {
-    let Some((offset, len)) = plan.moved_area() else { return Ok(()) };
+    let Some((offset, len)) = plan.moved_area(backing.size()) else { return Ok(()) };
     let mut noise = crate::aligned::Aligned::new(usize::try_from(len).context("moved segment size")?);
     rand::TryRngCore::try_fill_bytes(&mut rand::rngs::OsRng, noise.bytes()).map_err(|e| anyhow::anyhow!("the system random generator failed: {e}"))?;
-    backing.write_at(noise.bytes(), offset, false).with_context(|| format!("{name}: cannot wipe the moved plaintext at byte {offset}"))?;
-    backing.flush().with_context(|| format!("{name}: cannot sync the wiped moved plaintext"))
+    backing.write_at(noise.bytes(), offset, false).with_context(|| format!("{name}: cannot wipe what the moved data left at byte {offset}"))?;
+    backing.flush().with_context(|| format!("{name}: cannot sync what the moved data left, wiped"))
 }
 
 /// A step's commit points, written to the header by [`Mapping::remap`] around its rewrite.
@@ -262,7 +268,8 @@ impl Commits<'_> {
     fn protect(&mut self, old: &[u8]) -> Result<()> {
         let o = &mut *self.o;
         let area = o.state.keyslot.area_offset;
-        match o.plan.resilience {
+        let (done, len) = self.hotzone;
+        match o.plan.step_resilience(o.plan.step_start(done, len, self.data_size)) {
             StepResilience::None => return Ok(()),
             StepResilience::Checksum { hash, block } => {
                 // The hashes must be of what the disk holds: a client's write to the hotzone that
@@ -353,12 +360,16 @@ impl Stepper {
         let data_size = mapping.size();
         let unit = mapping.sector_size();
         let area = owned.state.keyslot.area_size;
-        let room = match plan.resilience {
+        let room = |r: StepResilience| match r {
             StepResilience::None => u64::MAX,
             StepResilience::Checksum { hash, block } => area / hash.output_len() as u64 * block as u64,
             StepResilience::Journal => area,
             StepResilience::Datashift { .. } => u64::MAX,
         };
+        if let Some(s) = plan.shift.as_ref().filter(|s| room(s.first) < s.size) {
+            bail!("{}: the reencrypt keyslot's area has no room for the {} of the moved {} bytes", owned.name, s.first.name(), s.size);
+        }
+        let room = room(plan.resilience);
         let hotzone = match plan.resilience {
             // cryptsetup's step: the shift exactly.
             StepResilience::Datashift { shift } if shift.is_multiple_of(unit) => shift,
@@ -420,7 +431,7 @@ impl Stepper {
         let after = o.header.step_metadata(&o.state, &o.plan, done, len, data_size, false)?;
         let preview = Luks2Header::from_json(o.header.binary.clone(), after)?;
         let preview_state = preview.reencryption()?.context("the step's metadata has no reencryption")?;
-        let next = self.engines.table(&preview.check_regions(&preview_state)?, self.device_size, self.mapping.sector_size())?;
+        let next = self.engines.table(&preview.check_regions(&preview_state)?, self.device_size, Some(data_size), self.mapping.sector_size())?;
         let mut commits = Commits { o, data: self.mapping.backing(), hotzone: (done, len), data_size, error: None, wipe: None };
         if let Err(e) = self.mapping.remap(start, len, next, &mut commits) {
             let name = commits.o.name.clone();

@@ -597,9 +597,10 @@ pub enum StepResilience {
     Checksum { hash: crate::hash::Hash, block: usize },
     /// The hotzone's old ciphertext copied whole into the area: after a crash, rewritten from it.
     Journal,
-    /// The data moves (encrypt with `--reduce-device-size`): a step reads `shift` bytes of
-    /// plaintext and writes them encrypted `shift` bytes further on, so its source is never
-    /// overwritten by it; after a crash, the step is done again from the source.
+    /// The data moves by `shift` bytes (encrypt with `--reduce-device-size`: towards the end;
+    /// decrypt of a volume whose header was in front: towards the start): a step reads at most
+    /// `shift` bytes and writes them `shift` bytes away, so its source is never overwritten by
+    /// it; after a crash, the step is done again from the source.
     Datashift { shift: u64 },
 }
 
@@ -632,7 +633,8 @@ impl Side {
 /// What a run needs to continue a reencryption that cryptsetup (or a previous run) left: old key
 /// to new key, plaintext to a key (`encrypt`, a detached header) or a key to plaintext
 /// (`decrypt`), forward (from the start) or backward (from the end), the data staying where it
-/// is; or plaintext to a key with the data moving (`encrypt --reduce-device-size`, [`DataShift`]).
+/// is; or with the data moving ([`DataShift`]): plaintext to a key (`encrypt
+/// --reduce-device-size`) or a key to plaintext (`decrypt` of a volume whose header was in front).
 #[derive(Debug, Clone)]
 pub struct StepPlan {
     pub direction: ReencryptDirection,
@@ -640,7 +642,7 @@ pub struct StepPlan {
     pub data_offset: u64,
     /// Where the old data starts on the data device (`data_offset` unless the data moves).
     pub old_offset: u64,
-    /// The moving data of an `encrypt --reduce-device-size`.
+    /// The moving data of an `encrypt --reduce-device-size` or of a `decrypt` whose header moved out.
     pub shift: Option<DataShift>,
     /// The volume's size where the segment list fixes it (the data moves); `None`: the data
     /// device's size past `data_offset`.
@@ -660,14 +662,26 @@ pub struct StepPlan {
     backups: [Value; 2],
 }
 
-/// The data of an `encrypt --reduce-device-size` (cryptsetup's layout): the plaintext's first
-/// `size` bytes were copied to `moved_offset` (the end of the device, the `backup-moved-segment`)
-/// before the header took their place; each step encrypts `size` bytes of plaintext from the end
-/// backwards into the place `size` bytes further on, the last step those first bytes from the copy.
+/// Moving data, in cryptsetup's two layouts (the `backup-moved-segment`: the volume's first
+/// `size` bytes, copied to `moved_offset`):
+/// - **encrypt** (`--reduce-device-size`, backward): the plaintext's first `size` bytes were copied
+///   to the end of the device before the header took their place; each step encrypts `size` bytes
+///   of plaintext from the end backwards into the place `size` bytes further on, the last step
+///   those first bytes from the copy;
+/// - **decrypt** (forward; the header moved to a file, resilience `datashift-checksum`): the
+///   ciphertext's first `size` bytes were copied over the header, to offset 0, which is where
+///   their plaintext belongs; each step decrypts `size` bytes from `size` further on into their
+///   place, from the copy's end forwards, and the last one decrypts the copy in place, protected
+///   by checksums (`first`).
 #[derive(Debug, Clone)]
 pub struct DataShift {
     pub size: u64,
     pub moved_offset: u64,
+    /// How the step over the volume's first `size` bytes is protected: in place (decrypt) by
+    /// checksums; from the copy (encrypt) by the shift like every other step.
+    pub first: StepResilience,
+    /// Decrypt: that step has started (its hotzone) or is done.
+    first_started: bool,
     /// The `backup-moved-segment` as stored.
     backup_moved: Value,
 }
@@ -677,21 +691,35 @@ impl StepPlan {
     pub fn data_size(&self, device_size: u64) -> Option<u64> {
         match self.fixed_size {
             Some(z) => Some(z).filter(|&z| self.data_offset.checked_add(z).is_some_and(|end| end <= device_size)),
-            None => device_size.checked_sub(self.data_offset).filter(|&z| z > 0),
+            // A decryption with moving data ends where its old data ends: `shift` before the device's end.
+            None => device_size.checked_sub(self.data_offset.max(self.old_offset)).filter(|&z| z > 0),
         }
+    }
+
+    /// The moving data of a decryption (forward) rather than of an encryption.
+    fn shift_forward(&self) -> Option<&DataShift> {
+        self.shift.as_ref().filter(|_| self.direction == ReencryptDirection::Forward)
     }
 
     /// The next step after `done` bytes of a `data_size`-byte volume, at most `max_len` bytes:
     /// (start in the volume, length). With moving data every step is the shift long but the one
-    /// that ends at the moved part (cryptsetup's order: the plaintext's first `shift` bytes last).
+    /// that ends at the moved part, and the moved part (the volume's first `shift` bytes) comes
+    /// last (cryptsetup's order).
     pub fn next_step(&self, done: u64, max_len: u64, data_size: u64) -> (u64, u64) {
-        if let (Some(s), ReencryptDirection::Backward) = (&self.shift, self.direction) {
-            let boundary = data_size - done;
-            if boundary > s.size {
-                let len = s.size.min(boundary - s.size);
-                return (boundary - len, len);
+        if let Some(s) = &self.shift {
+            if self.direction == ReencryptDirection::Backward {
+                let boundary = data_size - done;
+                if boundary > s.size {
+                    let len = s.size.min(boundary - s.size);
+                    return (boundary - len, len);
+                }
+                return (0, boundary);
             }
-            return (0, boundary);
+            let rest = data_size - s.size;
+            return match done < rest {
+                true => (s.size + done, s.size.min(rest - done)),
+                false => (0, s.size),
+            };
         }
         let len = max_len.min(data_size - done);
         (self.step_start(done, len, data_size), len)
@@ -706,14 +734,37 @@ impl StepPlan {
         }
     }
 
-    /// The stretch of the data device to overwrite once the reencryption is finished: the copy
-    /// of the plaintext's first bytes that moving data left (cryptsetup wipes it with random bytes).
-    pub fn moved_area(&self) -> Option<(u64, u64)> {
-        self.shift.as_ref().map(|s| (s.moved_offset, s.size))
+    /// How the step at `start` is protected until it is committed.
+    pub fn step_resilience(&self, start: u64) -> StepResilience {
+        match &self.shift {
+            Some(s) if start == 0 => s.first,
+            _ => self.resilience,
+        }
     }
 
-    /// Bytes of a `data_size`-byte volume already under the new key (the hotzone not counted).
+    /// The stretch of a `device_size`-byte data device to overwrite once the reencryption is
+    /// finished (cryptsetup fills it with random bytes): the copy of the plaintext's first bytes
+    /// that an encryption left at the end; the old ciphertext a decryption left behind the
+    /// plaintext, which now ends `shift` bytes earlier.
+    pub fn moved_area(&self, device_size: u64) -> Option<(u64, u64)> {
+        match (&self.shift, self.direction) {
+            (Some(s), ReencryptDirection::Backward) => Some((s.moved_offset, s.size)),
+            (Some(s), ReencryptDirection::Forward) => device_size.checked_sub(s.size).map(|at| (at, s.size)),
+            (None, _) => None,
+        }
+    }
+
+    /// Bytes of a `data_size`-byte volume already under the new key (the hotzone not counted), in
+    /// the order of the steps.
     pub fn done(&self, data_size: u64) -> u64 {
+        if let Some(s) = self.shift_forward() {
+            return match (s.first_started, self.boundary) {
+                (false, Some(b)) => b - s.size,
+                (false, None) => data_size - s.size,
+                (true, _) if self.hot.is_some() => data_size - s.size,
+                (true, _) => data_size,
+            };
+        }
         match (self.direction, self.boundary) {
             (ReencryptDirection::Forward, Some(b)) => b.min(data_size),
             (ReencryptDirection::Forward, None) => data_size,
@@ -724,6 +775,9 @@ impl StepPlan {
 
     /// Where the step that rewrites `len` bytes after `done` starts in the volume.
     pub fn step_start(&self, done: u64, len: u64, data_size: u64) -> u64 {
+        if let Some(s) = self.shift_forward() {
+            return if done < data_size - s.size { s.size + done } else { 0 };
+        }
         match self.direction {
             ReencryptDirection::Forward => done,
             ReencryptDirection::Backward => data_size - done - len,
@@ -785,51 +839,82 @@ impl Luks2Header {
     /// The plan to continue `state`, or a refusal naming what is not supported yet.
     pub fn step_plan(&self, state: &Reencryption) -> Result<StepPlan> {
         let direction = state.keyslot.direction;
-        let moving = matches!(state.keyslot.resilience, Resilience::Datashift { .. }) && state.backup_moved.is_some();
+        let has_moved = state.backup_moved.is_some();
+        let moving = has_moved && matches!(state.keyslot.resilience, Resilience::Datashift { .. } | Resilience::DatashiftChecksum { .. });
         match (state.keyslot.mode, direction) {
-            (Mode::Reencrypt, _) | (Mode::Encrypt, ReencryptDirection::Forward) | (Mode::Decrypt, ReencryptDirection::Backward) => {}
-            (Mode::Encrypt, ReencryptDirection::Backward) if moving => {}
+            (Mode::Reencrypt, _) | (Mode::Encrypt, ReencryptDirection::Forward) | (Mode::Decrypt, ReencryptDirection::Backward) if !moving => {}
+            (Mode::Encrypt, ReencryptDirection::Backward) if moving && matches!(state.keyslot.resilience, Resilience::Datashift { .. }) => {}
+            (Mode::Decrypt, ReencryptDirection::Forward) if moving && matches!(state.keyslot.resilience, Resilience::DatashiftChecksum { .. }) => {}
             (mode, dir) => {
                 return Err(unsupported(format!(
-                    "cryptbridge does not run a {mode:?} reencryption in the {dir:?} direction; use `cryptsetup reencrypt --resume-only`"
+                    "cryptbridge does not run a {mode:?} reencryption in the {dir:?} direction with resilience {}{}; use `cryptsetup reencrypt --resume-only`",
+                    state.keyslot.resilience.name(),
+                    if has_moved { " and a moved segment" } else { "" }
                 )))
             }
         }
-        let resilience = match &state.keyslot.resilience {
-            Resilience::None => StepResilience::None,
-            Resilience::Checksum { hash, sector_size } => StepResilience::Checksum { hash: crate::hash::Hash::from_name(hash)?, block: *sector_size as usize },
-            Resilience::Journal => StepResilience::Journal,
-            Resilience::Datashift { shift_size } if moving => StepResilience::Datashift { shift: *shift_size },
+        let checksum = |hash: &str, block: u32| -> Result<StepResilience> { Ok(StepResilience::Checksum { hash: crate::hash::Hash::from_name(hash)?, block: block as usize }) };
+        let (resilience, first) = match &state.keyslot.resilience {
+            Resilience::None if !moving => (StepResilience::None, None),
+            Resilience::Checksum { hash, sector_size } if !moving => (checksum(hash, *sector_size)?, None),
+            Resilience::Journal if !moving => (StepResilience::Journal, None),
+            Resilience::Datashift { shift_size } if moving => (StepResilience::Datashift { shift: *shift_size }, Some(StepResilience::Datashift { shift: *shift_size })),
+            Resilience::DatashiftChecksum { hash, sector_size, shift_size } if moving => {
+                (StepResilience::Datashift { shift: *shift_size }, Some(checksum(hash, *sector_size)?))
+            }
             other => {
                 return Err(unsupported(format!(
-                    "cryptbridge runs resilience none, checksum, journal and the datashift of an encryption with a moved first segment, not {}{}; use `cryptsetup reencrypt --resume-only`",
+                    "cryptbridge runs resilience none, checksum, journal, the datashift of an encryption and the datashift-checksum of a decryption, \
+                     each with its moved segment, not {}{}; use `cryptsetup reencrypt --resume-only`",
                     other.name(),
-                    if state.backup_moved.is_none() { " without a moved segment" } else { "" }
+                    if has_moved { " with a moved segment" } else { " without a moved segment" }
                 )))
             }
         };
         let (old_seg, new_seg) = (&self.segments[&state.backup_previous], &self.segments[&state.backup_final]);
-        let shift = match (resilience, state.backup_moved) {
-            (StepResilience::Datashift { shift }, Some(moved_id)) => {
-                // cryptsetup's layout: [header: shift][the plaintext from `shift` on][free: shift][the plaintext's first `shift` bytes]
-                // with the old (linear) data at 0 and the new one `shift` further on.
+        let shift = match (resilience, state.backup_moved, first) {
+            (StepResilience::Datashift { shift }, Some(moved_id), Some(first)) => {
                 let moved = &self.segments[&moved_id];
-                let fits = old_seg.kind == "linear"
-                    && old_seg.offset == 0
-                    && old_seg.size.is_some_and(|d| d >= shift)
-                    && new_seg.kind == "crypt"
-                    && new_seg.offset == shift
-                    && new_seg.size.is_none()
-                    && new_seg.iv_tweak == 0
-                    && moved.kind == "linear"
-                    && moved.size == Some(shift)
-                    && old_seg.size.and_then(|d| d.checked_add(shift)).is_some_and(|end| moved.offset >= end);
+                let fits = match direction {
+                    // Encrypt: [header: shift][the plaintext from `shift` on][free: shift][the
+                    // plaintext's first `shift` bytes], the old (linear) data at 0 and the new one
+                    // `shift` further on.
+                    ReencryptDirection::Backward => {
+                        old_seg.kind == "linear"
+                            && old_seg.offset == 0
+                            && old_seg.size.is_some_and(|d| d >= shift)
+                            && new_seg.kind == "crypt"
+                            && new_seg.offset == shift
+                            && new_seg.size.is_none()
+                            && new_seg.iv_tweak == 0
+                            && moved.kind == "linear"
+                            && moved.size == Some(shift)
+                            && old_seg.size.and_then(|d| d.checked_add(shift)).is_some_and(|end| moved.offset >= end)
+                    }
+                    // Decrypt: [the ciphertext's first `shift` bytes][the ciphertext from 0 on],
+                    // the old data `shift` on (where the header ended) and the new (linear) at 0.
+                    ReencryptDirection::Forward => {
+                        old_seg.kind == "crypt"
+                            && old_seg.offset == shift
+                            && old_seg.size.is_none()
+                            && old_seg.iv_tweak == 0
+                            && new_seg.kind == "linear"
+                            && new_seg.offset == 0
+                            && new_seg.size.is_none()
+                            && moved.kind == "crypt"
+                            && moved.offset == 0
+                            && moved.size == Some(shift)
+                            && moved.iv_tweak == 0
+                            && moved.encryption == old_seg.encryption
+                            && moved.sector_size == old_seg.sector_size
+                    }
+                };
                 if !fits || shift == 0 {
                     return Err(unsupported(
-                        "this data shift layout is not the one `cryptsetup reencrypt --encrypt --reduce-device-size` makes; use `cryptsetup reencrypt --resume-only`".into(),
+                        "this data shift layout is not one `cryptsetup reencrypt --encrypt --reduce-device-size` or `--decrypt --header` makes; use `cryptsetup reencrypt --resume-only`".into(),
                     ));
                 }
-                Some(DataShift { size: shift, moved_offset: moved.offset, backup_moved: Value::Object(self.raw_segment(moved_id)?.clone()) })
+                Some(DataShift { size: shift, moved_offset: moved.offset, first, first_started: false, backup_moved: Value::Object(self.raw_segment(moved_id)?.clone()) })
             }
             _ => {
                 if old_seg.offset != new_seg.offset || old_seg.size.is_some() || new_seg.size.is_some() || old_seg.iv_tweak != 0 || new_seg.iv_tweak != 0 {
@@ -840,9 +925,11 @@ impl Luks2Header {
         };
         let old = self.side(state.backup_previous, state.old_digest);
         let new = self.side(state.backup_final, state.new_digest);
-        if let StepResilience::Checksum { block, .. } = resilience {
-            if !block.is_multiple_of(old.sector_size()) || !block.is_multiple_of(new.sector_size()) {
-                return Err(unsupported(format!("checksum blocks of {block} bytes do not hold whole {} and {}-byte sectors", old.sector_size(), new.sector_size())));
+        for r in [Some(resilience), shift.as_ref().map(|s| s.first)].into_iter().flatten() {
+            if let StepResilience::Checksum { block, .. } = r {
+                if !block.is_multiple_of(old.sector_size()) || !block.is_multiple_of(new.sector_size()) || shift.as_ref().is_some_and(|s| !s.size.is_multiple_of(block as u64)) {
+                    return Err(unsupported(format!("checksum blocks of {block} bytes do not hold whole {} and {}-byte sectors", old.sector_size(), new.sector_size())));
+                }
             }
         }
         let (data_offset, old_offset) = (new_seg.offset, old_seg.offset);
@@ -866,29 +953,44 @@ impl Luks2Header {
                 return Err(corrupt(format!("segment {} is not where its place in the volume says", r.segment_id)));
             }
             if shift.is_some() && part == Part::Old && !moved && r.logical_offset < shift.as_ref().map_or(0, |s| s.size) {
-                return Err(corrupt(format!("segment {}: the plaintext's first bytes are not in the moved segment", r.segment_id)));
+                return Err(corrupt(format!("segment {}: the volume's first bytes are not in the moved segment", r.segment_id)));
             }
-            parts.push((part, r));
+            parts.push((part, r, moved));
+        }
+        // A decryption with moving data does the moved part last: while it is old it leads the
+        // list, and it is left out of the order below; once its step has started it is an
+        // ordinary first hotzone, or new.
+        let mut shift = shift;
+        let mut rest = &parts[..];
+        if let (Some(s), ReencryptDirection::Forward) = (shift.as_mut(), direction) {
+            match parts.first() {
+                Some((Part::Old, _, true)) => rest = &parts[1..],
+                Some((Part::Hot | Part::New, r, _)) if r.logical_offset == 0 => s.first_started = true,
+                _ => return Err(unsupported("segment layout not supported by cryptbridge's reencryption (moved segment)".into())),
+            }
+            if s.first_started && rest.iter().skip(1).any(|(p, _, _)| *p != Part::New) {
+                return Err(unsupported("segment layout not supported by cryptbridge's reencryption (moved segment last)".into()));
+            }
         }
         // Forward: new, hotzone, old; backward: old, hotzone, new; the hotzone at most once (the
-        // old data of moving data is two segments: the moved first bytes and the rest).
+        // old data of an encryption's moving data is two segments: the moved first bytes and the rest).
         let order = match direction {
             ReencryptDirection::Forward => [Part::New, Part::Hot, Part::Old],
             ReencryptDirection::Backward => [Part::Old, Part::Hot, Part::New],
         };
         let mut at = 0;
-        for (i, (part, _)) in parts.iter().enumerate() {
-            let repeat = i > 0 && parts[i - 1].0 == *part && *part != Part::Hot;
+        for (i, (part, _, _)) in rest.iter().enumerate() {
+            let repeat = i > 0 && rest[i - 1].0 == *part && *part != Part::Hot;
             match order[at..].iter().position(|p| p == part) {
                 Some(j) => at += j + 1,
                 None if repeat => {}
                 None => return Err(unsupported("segment layout not supported by cryptbridge's reencryption".into())),
             }
         }
-        // Moving data: the plaintext's size (the old segment's), also once cryptsetup's last step
-        // left the new segment alone, `dynamic`, before its finish.
-        let fixed_size = if shift.is_some() { old_seg.size } else { None };
-        let find = |p: Part| parts.iter().find(|(q, _)| *q == p).map(|(_, r)| *r);
+        // An encryption's moving data: the plaintext's size (the old segment's), also once
+        // cryptsetup's last step left the new segment alone, `dynamic`, before its finish.
+        let fixed_size = if direction == ReencryptDirection::Backward && shift.is_some() { old_seg.size } else { None };
+        let find = |p: Part| rest.iter().find(|(q, _, _)| *q == p).map(|(_, r, _)| *r);
         let hot = match find(Part::Hot) {
             Some(h) => Some(h.size.ok_or_else(|| corrupt("the hotzone has no size".into()))?),
             None => None,
@@ -933,16 +1035,25 @@ impl Luks2Header {
         let (before, after) = if forward { (Part::New, Part::Old) } else { (Part::Old, Part::New) };
         // (part, from, to) in volume order.
         let mut pieces: Vec<(Part, u64, u64)> = Vec::new();
-        if hot {
-            pieces.extend([(before, 0, lo), (Part::Hot, lo, hi), (after, hi, data_size)]);
-        } else if forward {
-            pieces.extend([(Part::New, 0, hi), (Part::Old, hi, data_size)]);
-        } else {
-            pieces.extend([(Part::Old, 0, lo), (Part::New, lo, data_size)]);
+        match plan.shift_forward() {
+            // A decryption with moving data: the moved part (old until its step, the last) leads.
+            Some(s) if lo != 0 => {
+                pieces.push((Part::Old, 0, s.size));
+                match hot {
+                    true => pieces.extend([(Part::New, s.size, lo), (Part::Hot, lo, hi), (Part::Old, hi, data_size)]),
+                    false => pieces.extend([(Part::New, s.size, hi), (Part::Old, hi, data_size)]),
+                }
+            }
+            Some(_) if hot => pieces.extend([(Part::Hot, 0, hi), (Part::New, hi, data_size)]),
+            Some(_) => pieces.push((Part::New, 0, data_size)),
+            None if hot => pieces.extend([(before, 0, lo), (Part::Hot, lo, hi), (after, hi, data_size)]),
+            None if forward => pieces.extend([(Part::New, 0, hi), (Part::Old, hi, data_size)]),
+            None => pieces.extend([(Part::Old, 0, lo), (Part::New, lo, data_size)]),
         }
         pieces.retain(|&(_, from, to)| from < to);
-        // Moving data: the old data's first `shift` bytes are the moved copy, a segment of its own.
-        if let Some(s) = &plan.shift {
+        // An encryption's moving data: the old data's first `shift` bytes are the moved copy, a
+        // segment of its own.
+        if let (Some(s), false) = (&plan.shift, forward) {
             if let Some(i) = pieces.iter().position(|&(p, from, to)| p == Part::Old && from == 0 && to > s.size) {
                 pieces.insert(i + 1, (Part::Old, s.size, pieces[i].2));
                 pieces[i].2 = s.size;
@@ -951,9 +1062,9 @@ impl Luks2Header {
         let mut segs: Vec<(Value, Vec<u32>)> = Vec::new();
         let last = pieces.len() - 1;
         for (i, &(part, from, to)) in pieces.iter().enumerate() {
-            // Moving data keeps every size fixed until the finish (the device is larger than the
-            // plaintext: it also holds the moved copy).
-            let size = (i < last || part == Part::Hot || plan.shift.is_some()).then_some(to - from);
+            // An encryption's moving data keeps every size fixed until the finish (the device is
+            // larger than the plaintext: it also holds the moved copy).
+            let size = (i < last || part == Part::Hot || plan.fixed_size.is_some()).then_some(to - from);
             let offset = match (&plan.shift, part) {
                 (Some(s), Part::Old) if from == 0 => s.moved_offset,
                 (_, Part::Old) => plan.old_offset + from,
@@ -975,7 +1086,9 @@ impl Luks2Header {
         segs.push((plan.backups[0].clone(), plan.old.digest.into_iter().collect()));
         segs.push((plan.backups[1].clone(), plan.new.digest.into_iter().collect()));
         if let Some(s) = &plan.shift {
-            segs.push((s.backup_moved.clone(), Vec::new()));
+            // A decryption's moved copy is ciphertext, under the old key (cryptsetup assigns it).
+            let digests = if forward { plan.old.digest.into_iter().collect() } else { Vec::new() };
+            segs.push((s.backup_moved.clone(), digests));
         }
         let mut json = self.json.clone();
         let mut segments = Map::new();

@@ -118,7 +118,7 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
     }
     // Nothing is written before the refusals below.
     let mut owned = Owned::take(hfile, name.clone(), &h)?;
-    let initialized = owned.plan.resilience.name();
+    let initialized = owned.state.keyslot.resilience.name();
     if let Some(r) = &a.resilience {
         if r != initialized {
             bail!("--resilience {r}: the reencryption was initialized with resilience {initialized}; changing it is not implemented");
@@ -160,7 +160,7 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
         tracing::info!("{name}: reencryption finished");
         return Ok(ExitCode::SUCCESS);
     }
-    let table = engines.table(&owned.header.check_regions(&owned.state)?, device_size, sector)?;
+    let table = engines.table(&owned.header.check_regions(&owned.state)?, device_size, Some(data_size), sector)?;
     let mapping = Arc::new(Mapping::with_moving_regions(backing, table, sector).with_context(|| data_path.display().to_string())?);
     let mut steps = Stepper::new(owned, engines, mapping, device_size, a.hotzone_size.unwrap_or(reencryption::OFFLINE_HOTZONE))?;
 

@@ -49,6 +49,8 @@ struct Reencrypting {
     threads: usize,
     /// With --reencrypt: the header opened for writing, under cryptsetup's reencryption lock.
     owned: Option<Owned>,
+    /// How the reencryption runs, where cryptbridge can run it: it knows where the data ends.
+    plan: Option<reencrypt::StepPlan>,
 }
 
 impl Volume {
@@ -121,6 +123,7 @@ fn open_reencrypting(args: &Args, header: &Header, file: &std::fs::File, header_
     drop(pass);
     cryptbridge_cipher::locked::wipe_stack();
     let reencrypt::UnlockedReencryption { state, regions, mut keys, keyslots } = unlocked;
+    let plan = h.step_plan(&state).ok();
     // The primary key: an encrypted region's, or (an encryption that has not started) the new one's.
     let (primary, segment) = regions
         .iter()
@@ -159,7 +162,7 @@ fn open_reencrypting(args: &Args, header: &Header, file: &std::fs::File, header_
         segment,
         version: 2,
         keyslot: keyslots[0],
-        reencryption: Some(Reencrypting { regions, segments: all_segments, keys, primary, threads, owned }),
+        reencryption: Some(Reencrypting { regions, segments: all_segments, keys, primary, threads, owned, plan }),
         _reencryption_lock: lock,
     }))
 }
@@ -271,14 +274,15 @@ pub fn window(volume: Option<&mut Volume>, backing: Backing, engine: Engine, pat
 }
 
 fn regions(r: Reencrypting, primary_segment: &DataSegment, backing: Backing, primary: Engine, path: &Path) -> Result<(Arc<Mapping>, Option<Stepper>)> {
-    let Reencrypting { regions, segments, keys, primary: primary_digest, threads, owned } = r;
+    let Reencrypting { regions, segments, keys, primary: primary_digest, threads, owned, plan } = r;
     let engines = Engines::build(&segments, &keys, Some((primary_digest, primary_segment, primary)), threads)?;
     drop(keys);
     let sector = engines.max_sector();
     let device_size = backing.size();
     let within = || format!("backing {}", path.display());
     let Some(mut owned) = owned else {
-        let table = engines.table(&regions, device_size, sector).with_context(within)?;
+        let data_size = plan.and_then(|p| p.data_size(device_size));
+        let table = engines.table(&regions, device_size, data_size, sector).with_context(within)?;
         return Ok((Arc::new(Mapping::with_regions(backing, table).with_context(within)?), None));
     };
     let data_size = owned.plan.data_size(device_size).with_context(|| format!("{}: the device ends before its data", within()))?;
@@ -291,7 +295,7 @@ fn regions(r: Reencrypting, primary_segment: &DataSegment, backing: Backing, pri
         let table = reencryption::finished_table(&owned, &engines, data_size)?;
         return Ok((Arc::new(Mapping::with_regions(backing, table).with_context(within)?), None));
     }
-    let table = engines.table(&owned.header.check_regions(&owned.state)?, device_size, sector).with_context(within)?;
+    let table = engines.table(&owned.header.check_regions(&owned.state)?, device_size, Some(data_size), sector).with_context(within)?;
     let mapping = Arc::new(Mapping::with_moving_regions(backing, table, sector).with_context(within)?);
     let steps = Stepper::new(owned, engines, Arc::clone(&mapping), device_size, reencryption::ONLINE_HOTZONE)?;
     Ok((mapping, Some(steps)))

@@ -17,6 +17,7 @@ use serde_json::{json, Value};
 use crate::passphrase;
 
 mod reencrypt;
+mod reencrypt_decrypt;
 mod reencrypt_encrypt;
 mod reencrypt_init;
 

@@ -185,8 +185,8 @@ impl Luks2Header {
         }
         if p.decrypt && !dev.detached {
             return Err(VolumeError::Unsupported(format!(
-                "{}: decrypting a volume whose header is in front of its data moves the data (cryptsetup 2.6's datashift-checksum), which cryptbridge does not do; \
-                 use `cryptsetup reencrypt --decrypt --header NEW-HEADER-FILE`",
+                "{}: decrypting a volume whose header is in front of its data moves the header out and the data to the start \
+                 (`decrypt_with_shift`, as cryptsetup 2.6's `reencrypt --decrypt --header NEW-FILE`)",
                 dev.name
             )));
         }
@@ -485,4 +485,158 @@ pub fn encrypt_detached(header: &std::fs::File, name: &str, data_size: u64, p: &
     drop(mem);
     write_new_header(header, name, &image[crate::format::LUKS2_KEYSLOTS_OFFSET as usize..], &binary, &json)?;
     Ok(written)
+}
+
+/// The requirement cryptsetup 2.6 sets for a decryption whose data moves (the `datashift-checksum`
+/// resilience is new in it).
+pub const REQUIREMENT_V3: &str = "online-reencrypt-v3";
+
+/// The checksum block cryptsetup 2.6.1 writes when it initializes a decryption with moving data,
+/// whatever the sector size.
+const SHIFT_CHECKSUM_BLOCK: u32 = 4096;
+
+/// Where a decryption with moving data puts things on a `device_size`-byte device whose LUKS2
+/// header `h` is in front of the data: the data moves to offset 0, by the data offset (`shift`),
+/// so the plaintext is `device_size - shift` bytes long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecryptShift {
+    pub shift: u64,
+    pub data_size: u64,
+}
+
+impl DecryptShift {
+    /// Checks that `h` (on `name`, `device_size` bytes) can be decrypted with its data moving,
+    /// before any key is asked for.
+    pub fn new(h: &Luks2Header, name: &str, device_size: u64) -> Result<Self> {
+        if h.reencryption()?.is_some() {
+            return Err(invalid(format!("{name}: a reencryption is already in progress (continue it with --resume-only)")));
+        }
+        h.keyslot_check()?;
+        let seg = match h.segments.values().next() {
+            Some(s) if h.segments.len() == 1 => s,
+            _ => return Err(invalid(format!("{name}: only a volume with one data segment can be decrypted"))),
+        };
+        if seg.kind != "crypt" || seg.size.is_some() || seg.iv_tweak != 0 || !seg.flags.is_empty() {
+            return Err(VolumeError::Unsupported(format!("{name}: the data is not one plain crypt segment over the whole device; use cryptsetup")));
+        }
+        let shift = seg.offset;
+        let ss = seg.sector_size as u64;
+        if shift == 0 {
+            return Err(invalid(format!("{name}: the data starts at offset 0 (a detached-header volume?); give its header as --header")));
+        }
+        if !shift.is_multiple_of(u64::from(SHIFT_CHECKSUM_BLOCK).max(ss)) {
+            return Err(VolumeError::Unsupported(format!("{name}: the data offset ({shift} bytes) is not a multiple of 4096 bytes; use cryptsetup")));
+        }
+        let data_size = device_size.checked_sub(shift).unwrap_or(0);
+        if data_size <= shift || !data_size.is_multiple_of(ss) {
+            return Err(invalid(format!(
+                "{name}: the data area ({data_size} bytes) must be larger than the header it moves into ({shift} bytes) and a whole number of {ss}-byte sectors"
+            )));
+        }
+        Ok(Self { shift, data_size })
+    }
+}
+
+/// Starts `cryptsetup reencrypt --decrypt --header NEW-FILE DEVICE` (2.6) on `dev` (`name`), whose
+/// LUKS2 header `h` is in front of the data and whose volume key `old_key` is: the header moves to
+/// `header` (`header_name`, a new empty file) and the data to offset 0, decrypted forwards by the
+/// reencryption this writes (mode `decrypt`, direction `forward`, resilience `datashift-checksum`,
+/// the `online-reencrypt-v3` requirement), with the metadata cryptsetup 2.6.1 writes for it.
+///
+/// Order, as cryptsetup's: the header (binary headers, JSON and keyslots) copied to `header` and
+/// synced, then checked to read back; the device's header signatures wiped; the ciphertext's first
+/// `shift` bytes copied over the old header (offset 0) and synced; then the metadata written to
+/// `header`. A crash before the last write leaves a detached copy of the header as it was, whose
+/// data (at the old offset) is untouched: the volume opens with `--header`, and its decryption
+/// can be started again (it then runs in place, backwards).
+#[allow(clippy::too_many_arguments)]
+pub fn decrypt_with_shift(
+    dev: &std::fs::File,
+    name: &str,
+    header: &std::fs::File,
+    header_name: &str,
+    h: &Luks2Header,
+    old_key: &[u8],
+    resilience_hash: &str,
+    digest_hash: Hash,
+) -> Result<Luks2Header> {
+    use crate::ReadAt;
+    use std::os::unix::fs::FileExt;
+    let device_size = ReadAt::size(dev).map_err(crate::error::io_err(format!("cannot size {name}")))?;
+    let DecryptShift { shift, data_size: _ } = DecryptShift::new(h, name, device_size)?;
+    let (&seg_id, seg) = h.segments.iter().next().expect("checked");
+    let (old_digest, _) = h.segment_digest(seg_id)?;
+
+    // The metadata, made and checked before anything is written.
+    let mut json = h.json.clone();
+    let (area_offset, area_size) = max_gap(&HeaderDevice { file: dev, name, detached: false }, h)?;
+    let hash = Hash::from_name(resilience_hash)?;
+    if area_size / hash.output_len() as u64 * u64::from(SHIFT_CHECKSUM_BLOCK) < shift {
+        return Err(invalid(format!("{name}: no room in the keyslots area for the checksums of the {shift} moved bytes; remove a keyslot first")));
+    }
+    let reenc_slot = lowest_free(&json["keyslots"]).ok_or_else(|| invalid(format!("all {LUKS2_KEYSLOTS} LUKS2 keyslots are in use")))?;
+    json["keyslots"][reenc_slot.to_string()] = json!({
+        "area": {"offset": area_offset.to_string(), "size": area_size.to_string(), "type": "datashift-checksum", "hash": resilience_hash,
+                 "sector_size": SHIFT_CHECKSUM_BLOCK, "shift_size": shift.to_string()},
+        "type": "reencrypt", "key_size": 1, "mode": "decrypt", "direction": "forward", "priority": 0,
+    });
+    let crypt = |offset: u64, size: Option<u64>, logical: u64, flag: Option<&str>| {
+        let mut o = reencrypt::crypt_segment(offset, size, logical / 512, &seg.encryption, seg.sector_size, false);
+        if let Some(f) = flag {
+            o["flags"] = json!([f]);
+        }
+        o
+    };
+    let mut previous = json["segments"][seg_id.to_string()].clone();
+    previous["flags"] = json!(["backup-previous"]);
+    json["segments"] = json!({
+        // The first `shift` bytes, copied to 0; the rest where they are.
+        "0": crypt(0, Some(shift), 0, None),
+        "1": crypt(2 * shift, None, shift, None),
+        "2": crypt(0, Some(shift), 0, Some("backup-moved-segment")),
+        "3": previous,
+        "4": {"type": "linear", "offset": "0", "size": "dynamic", "flags": ["backup-final"]},
+    });
+    for (id, d) in json["digests"].as_object_mut().ok_or_else(|| invalid("digests is not an object".into()))?.iter_mut() {
+        d["segments"] = if id.parse::<u32>().ok() == Some(old_digest) { json!(["0", "1", "2", "3"]) } else { json!([]) };
+    }
+    let reenc_digest = lowest_free(&json["digests"]).ok_or_else(|| invalid("no free digest id".into()))?;
+    let config = json["config"].as_object_mut().ok_or_else(|| invalid("config is not an object".into()))?;
+    let req = config.entry("requirements").or_insert_with(|| json!({}));
+    let mandatory = req.as_object_mut().ok_or_else(|| invalid("config.requirements is not an object".into()))?.entry("mandatory").or_insert_with(|| json!([]));
+    mandatory.as_array_mut().ok_or_else(|| invalid("config.requirements.mandatory is not a list".into()))?.push(json!(REQUIREMENT_V3));
+    seal(&h.binary, &mut json, (reenc_digest, reenc_slot), Keys { old: Some(old_key), new: None }, digest_hash, None)?;
+
+    let _lock = crate::format::DeviceLock::exclusive(dev, name)?;
+    // 1. The header, whole, to its file.
+    let header_len = 2 * h.binary.hdr_size + h.config.keyslots_size;
+    copy_synced(dev, 0, header, 0, header_len, &format!("the LUKS2 header of {name} to {header_name}"))?;
+    let crate::Header::Luks2(exported) = crate::Header::read(header).map_err(|e| invalid(format!("{header_name}: the header copy does not read back: {e}")))? else {
+        return Err(invalid(format!("{header_name}: the header copy is not LUKS2")));
+    };
+    if exported.binary.uuid != h.binary.uuid || exported.binary.seqid != h.binary.seqid {
+        return Err(invalid(format!("{header_name}: the header copy is not the header of {name}")));
+    }
+    // 2. No header on the device any more (both signatures), 3. the first ciphertext over it.
+    for at in [0, h.binary.hdr_size] {
+        dev.write_all_at(&[0u8; 6], at).map_err(crate::error::io_err(format!("cannot wipe the LUKS2 signature of {name} at byte {at}")))?;
+    }
+    dev.sync_data().map_err(crate::error::io_err(format!("cannot flush {name}")))?;
+    copy_synced(dev, shift, dev, 0, shift, &format!("the first {shift} bytes of the data of {name} to its start"))?;
+    // 4. The reencryption, in the header file.
+    reencrypt::write_metadata(header, header_name, &exported, json)
+}
+
+/// Copies `len` bytes at `from` of `src` to `to` of `dst` in pieces, then syncs `dst`.
+fn copy_synced(src: &std::fs::File, from: u64, dst: &std::fs::File, to: u64, len: u64, what: &str) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut done = 0u64;
+    while done < len {
+        let n = (len - done).min(buf.len() as u64) as usize;
+        src.read_exact_at(&mut buf[..n], from + done).map_err(crate::error::io_err(format!("cannot read for {what}")))?;
+        dst.write_all_at(&buf[..n], to + done).map_err(crate::error::io_err(format!("cannot write {what}")))?;
+        done += n as u64;
+    }
+    dst.sync_data().map_err(crate::error::io_err(format!("cannot flush {what}")))
 }

@@ -50,8 +50,9 @@ pub struct ReencryptArgs {
     /// The new encryption sector size (initializing; default: the current one).
     #[arg(long)]
     pub(super) sector_size: Option<usize>,
-    /// Initializing: checksum (default), journal or none. Continuing: the resilience the reencryption
-    /// was initialized with (`none`, `checksum` or `journal`); another one is refused (changing it is not
+    /// Initializing: checksum (default), journal or none (datashift, datashift-checksum: set by
+    /// --encrypt --reduce-device-size and --decrypt with a new --header). Continuing: the
+    /// resilience the reencryption was initialized with; another one is refused (changing it is not
     /// implemented).
     #[arg(long)]
     pub(super) resilience: Option<String>,
@@ -73,8 +74,10 @@ pub struct ReencryptArgs {
     /// before them); the data moves by half of it to make room for the header (e.g. 32M).
     #[arg(long, value_parser = crate::size::parse_size, requires = "encrypt")]
     pub(super) reduce_device_size: Option<u64>,
-    /// Make the volume plaintext (with a detached --header; as `cryptsetup reencrypt --decrypt`):
-    /// from the end backwards, the header's keyslots gone at the end.
+    /// Make the volume plaintext (as `cryptsetup reencrypt --decrypt`; the header's keyslots gone
+    /// at the end). With --header FILE: a detached header, decrypted in place from the end
+    /// backwards; a FILE that does not exist yet takes the header of DEVICE, whose data moves to
+    /// its start while it is decrypted (datashift-checksum).
     #[arg(long, conflicts_with_all = ["resume_only"])]
     pub(super) decrypt: bool,
     /// With --encrypt: the volume type (luks2; LUKS1 has no reencryption).
@@ -96,6 +99,13 @@ pub fn run(a: ReencryptArgs) -> Result<ExitCode> {
     let mut init_pass = None;
     if a.encrypt {
         let pass = super::reencrypt_encrypt::run(&a)?;
+        if a.init_only {
+            return Ok(ExitCode::SUCCESS);
+        }
+        init_pass = Some(pass);
+    }
+    if let Some(header) = super::reencrypt_decrypt::moves_header(&a) {
+        let pass = super::reencrypt_decrypt::run(&a, header)?;
         if a.init_only {
             return Ok(ExitCode::SUCCESS);
         }

@@ -70,8 +70,8 @@ pub(super) fn run(a: &ReencryptArgs, hfile: &File, name: &str, h: &Luks2Header) 
     let data_offset = h.segments.values().next().map_or(0, |s| s.offset);
     if a.decrypt && !detached {
         bail!(
-            "{name}: --decrypt of a volume whose header is in front of its data moves the data (cryptsetup 2.6's datashift-checksum), which cryptbridge does not do; \
-             use `cryptsetup reencrypt --decrypt --header NEW-HEADER-FILE {name}`"
+            "{name}: --decrypt of a volume whose header is in front of its data moves the header out, to a new file, and moves the data to the device's start \
+             (as cryptsetup 2.6): give --header NEW-FILE"
         );
     }
     if !detached && data_offset == 0 {

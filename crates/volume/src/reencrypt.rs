@@ -979,7 +979,8 @@ impl Luks2Header {
             ReencryptDirection::Backward => [Part::Old, Part::Hot, Part::New],
         };
         let mut at = 0;
-        for (i, (part, _, _)) in rest.iter().enumerate() {
+        let first_started = shift.as_ref().is_some_and(|s| s.first_started);
+        for (i, (part, _, _)) in rest.iter().enumerate().filter(|_| !first_started) {
             let repeat = i > 0 && rest[i - 1].0 == *part && *part != Part::Hot;
             match order[at..].iter().position(|p| p == part) {
                 Some(j) => at += j + 1,

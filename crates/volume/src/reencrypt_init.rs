@@ -527,7 +527,7 @@ impl DecryptShift {
         if !shift.is_multiple_of(u64::from(SHIFT_CHECKSUM_BLOCK).max(ss)) {
             return Err(VolumeError::Unsupported(format!("{name}: the data offset ({shift} bytes) is not a multiple of 4096 bytes; use cryptsetup")));
         }
-        let data_size = device_size.checked_sub(shift).unwrap_or(0);
+        let data_size = device_size.saturating_sub(shift);
         if data_size <= shift || !data_size.is_multiple_of(ss) {
             return Err(invalid(format!(
                 "{name}: the data area ({data_size} bytes) must be larger than the header it moves into ({shift} bytes) and a whole number of {ss}-byte sectors"
@@ -563,6 +563,10 @@ pub fn decrypt_with_shift(
     use crate::ReadAt;
     use std::os::unix::fs::FileExt;
     let device_size = ReadAt::size(dev).map_err(crate::error::io_err(format!("cannot size {name}")))?;
+    match crate::Header::read(dev) {
+        Ok(crate::Header::Luks2(now)) if now.binary.uuid == h.binary.uuid && now.binary.seqid == h.binary.seqid => {}
+        _ => return Err(invalid(format!("{name} no longer holds the LUKS2 header given (moved out already?)"))),
+    }
     let DecryptShift { shift, data_size: _ } = DecryptShift::new(h, name, device_size)?;
     let (&seg_id, seg) = h.segments.iter().next().expect("checked");
     let (old_digest, _) = h.segment_digest(seg_id)?;

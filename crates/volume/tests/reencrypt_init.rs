@@ -202,3 +202,76 @@ fn an_encryption_with_a_data_shift_starts_as_cryptsetup_starts_it() {
     assert!(encrypt_with_shift(&f, "p.img", layout, &p, b"pass").unwrap_err().to_string().contains("already has a LUKS header"));
     assert_eq!(std::fs::read(dir.path().join("p.img")).unwrap(), before);
 }
+
+/// `decrypt_with_shift`: the header moves to its file, the first ciphertext over the old header;
+/// the metadata is cryptsetup's datashift-checksum layout (compared with cryptsetup 2.6.1's in
+/// tests/integration/test_reencrypt_decrypt_shift.py), its digest verifies with the old key alone,
+/// and the steps run forwards a shift at a time from the moved part's end, the moved part last.
+#[test]
+fn a_decryption_moving_the_header_out_starts_as_cryptsetup_starts_it() {
+    use cryptbridge_volume::reencrypt::StepResilience;
+    use cryptbridge_volume::reencrypt_init::{decrypt_with_shift, DecryptShift};
+    use std::os::unix::fs::FileExt;
+    const MIB: u64 = 1 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("v.img");
+    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+    let size = 22 * MIB; // 4 MiB of header, 18 MiB of data: not a whole number of shifts
+    f.set_len(size).unwrap();
+    let p = FormatParams {
+        version: 2,
+        cipher: "aes-xts-plain64".into(),
+        key_bytes: 64,
+        sector_size: 4096,
+        kdf: Kdf::Pbkdf2 { hash: Hash::Sha256, iterations: 1000 },
+        hash: Hash::Sha256,
+        digest_iterations: 1000,
+        label: String::new(),
+        data_offset: Some(4 * MIB),
+        detached: false,
+    };
+    format(&f, "v.img", size - 4 * MIB, &p, b"pass").unwrap();
+    let ciphertext: Vec<u8> = (0..18 * MIB).map(|i| (i * 13 % 251) as u8).collect();
+    f.write_all_at(&ciphertext, 4 * MIB).unwrap();
+    let Header::Luks2(h) = Header::read(&f).unwrap() else { panic!("LUKS2") };
+    assert_eq!(DecryptShift::new(&h, "v.img", size).unwrap(), DecryptShift { shift: 4 * MIB, data_size: 18 * MIB });
+    let key = h.unlock_key(&f, b"pass", None).unwrap().volume_key;
+    let hpath = dir.path().join("moved.hdr");
+    let hf = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&hpath).unwrap();
+    let written = decrypt_with_shift(&f, "v.img", &hf, "moved.hdr", &h, key.as_slice(), "sha256", Hash::Sha256).unwrap();
+    // The device: no header, the first 4 MiB of ciphertext copied over it, the rest in place.
+    let raw = std::fs::read(&path).unwrap();
+    assert!(Header::read(&f).is_err(), "the device still holds a LUKS header");
+    assert_eq!(raw[..(4 * MIB) as usize], ciphertext[..(4 * MIB) as usize]);
+    assert_eq!(raw[(4 * MIB) as usize..], ciphertext[..]);
+    // The header file: the header, moved, with the reencryption cryptsetup 2.6 starts.
+    let Header::Luks2(moved) = Header::read(&hf).unwrap() else { panic!("LUKS2") };
+    assert_eq!(moved.json, written.json);
+    assert_eq!((moved.binary.uuid.as_str(), moved.binary.seqid), (h.binary.uuid.as_str(), h.binary.seqid + 1));
+    assert_eq!(moved.config.requirements, ["online-reencrypt-v3"]);
+    let state = moved.reencryption().unwrap().unwrap();
+    assert_eq!((state.keyslot.mode, state.keyslot.direction), (Mode::Decrypt, ReencryptDirection::Forward));
+    assert_eq!(state.keyslot.resilience, Resilience::DatashiftChecksum { hash: "sha256".into(), sector_size: 4096, shift_size: 4 * MIB });
+    assert!(state.backup_moved.is_some() && state.old_digest.is_some() && state.new_digest.is_none());
+    let unlocked = moved.unlock_reencryption(&hf, b"pass", None).unwrap();
+    assert_eq!(unlocked.keys.len(), 1);
+    let plan = moved.step_plan(&state).unwrap();
+    assert_eq!((plan.data_offset, plan.old_offset, plan.data_size(size)), (0, 4 * MIB, Some(18 * MIB)));
+    // cryptsetup's order: shift-long steps from the moved part's end on, then the moved part, in place.
+    let (mut done, mut steps) = (plan.done(18 * MIB), Vec::new());
+    assert_eq!(done, 0);
+    while done < 18 * MIB {
+        let (start, len) = plan.next_step(done, 16 * MIB, 18 * MIB);
+        steps.push((start / MIB, len / MIB, plan.step_resilience(start).name()));
+        done += len;
+    }
+    assert_eq!(steps, [(4, 4, "datashift"), (8, 4, "datashift"), (12, 4, "datashift"), (16, 2, "datashift"), (0, 4, "checksum")]);
+    assert!(matches!(plan.step_resilience(0), StepResilience::Checksum { block: 4096, .. }));
+    assert_eq!(plan.source_offset(8 * MIB), 12 * MIB);
+    assert_eq!(plan.moved_area(size), Some((18 * MIB, 4 * MIB)));
+    // Started again with the old header: refused (the device holds none now), nothing written.
+    let hf2 = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(dir.path().join("again.hdr")).unwrap();
+    let err = decrypt_with_shift(&f, "v.img", &hf2, "again.hdr", &h, key.as_slice(), "sha256", Hash::Sha256).unwrap_err().to_string();
+    assert!(err.contains("no longer holds"), "{err}");
+    assert_eq!(std::fs::read(&path).unwrap(), raw);
+}

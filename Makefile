@@ -140,7 +140,7 @@ crash-campaign: build
 # client writes, half with the power-loss model, recovered by cryptbridge or cryptsetup.
 .PHONY: crash-campaign-reencrypt
 crash-campaign-reencrypt: build
-	$(PYTHON) tests/integration/reencrypt_crash.py --rounds 30 --power-loss $(CRASH_ARGS)
+	$(PYTHON) tests/integration/reencrypt_crash.py --rounds 30 --power-loss --modes checksum,journal,datashift,decrypt $(CRASH_ARGS)
 
 test-rtl: build
 	@t0=$$(date +%s); set -e; set -x; $(MAKE) -C rtl test; \

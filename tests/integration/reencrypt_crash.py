@@ -5,7 +5,10 @@ recovery by either tool, and a check of every sector and every acknowledged writ
 Per resilience mode (checksum, journal) one LUKS2 volume (cryptsetup luksFormat, plaintext written
 with an independent XTS), its reencryption initialized by `cryptsetup reencrypt --init-only`; for
 datashift, an unencrypted image whose encryption `cryptsetup reencrypt --encrypt --init-only
---reduce-device-size` initialized (the data moves by half of that, the first part to the end).
+--reduce-device-size` initialized (the data moves by half of that, the first part to the end);
+for decrypt (`--modes decrypt`, resilience datashift-checksum), a LUKS2 volume whose decryption
+`cryptsetup reencrypt --decrypt --header NEW --init-only` initialized (the header moves to NEW,
+the data to the start; the undo shim models the image, not NEW).
 Rounds:
 
 1. Crash phase. Normally `cryptbridge serve --reencrypt --reencrypt-rate R` while a client writes
@@ -117,6 +120,8 @@ def is_hot(meta) -> bool:
 
 
 def in_progress(img: Path) -> bool:
+    if not img.exists():
+        return False
     meta = header_json(img)
     return bool(meta) and "requirements" in meta["config"]
 
@@ -137,9 +142,29 @@ class Volume:
     model: bytearray  # the plaintext every byte must read as
     size: int = 0  # the image's
     inits: int = 0
+    header: Optional[Path] = None  # decrypt: where the header moves
+
+    @property
+    def hdr(self) -> Path:
+        return self.header or self.img
+
+    def header_opts(self) -> list:
+        return ["--header", str(self.header)] if self.header else []
 
     def init(self) -> None:
-        if self.resilience == "datashift":
+        if self.resilience == "decrypt":
+            # A finished decryption leaves plaintext and no key: a new volume holding the model.
+            assert self.header is not None
+            self.header.unlink(missing_ok=True)
+            with open(self.img, "wb") as f:
+                f.truncate(self.size)
+            cryptsetup("luksFormat", "--batch-mode", "--type", "luks2", "--key-file", self.pw, *FAST, "--sector-size", str(SECTOR), self.img)
+            with open(self.img, "r+b") as f:
+                f.seek(self.size - len(self.model))
+                f.write(xts_sectors(volume_key(self.img, self.pw), bytes(self.model), SECTOR, 0, True))
+            cryptsetup("reencrypt", "--decrypt", "--init-only", "--batch-mode", "--force-offline-reencrypt", "--header", self.header,
+                       "--key-file", self.pw, self.img)  # fmt: skip
+        elif self.resilience == "datashift":
             # A finished encryption leaves a LUKS2 volume: the next rounds start from plaintext again.
             with open(self.img, "wb") as f:
                 f.truncate(self.size)
@@ -178,7 +203,7 @@ class Server:
     def __init__(self, c: "Campaign", vol: Volume, label: str, env: Optional[dict] = None, rate: Optional[str] = None, reencrypt: bool = True):
         self.sock = c.sockdir / f"{label}.sock"
         self.err_path = c.workdir / f"{label}.stderr"
-        argv = [c.bin, "serve", "--type", "luks", "--backing", vol.img, "--key-file", vol.pw, "--unix", self.sock]
+        argv = [c.bin, "serve", "--type", "luks", "--backing", vol.img, *vol.header_opts(), "--key-file", vol.pw, "--unix", self.sock]
         if reencrypt:
             argv.append("--reencrypt")
         if rate:
@@ -249,6 +274,9 @@ class Writer(threading.Thread):
 class Campaign:
     def __init__(self, workdir: Path, seed: int, log=print, size: int = 80 * MiB, power_loss: bool = False, lie: bool = False,
                  modes: tuple = ("checksum", "journal", "datashift"), rate: str = "16M"):  # fmt: skip
+        unknown = set(modes) - {"checksum", "journal", "datashift", "decrypt"}
+        if unknown:
+            raise ValueError(f"unknown modes {sorted(unknown)}: use checksum, journal, datashift, decrypt")
         self.workdir, self.rng, self.log, self.size = workdir, random.Random(seed), log, size
         self.power_loss, self.lie, self.modes, self.rate = power_loss or lie, lie, modes, rate
         self.sockdir = Path(tempfile.mkdtemp(prefix="cbrc", dir="/tmp"))
@@ -270,6 +298,13 @@ class Campaign:
             fd = os.open(pw, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.write(fd, PASS)
             os.close(fd)
+            if mode == "decrypt":
+                offset = 16 * MiB  # cryptsetup's LUKS2 data offset: the shift
+                vol = Volume(mode, img, pw, 0, bytearray(os.urandom(self.size - offset)), self.size, header=self.workdir / "decrypt.hdr")
+                vol.init()
+                self.volumes[mode] = vol
+                self.log(f"volume {mode}: {self.size // MiB} MiB LUKS2, its decryption initialized (the header moved out, the data moving {offset // MiB} MiB)")
+                continue
             if mode == "datashift":
                 vol = Volume(mode, img, pw, SHIFT, bytearray(os.urandom(self.size - 2 * SHIFT)), self.size)
                 vol.init()
@@ -309,8 +344,8 @@ class Campaign:
     def crash_phase(self, vol: Volume, rr: Round) -> Optional[tuple[int, bytes]]:
         if rr.killed == "cryptsetup":
             p = subprocess.Popen(["cryptsetup", "reencrypt", "--resume-only", "--batch-mode", "--force-offline-reencrypt", "--hotzone-size", "1M",
-                                  "--key-file", str(vol.pw), str(vol.img)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-            rr.hot_at_kill = kill_in_hotzone(p, vol.img, 60)
+                                  *vol.header_opts(), "--key-file", str(vol.pw), str(vol.img)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            rr.hot_at_kill = kill_in_hotzone(p, vol.hdr, 60)
             rr.kill = "in a hotzone" if rr.hot_at_kill else "cryptsetup finished first"
             return None
         env, undo_log = None, self.workdir / f"r{rr.round}.undo"
@@ -321,13 +356,13 @@ class Campaign:
         writer.start()
         time.sleep(self.rng.uniform(0.05, 0.3))
         if self.rng.random() < 0.5:
-            rr.hot_at_kill = kill_in_hotzone(srv.proc, vol.img, 20)
+            rr.hot_at_kill = kill_in_hotzone(srv.proc, vol.hdr, 20)
             rr.kill = "in a hotzone" if rr.hot_at_kill else "no hotzone seen in 20 s"
         else:
             delay = self.rng.uniform(0.1, 1.5)
             time.sleep(delay)
             srv.proc.send_signal(signal.SIGSTOP)
-            rr.hot_at_kill = is_hot(header_json(vol.img))
+            rr.hot_at_kill = is_hot(header_json(vol.hdr))
             srv.proc.kill()
             srv.proc.wait(timeout=30)
             rr.kill = f"after {delay:.2f} s"
@@ -344,9 +379,13 @@ class Campaign:
 
     def recover_with_cryptbridge(self, vol: Volume, rr: Round, pending) -> None:
         rr.recovered_by = "cryptbridge"
+        if vol.header and not in_progress(vol.hdr):
+            # A decryption that finished before the kill: plaintext, nothing to serve it as LUKS.
+            self.compare(vol.img.read_bytes()[: len(vol.model)], vol, pending, rr)
+            return
         # --reencrypt recovers a hotzone and goes on; a reencryption that finished before the kill
         # is served as it is.
-        srv = Server(self, vol, f"r{rr.round}-check", reencrypt=in_progress(vol.img))
+        srv = Server(self, vol, f"r{rr.round}-check", reencrypt=in_progress(vol.hdr))
         try:
             rr.recovered_hotzone = "recovered the hotzone" in srv.stderr()
             with NBDClient(srv.uri) as c:
@@ -362,11 +401,14 @@ class Campaign:
 
     def recover_with_cryptsetup(self, vol: Volume, rr: Round, pending) -> None:
         rr.recovered_by = "cryptsetup"
-        rr.recovered_hotzone = is_hot(header_json(vol.img))
+        rr.recovered_hotzone = is_hot(header_json(vol.hdr))
         if rr.recovered_hotzone:
-            cryptsetup("repair", "--batch-mode", "--key-file", vol.pw, vol.img)
-        if in_progress(vol.img):  # a repair of the last hotzone finishes the reencryption
-            cryptsetup("reencrypt", "--resume-only", "--batch-mode", "--force-offline-reencrypt", "--key-file", vol.pw, vol.img)
+            cryptsetup("repair", "--batch-mode", *vol.header_opts(), "--key-file", vol.pw, vol.img)
+        if in_progress(vol.hdr):  # a repair of the last hotzone finishes the reencryption
+            cryptsetup("reencrypt", "--resume-only", "--batch-mode", "--force-offline-reencrypt", *vol.header_opts(), "--key-file", vol.pw, vol.img)
+        if vol.header:  # a finished decryption: the plaintext from the start
+            self.compare(vol.img.read_bytes()[: len(vol.model)], vol, pending, rr)
+            return
         with open(vol.img, "rb") as f:
             f.seek(vol.offset)
             raw = f.read(len(vol.model))
@@ -378,14 +420,14 @@ class Campaign:
         rr = Round(n, mode, "cryptsetup" if n % 5 == 4 else "cryptbridge")
         self.before = bytes(vol.model)
         try:
-            if not in_progress(vol.img):
+            if not in_progress(vol.hdr):
                 vol.init()
             pending = self.crash_phase(vol, rr)
             # Every third round is cryptsetup's to recover; one it could not take (the reencryption
             # finished before the kill) passes to the next round still in progress.
             if n % 3 == 2:
                 self.cryptsetup_owed[mode] = self.cryptsetup_owed.get(mode, 0) + 1
-            if in_progress(vol.img) and self.cryptsetup_owed.get(mode, 0) > 0:
+            if in_progress(vol.hdr) and self.cryptsetup_owed.get(mode, 0) > 0:
                 self.cryptsetup_owed[mode] -= 1
                 self.recover_with_cryptsetup(vol, rr, pending)
             else:
@@ -443,7 +485,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--power-loss", action="store_true", help="undo unsynced writes after the kill in every other round")
     ap.add_argument("--lie", action="store_true", help="negative control: the shim counts no sync")
-    ap.add_argument("--modes", default="checksum,journal,datashift", help="resilience modes, comma-separated (default: all three)")
+    ap.add_argument("--modes", default="checksum,journal,datashift", help="modes, comma-separated: checksum, journal, datashift (default: these three), decrypt")
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--json", type=Path, help="write the rounds and the summary here")
     a = ap.parse_args()

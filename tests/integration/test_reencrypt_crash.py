@@ -2,7 +2,8 @@
 `cryptsetup reencrypt`) killed with SIGKILL while a client writes, in and out of hotzones, with and
 without the power-loss model; recovered by cryptbridge or by cryptsetup; every byte and every
 acknowledged write checked. `make crash-campaign-reencrypt` runs the full 30 rounds per mode.
-Here: 5 rounds per resilience mode (checksum, journal, datashift), and the negative control, which
+Here: 5 rounds per mode (resilience checksum, journal, datashift, and the decryption whose header
+moves out, datashift-checksum), and the negative control, which
 the campaign must catch. REENCRYPT_CRASH_SEED=N repeats a run's random choices.
 """
 from __future__ import annotations
@@ -30,8 +31,8 @@ def campaign(tmp_path, rounds, **kw):
 
 
 def test_kill_9_and_power_loss_rounds_lose_nothing(tmp_path):
-    results, summary, report = campaign(tmp_path, 5, power_loss=True)
-    assert len(results) == 15, report
+    results, summary, report = campaign(tmp_path, 5, power_loss=True, modes=("checksum", "journal", "datashift", "decrypt"))
+    assert len(results) == 20, report
     for r in results:
         assert r.ok, f"round {r.round} {r.resilience}: {r.wrong + r.problems}\n{report}"
     # Not vacuous: kills in hotzones, hotzones recovered, cryptsetup on both sides, writes acknowledged and undone.

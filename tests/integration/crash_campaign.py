@@ -639,7 +639,9 @@ def build_undo_shim(workdir: Path) -> Path:
 
 def apply_undo(log: Path, backing: Path, fraction: float, rng: random.Random) -> tuple[int, int, int]:
     """Writes back the old bytes of the logged writes that no completed sync covered (each with
-    probability `fraction`), newest first. Returns (writes not covered, undone, bytes undone)."""
+    probability `fraction`), newest first. A write made durable by itself (RWF_DSYNC, a 'D'
+    record) is kept, and so are its bytes against the undo of older writes under it. Returns
+    (writes not covered, undone, bytes undone)."""
     import mmap
     import struct
 
@@ -648,6 +650,7 @@ def apply_undo(log: Path, backing: Path, fraction: float, rng: random.Random) ->
     with open(log, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
         recs = []
         durable = 0
+        dsync: set[int] = set()
         pos = 0
         while pos < len(m):
             t = m[pos : pos + 1]
@@ -660,19 +663,30 @@ def apply_undo(log: Path, backing: Path, fraction: float, rng: random.Random) ->
             elif t == b"S" and pos + 9 <= len(m):
                 durable = max(durable, struct.unpack_from("<Q", m, pos + 1)[0])
                 pos += 9
-            elif t in (b"W", b"S"):
+            elif t == b"D" and pos + 9 <= len(m):
+                dsync.add(struct.unpack_from("<Q", m, pos + 1)[0])
+                pos += 9
+            elif t in (b"W", b"S", b"D"):
                 break  # torn header
             else:
                 raise StackError(f"undo log {log}: bad record type {t!r} at {pos}")
-        pending = [r for r in recs if r[0] >= durable]
+        pending = [r for r in recs if r[0] >= durable and r[0] not in dsync]
+        # The ranges the self-durable writes made durable, by log position.
+        kept = [(p, off, off + n) for p, off, _, n in recs if p in dsync]
         undone = nbytes = 0
         fd = os.open(backing, os.O_WRONLY)
         try:
-            for _, off, data_pos, n in reversed(pending):
+            for p, off, data_pos, n in reversed(pending):
                 if fraction >= 1.0 or rng.random() < fraction:
-                    os.pwrite(fd, m[data_pos : data_pos + n], off)
+                    # Only the bytes no later durable write covers go back.
+                    pieces = [(off, off + n)]
+                    for q, lo, hi in kept:
+                        if q > p:
+                            pieces = [x for a, b in pieces for x in ((a, min(b, lo)), (max(a, hi), b)) if x[0] < x[1]]
+                    for a, b in pieces:
+                        os.pwrite(fd, m[data_pos + a - off : data_pos + b - off], a)
                     undone += 1
-                    nbytes += n
+                    nbytes += sum(b - a for a, b in pieces)
         finally:
             os.close(fd)
     return len(pending), undone, nbytes

@@ -13,7 +13,9 @@
  * a server whose syncs do nothing). Without the first two the shim does nothing.
  *
  * Log records: 'W' u64 offset, u64 length, old bytes; 'S' u64 log position (records before it are
- * durable). When a sync finds no write logged since it began, the log is truncated instead.
+ * durable); 'D' u64 log position of one 'W' record: that write alone is durable (a pwritev2 with
+ * RWF_DSYNC or RWF_SYNC that wrote everything: O_DSYNC semantics for that range, nothing else).
+ * When a sync finds no write logged since it began, the log is truncated instead.
  * Writes to the backing are serialised by one mutex (old bytes, log, write), so the log order is
  * the write order. Any failure of the shim itself aborts the server: a silent gap would make the
  * model lenient.
@@ -273,9 +275,18 @@ ssize_t pwritev2(int fd, const struct iovec *iov, int cnt, off_t off, int flags)
     die("pwritev2 at the file position on the backing");
   }
   pthread_mutex_lock(&mu);
-  log_old(off, iov_len(iov, cnt));
+  uint64_t at = log_len;
+  size_t n = iov_len(iov, cnt);
+  log_old(off, n);
   ssize_t r = real_pwritev2(fd, iov, cnt, off, flags);
   int saved = errno;
+  if (r >= 0 && (size_t)r == n && (flags & (RWF_DSYNC | RWF_SYNC)) && !lie) {
+    unsigned char rec[9];
+    rec[0] = 'D';
+    memcpy(rec + 1, &at, 8);
+    log_all(rec, sizeof rec);
+    log_len += sizeof rec;
+  }
   pthread_mutex_unlock(&mu);
   errno = saved;
   return r;

@@ -30,6 +30,7 @@ use cryptbridge_cipher::registry::KeyPolicy;
 use cryptbridge_engine::{CpuBackend, Direction, Engine, SectorLayout, Spread};
 use cryptbridge_volume::luks2::Luks2Header;
 use cryptbridge_volume::reencrypt::{self, Reencryption, ReencryptionLock, Side, StepPlan, StepResilience};
+use cryptbridge_volume::format::write_durable;
 use cryptbridge_volume::{DataSegment, Secret};
 
 /// The default hotzone of an offline run (cryptsetup's is as large as its area allows).
@@ -274,22 +275,24 @@ impl Commits<'_> {
             StepResilience::Checksum { hash, block } => {
                 // The hashes must be of what the disk holds: a client's write to the hotzone that
                 // nothing synced yet (its FLUSH not come) would otherwise, lost to a power cut,
-                // leave old ciphertext no hash matches, which recovery takes for new. With the
-                // header in front the area's sync below covers the data too; detached, it does not.
-                self.data.flush().context("cannot sync the hotzone before its checksums")?;
+                // leave old ciphertext no hash matches, which recovery takes for new. The hotzone
+                // (in place: read from where it is rewritten, and locked) is written back as it
+                // is with FUA, which makes those bytes durable without forcing out the clients'
+                // unflushed writes elsewhere, as a flush of the whole device would.
+                let at = o.plan.data_offset + o.plan.step_start(done, len, self.data_size);
+                self.data.write_at(old, at, true).context("cannot make the hotzone durable before its checksums")?;
                 let hl = hash.output_len();
                 let mut sums = vec![0u8; old.len() / block * hl];
                 for (i, b) in old.chunks(block).enumerate() {
                     hash.digest_into(&[b], &mut sums[i * hl..(i + 1) * hl]);
                 }
-                o.file.write_all_at(&sums, area).context("cannot write the resilience checksums")?;
+                // Durable before the metadata that points at it.
+                write_durable(&o.file, &sums, area).context("cannot write the resilience checksums")?;
             }
-            StepResilience::Journal => o.file.write_all_at(old, area).context("cannot write the resilience journal")?,
+            StepResilience::Journal => write_durable(&o.file, old, area).context("cannot write the resilience journal")?,
             // The source stays where it is: the metadata alone marks the step.
             StepResilience::Datashift { .. } => {}
         }
-        // Durable before the metadata that points at it.
-        o.file.sync_data().context("cannot sync the resilience area")?;
         // Commit point: the hotzone is marked, its old ciphertext recorded.
         self.write(true)
     }

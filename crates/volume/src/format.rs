@@ -132,6 +132,39 @@ pub(crate) fn write_synced(f: &File, data: &[u8], offset: u64, what: &str) -> Re
     f.sync_data().map_err(io_err(format!("cannot flush {what}")))
 }
 
+/// Writes `data` at `offset` and makes that range durable before it returns, leaving the file's
+/// other dirty pages alone (`pwritev2` with `RWF_DSYNC`: O_DSYNC for this write). A reencryption
+/// step of a served volume writes its header and resilience area this way, so that it does not
+/// force out every page the clients wrote and did not flush. Where the kernel or file system
+/// refuses the flag: the write, then fdatasync.
+pub fn write_durable(f: &File, data: &[u8], offset: u64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut done = 0usize;
+    while done < data.len() {
+        let rest = &data[done..];
+        let iov = libc::iovec { iov_base: rest.as_ptr().cast_mut().cast(), iov_len: rest.len() };
+        let at = libc::off_t::try_from(offset + done as u64).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        // SAFETY: one iovec describing `rest`, which outlives the call; pwritev2 only reads it.
+        let r = unsafe { libc::pwritev2(f.as_raw_fd(), &iov, 1, at, libc::RWF_DSYNC) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::EOPNOTSUPP | libc::ENOSYS) => {
+                    f.write_all_at(rest, offset + done as u64)?;
+                    return f.sync_data();
+                }
+                _ => return Err(e),
+            }
+        }
+        if r == 0 {
+            return Err(std::io::Error::from(std::io::ErrorKind::WriteZero));
+        }
+        done += r as usize;
+    }
+    Ok(())
+}
+
 /// Picks KDF parameters the way cryptsetup does: PBKDF2 iterations, or Argon2 passes at the given
 /// memory (lowered if even the minimum passes take longer), so that one derivation of `key_bytes`
 /// takes about `iter_time_ms`.

@@ -1155,15 +1155,18 @@ impl Luks2Header {
     }
 }
 
-/// Writes `json` as the next metadata of `h` (both copies, synced; seqid + 1) under the header
-/// device's `flock`, and returns the header as written. The metadata must parse back.
+/// Writes `json` as the next metadata of `h` (both copies, each durable before the next is
+/// written, without flushing the rest of the device: [`crate::format::write_durable`]; seqid + 1)
+/// under the header device's `flock`, and returns the header as written. The metadata must parse
+/// back.
 pub fn write_metadata(file: &std::fs::File, name: &str, h: &Luks2Header, json: Value) -> Result<Luks2Header> {
     let binary = crate::luks2::BinaryHeader { seqid: h.binary.seqid + 1, hdr_offset: 0, ..h.binary.clone() };
     let next = Luks2Header::from_json(binary.clone(), json.clone())?;
     let (primary, secondary) = crate::luks2::encode_copies(&binary, &json)?;
     let _lock = crate::format::DeviceLock::exclusive(file, name)?;
-    crate::format::write_synced(file, &primary, 0, &format!("the primary LUKS2 header of {name}"))?;
-    crate::format::write_synced(file, &secondary, binary.hdr_size, &format!("the secondary LUKS2 header of {name}"))?;
+    for (copy, at, which) in [(&primary, 0, "primary"), (&secondary, binary.hdr_size, "secondary")] {
+        crate::format::write_durable(file, copy, at).map_err(crate::error::io_err(format!("cannot write the {which} LUKS2 header of {name}")))?;
+    }
     Ok(next)
 }
 

@@ -327,9 +327,10 @@ impl Mapping {
         let next: Arc<[Placed]> = placed.into();
         self.crypt_in(&now, Direction::Decrypt, start / ss, &mut buf, Spread::Pool)?;
         self.crypt_in(&next, Direction::Encrypt, start / ss, &mut buf, Spread::Pool)?;
-        // Committed before any request may write the rewritten sectors: a recovery from the
+        // Durable (FUA: these bytes only, not the clients' unflushed writes elsewhere), then
+        // committed before any request may write the rewritten sectors: a recovery from the
         // resilience area (a journal) would otherwise rewrite them over an acknowledged write.
-        match self.back_write_in(&next, &buf, start, false).and_then(|()| self.backing.flush()).and_then(|()| commit.after_write()) {
+        match self.back_write_in(&next, &buf, start, true).and_then(|()| commit.after_write()) {
             Ok(()) => {
                 zone.install(next);
                 Ok(())

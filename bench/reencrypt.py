@@ -492,6 +492,8 @@ def main() -> int:
                     help="online: also serve --reencrypt from this build (e.g. other back-off constants), "
                          "as job online@NAME in the same rotation, its ratio to the same baseline reported")
     ap.add_argument("--cb-hotzone", default=None, help="--hotzone-size for `luks reencrypt` (default: its own)")
+    ap.add_argument("--profiles", default=None,
+                    help="online: only these profiles, comma-separated keys (e.g. seq1m_q8t1_write); default: all four")
     ap.add_argument("--parts", default="offline,online", help="offline (with the idle runs), online, or both")
     ap.add_argument("--timeout", type=float, default=900, help="seconds allowed per reencryption")
     ap.add_argument("--quick", action="store_true", help="smoke run: small images, short jobs, 1 repeat (< 60 s)")
@@ -499,6 +501,12 @@ def main() -> int:
     ap.add_argument("--out-json", type=Path, default=OUT / "reencrypt.json")
     ap.add_argument("--out-md", type=Path, default=OUT / "reencrypt.md")
     args = ap.parse_args()
+    if args.profiles:
+        keep = set(args.profiles.split(","))
+        unknown = keep - {p.key for p in PROFILES}
+        if unknown:
+            ap.error(f"--profiles: unknown {sorted(unknown)}; use {', '.join(p.key for p in PROFILES)}")
+        PROFILES[:] = [p for p in PROFILES if p.key in keep]
     q = args.quick
     args.repeats = max(1, args.repeats if args.repeats is not None else (1 if q else 3))
     args.runtime = args.runtime if args.runtime is not None else (0.5 if q else 4.0)

@@ -42,6 +42,11 @@ shared and drifts; the jobs of a pair run seconds apart). Targets (issue 29):
 The other ratios (passthrough vhost/NBD, encrypted/passthrough through NBD) are printed without a
 target.
 
+Before/after a change: --baseline BINARY (say, built from the commit before it) runs every
+selected server a second time with that binary ("-base" keys), in the same alternating order, so
+both binaries see the same machine; the report adds each server's after/baseline MB/s and CPU
+ratios and the targets' ratios for the baseline pair. --servers narrows the servers run.
+
 Outputs: bench/out/vhost.json, bench/out/vhost.md (paste into a dated page under docs/bench/),
 per-job fio and client JSON under bench/out/fio/vhost/, server logs under bench/out/logs/.
 """
@@ -98,14 +103,19 @@ DEFAULT_CLIENT = REPO / "target" / "release" / "examples" / "vhost_blk_bench"
 PROFILES: list[Profile] = [p for p in BRIDGE_PROFILES
                            if p.key in ("seq1m_q8t1_read", "seq1m_q8t1_write", "rnd4k_q32t1_read", "rnd4k_q32t1_write")]
 
-# Front ends alternate in this order (job_order rotates and reverses it).
-SERVERS = ["vhost-enc", "nbd-enc", "vhost-pt", "nbd-pt"]
+# Front ends alternate in this order (job_order rotates and reverses it). --servers narrows it and
+# --baseline adds a "-base" twin of each (main() rebinds the list).
+ALL_SERVERS = ["vhost-enc", "nbd-enc", "vhost-pt", "nbd-pt"]
+SERVERS = list(ALL_SERVERS)
 LABELS = {
     "vhost-enc": "vhost-user XTS",
     "nbd-enc": "NBD XTS",
     "vhost-pt": "vhost-user passthrough",
     "nbd-pt": "NBD passthrough",
 }
+BASE = "-base"
+for _k in ALL_SERVERS:
+    LABELS[_k + BASE] = LABELS[_k] + " (baseline)"
 
 # (label, numerator, denominator, field, {group: target}, direction): direction "ge" passes when
 # the ratio is at least the target, "le" when at most.
@@ -117,9 +127,19 @@ RATIOS = [
     ("vhost: XTS / passthrough MB/s", "vhost-enc", "vhost-pt", "mbps", {"SEQ1M": 0.9}, "ge"),
     ("NBD: XTS / passthrough MB/s", "nbd-enc", "nbd-pt", "mbps", {}, "ge"),
 ]
+# With --baseline: the target ratios for the baseline binary, and each server against its twin.
+BASE_RATIOS = [
+    ("baseline: XTS: vhost / NBD MB/s", "vhost-enc" + BASE, "nbd-enc" + BASE, "mbps", {"RND4K": 1.5}, "ge"),
+    ("baseline: XTS: vhost / NBD CPU s/GiB", "vhost-enc" + BASE, "nbd-enc" + BASE, "server_cpu_s_per_gib", {"RND4K": 0.6}, "le"),
+    ("baseline: vhost: XTS / passthrough MB/s", "vhost-enc" + BASE, "vhost-pt" + BASE, "mbps", {"SEQ1M": 0.9}, "ge"),
+    ("baseline: NBD: XTS / passthrough MB/s", "nbd-enc" + BASE, "nbd-pt" + BASE, "mbps", {}, "ge"),
+] + [(f"{LABELS[k]}: after / baseline {what}", k, k + BASE, field, {}, direction)
+     for k in ALL_SERVERS
+     for what, field, direction in (("MB/s", "mbps", "ge"), ("CPU s/GiB", "server_cpu_s_per_gib", "le"))]
 
 
 def server_argv(key: str, binary: Path, backing: Path, keyfile: Path, sock: Path, queues: int) -> list:
+    key = key.removesuffix(BASE)
     if key.endswith("-enc"):
         mode = ["--key-file", keyfile, "--cipher", "aes-xts-plain64", "--key-size", "512", "--sector-size", "4096"]
     else:
@@ -240,7 +260,9 @@ def summarize(results: dict) -> dict:
 
 def compute_ratios(results: dict) -> list[dict]:
     rows = []
-    for label, num, den, field, targets, direction in RATIOS:
+    for label, num, den, field, targets, direction in RATIOS + BASE_RATIOS:
+        if num not in SERVERS or den not in SERVERS:
+            continue
         for prof in PROFILES:
             ratio, pairs = paired(results, num, den, prof.key, field)
             target = targets.get(prof.group)
@@ -260,7 +282,8 @@ def markdown(state: dict, args) -> str:
          f"Command: `{state['command']}`; git {env.get('git')}; {state['config']['repeats']} repeats, "
          f"{state['config']['runtime_s']:g} s + {state['config']['ramp_s']:g} s ramp per job, export "
          f"{human_size(state['config']['size'])} in the page cache, vhost-user queues {state['config']['queues']}; "
-         f"fio: {state['versions'].get('fio')}.", "",
+         f"fio: {state['versions'].get('fio')}."
+         + (f" Baseline (\"-base\" rows): `{state['baseline']['binary']}`." if state.get("baseline") else ""), "",
          "**MB/s, IOPS, bridge CPU s/GiB (medians over repeats)**", "",
          "| Profile | " + " | ".join(LABELS[k] for k in SERVERS) + " |",
          "|---|" + "---:|" * len(SERVERS)]
@@ -299,10 +322,14 @@ def check_tools(binary: Path, client: Path) -> list[str]:
 
 
 def main() -> int:
-    global PROFILES  # --profiles narrows the module-wide list every report walks
+    global PROFILES, SERVERS  # --profiles, --servers and --baseline set the module-wide lists every report walks
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", type=Path, default=DEFAULT_BINARY)
     ap.add_argument("--client", type=Path, default=DEFAULT_CLIENT, help="the vhost_blk_bench example")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a second cryptbridge binary: every server also runs with it (\"-base\" keys), alternating")
+    ap.add_argument("--servers", default=None,
+                    help="comma list of servers to run (default all): " + ",".join(ALL_SERVERS))
     ap.add_argument("--runtime", type=float, default=None, help="seconds per job (default 4; quick 1)")
     ap.add_argument("--ramp", type=float, default=None, help="ramp seconds per job (default 1; quick 0.3)")
     ap.add_argument("--repeats", type=int, default=None, help="repeats, medians reported (default 3; quick 1)")
@@ -321,6 +348,15 @@ def main() -> int:
         if unknown:
             ap.error(f"unknown profile(s): {', '.join(unknown)}")
         PROFILES = [p for p in PROFILES if p.key in wanted]
+    if args.servers:
+        wanted = args.servers.split(",")
+        unknown = sorted(set(wanted) - set(ALL_SERVERS))
+        if unknown:
+            ap.error(f"unknown server(s): {', '.join(unknown)}")
+        SERVERS = [k for k in ALL_SERVERS if k in wanted]
+    if args.baseline:
+        # Each twin next to its server: job_order then rotates them together with the others.
+        SERVERS = [k for s in SERVERS for k in (s, s + BASE)]
     q = args.quick
     args.runtime = args.runtime if args.runtime is not None else (1.0 if q else 4.0)
     args.ramp = args.ramp if args.ramp is not None else (0.3 if q else 1.0)
@@ -328,6 +364,8 @@ def main() -> int:
     size = parse_size(args.size or ("128M" if q else "1G"))
 
     missing = check_tools(args.binary, args.client)
+    if args.baseline and not args.baseline.exists():
+        missing.append(f"{args.baseline} (--baseline)")
     if missing:
         print("error: missing: " + ", ".join(missing), file=sys.stderr)
         return 1
@@ -352,6 +390,8 @@ def main() -> int:
                    "queues": args.queues, "quick": q, "servers": SERVERS, "profiles": [p.key for p in PROFILES]},
         "units": "MB/s = 1e6 bytes/s; CPU s/GiB = bridge utime+stime per 2^30 bytes moved; medians over repeats",
         "environment": environment(args.binary),
+        "baseline": None if not args.baseline else {"binary": str(args.baseline),
+                                                    "version": tool_version([args.baseline, "--version"])},
         "versions": {"fio": tool_version(["fio", "--version"])},
         "results": {},
     }
@@ -382,7 +422,8 @@ def main() -> int:
             for pi, prof in enumerate(PROFILES):
                 for key in job_order(SERVERS, rep - 1, pi):
                     sock = rundir / f"{key}.sock"
-                    srv = Bridge(key, server_argv(key, args.binary, backing, keyfile, sock, args.queues), sock, logdir)
+                    binary = args.baseline if key.endswith(BASE) else args.binary
+                    srv = Bridge(key, server_argv(key, binary, backing, keyfile, sock, args.queues), sock, logdir)
                     out = jobdir / f"{prof.key}-{key}-r{rep}.json"
                     try:
                         srv.start()
@@ -404,7 +445,7 @@ def main() -> int:
                         s["client_cpu_s_per_gib"] = round(client_s / (s["mbps"] * 1e6 * (args.runtime + args.ramp) / (1 << 30)), 4)
                     s["repeat"] = rep
                     state["results"].setdefault(key, {}).setdefault(prof.key, []).append(s)
-                    line = (f"  {prof.label:<18} {LABELS[key]:<24} {fmt(s.get('mbps'), 0):>7} MB/s "
+                    line = (f"  {prof.label:<18} {LABELS[key]:<35} {fmt(s.get('mbps'), 0):>7} MB/s "
                             f"{fmt((s.get('iops') or 0) / 1000, 1):>6} k IOPS  bridge "
                             f"{fmt(s.get('server_cpu_s_per_gib'), 3)} s/GiB  busy {fmt(s.get('machine_busy'), 2)}")
                     log(line if s.get("ok") else line + f"  FAILED: {s.get('error')}")

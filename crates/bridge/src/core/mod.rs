@@ -42,6 +42,10 @@ pub(crate) trait Client: Send + Sync + Sized + 'static {
     fn id(&self) -> u64;
     /// The connection is TLS (see [`plan::Context`]).
     fn tls(&self) -> bool;
+    /// Replies are copied into the client's memory rather than sent (see [`plan::Context`]).
+    fn in_memory(&self) -> bool {
+        false
+    }
     /// Replies can no longer be sent: nothing more is read.
     fn is_broken(&self) -> bool;
     /// This connection's requests in flight.
@@ -137,7 +141,7 @@ impl Core {
         mut session: Option<&mut Session<C>>,
         cork: &mut Cork,
     ) -> Intake<C::Reply> {
-        let ctx = Context { tls: client.tls(), session: session.as_ref().is_some_and(|s| s.is_open()) };
+        let ctx = Context { tls: client.tls(), session: session.as_ref().is_some_and(|s| s.is_open()), in_memory: client.in_memory() };
         let plan = plan::plan(&request, &self.caps(), ctx);
         let bytes = request.bytes();
         let permit = match admit {

@@ -17,11 +17,17 @@ pub(crate) struct Thresholds {
     /// that reads requests, which keeps reading. Handing one to another thread costs a wake-up,
     /// which on a small machine costs more than the request.
     pub(crate) quick_max: u32,
-    /// READs from this size on an O_DIRECT back end (or under TLS, whatever the back end) are
-    /// decrypted piece by piece while their reply is sent. On a cached back end the machine is
-    /// CPU-bound, and splitting the decryption over the crypto pool before sending was faster
-    /// (docs/bench/2026-11-23-bridge.md). Under TLS the client's record decryption is the
-    /// busiest thread of the machine; a split would take CPU time from it.
+    /// READs from this size on an O_DIRECT back end (or under TLS, whatever the back end, or
+    /// into a client's memory) are decrypted piece by piece while their reply is sent. On a
+    /// cached back end the machine is CPU-bound, and splitting the decryption over the crypto
+    /// pool before sending was faster over a socket (docs/bench/2026-11-23-bridge.md). Under TLS
+    /// the client's record decryption is the busiest thread of the machine; a split would take
+    /// CPU time from it. A reply copied into the client's memory (vhost-user) has no socket to
+    /// wait on: each piece is decrypted just before it is copied, while it is still in this
+    /// core's cache, on the I/O thread that runs the request, and the other requests in flight
+    /// (each on an I/O thread of its own) keep the other cores busy. The pool's split costs
+    /// every such request two hand-offs between threads and a pass over the whole buffer
+    /// between the decryption and the copy (docs/bench/2026-11-28-vhost-seq.md).
     pub(crate) streamed_min: u32,
     /// A READ answered by an upstream's reply reader is decrypted while it is sent when it is
     /// larger than one piece of [`crate::mapping`]'s streamed decryption; a smaller one is
@@ -72,6 +78,8 @@ pub(crate) struct Context {
     pub(crate) tls: bool,
     /// The request is read by a loop that owns a back-end session, open now.
     pub(crate) session: bool,
+    /// Replies are copied into the client's memory (vhost-user), not sent on a socket.
+    pub(crate) in_memory: bool,
 }
 
 /// Which thread runs a request, and whether it waits for the back end.
@@ -132,7 +140,7 @@ pub(crate) fn plan(r: &Request, caps: &Caps, ctx: Context) -> Plan {
         _ if quick => (Route::Inline, Crypto::Caller),
         Op::Write if writes_async && ctx.session && r.len <= t.session_max => (Route::Session, Crypto::Caller),
         Op::Write if writes_async => (Route::AsyncWrite { inline: !ctx.session && r.len <= t.async_inline_max }, Crypto::Pool),
-        Op::Read if (caps.direct || ctx.tls) && r.len >= t.streamed_min => (Route::Apart, Crypto::Streamed),
+        Op::Read if (caps.direct || ctx.tls || ctx.in_memory) && r.len >= t.streamed_min => (Route::Apart, Crypto::Streamed),
         Op::Read => (Route::Apart, Crypto::Pool),
         Op::Write | Op::WriteZeroes => (Route::Apart, write_crypto),
         _ => (Route::Apart, Crypto::Pool),
@@ -147,9 +155,10 @@ mod tests {
     const FILE: Caps = Caps { direct: false, sector_size: 4096, max_async_read: 0, max_async_write: 0, max_async_write_fua: 0 };
     const DIRECT: Caps = Caps { direct: true, ..FILE };
     const REMOTE: Caps = Caps { direct: true, sector_size: 4096, max_async_read: 32 << 20, max_async_write: 32 << 20, max_async_write_fua: 0 };
-    const PLAIN: Context = Context { tls: false, session: false };
-    const SESSION: Context = Context { tls: false, session: true };
-    const TLS: Context = Context { tls: true, session: false };
+    const PLAIN: Context = Context { tls: false, session: false, in_memory: false };
+    const SESSION: Context = Context { tls: false, session: true, in_memory: false };
+    const TLS: Context = Context { tls: true, session: false, in_memory: false };
+    const MEMORY: Context = Context { tls: false, session: false, in_memory: true };
 
     fn req(op: Op, offset: u64, len: u32, fua: bool) -> Request {
         Request { op, handle: 1, offset, len, fua, req_one: false }
@@ -172,6 +181,15 @@ mod tests {
         assert_eq!(plan(&big, &DIRECT, PLAIN).crypto, Crypto::Streamed);
         assert_eq!(plan(&big, &FILE, TLS).crypto, Crypto::Streamed);
         assert_eq!(plan(&big, &FILE, PLAIN).crypto, Crypto::Pool);
+    }
+
+    #[test]
+    fn large_reads_into_client_memory_stream_small_ones_stay_inline() {
+        let big = plan(&req(Op::Read, 0, 1 << 20, false), &FILE, MEMORY);
+        assert_eq!((big.route, big.crypto), (Route::Apart, Crypto::Streamed));
+        let small = plan(&req(Op::Read, 0, 4096, false), &FILE, MEMORY);
+        assert_eq!((small.route, small.crypto), (Route::Inline, Crypto::Caller));
+        assert_eq!(plan(&req(Op::Read, 0, 64 << 10, false), &FILE, MEMORY).crypto, Crypto::Pool, "below streamed_min");
     }
 
     #[test]

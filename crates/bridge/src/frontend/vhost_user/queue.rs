@@ -316,6 +316,10 @@ impl Client for Queue {
         false
     }
 
+    fn in_memory(&self) -> bool {
+        true
+    }
+
     fn is_broken(&self) -> bool {
         self.broken.load(Ordering::SeqCst)
     }

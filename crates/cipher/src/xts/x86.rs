@@ -467,14 +467,23 @@ unsafe fn units<V: XtsVec, const NR: usize, const DEC: bool>(
             for (i, slot) in numbers.iter_mut().take(group_units).enumerate() {
                 *slot = u128::from(n.wrapping_add(run.step.wrapping_mul(i as u64)));
             }
+            let count = group.len() / run.unit_len;
             for (r, v) in initial.iter_mut().enumerate() {
                 *v = V::load(numbers.as_ptr().add(r * V::LANES).cast()).xor(tk[0]);
             }
-            rounds::<V, NR, false, TWEAK_REGS>(&tk, &mut initial);
-            for (r, v) in initial.iter().enumerate() {
-                v.store(numbers.as_mut_ptr().add(r * V::LANES).cast());
+            if count <= V::LANES {
+                // A call of one register's worth of units (at `aesni` the common single-unit
+                // call) waits on this chain before its first block can start, so it encrypts
+                // one register rather than issuing the other three registers' rounds too.
+                let mut one = [initial[0]];
+                rounds::<V, NR, false, 1>(&tk, &mut one);
+                one[0].store(numbers.as_mut_ptr().cast());
+            } else {
+                rounds::<V, NR, false, TWEAK_REGS>(&tk, &mut initial);
+                for (r, v) in initial.iter().enumerate() {
+                    v.store(numbers.as_mut_ptr().add(r * V::LANES).cast());
+                }
             }
-            let count = group.len() / run.unit_len;
             let tweak = |i: usize| _mm_loadu_si128(numbers.as_ptr().add(i).cast());
             let mut tw = first_tweaks::<V>(tweak(0));
             for (i, unit) in group.chunks_exact_mut(run.unit_len).enumerate() {
@@ -486,6 +495,7 @@ unsafe fn units<V: XtsVec, const NR: usize, const DEC: bool>(
             }
             n = n.wrapping_add(run.step.wrapping_mul(count as u64));
         }
-        zeroize::Zeroize::zeroize(&mut numbers);
+        // Only the first `group_units` entries were ever written.
+        zeroize::Zeroize::zeroize(&mut numbers[..group_units]);
     }
 }

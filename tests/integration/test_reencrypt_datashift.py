@@ -132,8 +132,18 @@ def test_an_encryption_is_served_while_it_runs(ws):
     img, pw, plain = plain_image(ws)
     cs_encrypt(img, pw, "--sector-size", "4096")
     b = ws.serve(img, pw, cipher=None, extra=("--type", "luks", "--reencrypt", "--reencrypt-rate", "8M"))
+    expect = write_while_it_runs(b.uri, plain)
+    wait_for(lambda: "reencryption finished" in b.stderr(), 120, "the encryption to finish")
+    assert read_all(b.uri, len(plain)) == bytes(expect)
+    assert b.stop() == 0
+    check_encrypted(img, pw, bytes(expect), 4096)
+
+
+def write_while_it_runs(uri: str, plain: bytes) -> bytearray:
+    """32 flushed 8 KiB writes over an export of `plain` whose data moves, then every byte read
+    back: the plaintext with those writes, which this returns."""
     expect = bytearray(plain)
-    with NBDClient(b.uri) as c:
+    with NBDClient(uri) as c:
         c.connect()
         assert c.size == len(plain)
         for i in range(32):
@@ -143,10 +153,7 @@ def test_an_encryption_is_served_while_it_runs(ws):
             c.flush()
             expect[off : off + 8192] = data
         assert b"".join(c.read(o, min(4 * MiB, len(plain) - o)) for o in range(0, len(plain), 4 * MiB)) == bytes(expect)
-    wait_for(lambda: "reencryption finished" in b.stderr(), 120, "the encryption to finish")
-    assert read_all(b.uri, len(plain)) == bytes(expect)
-    assert b.stop() == 0
-    check_encrypted(img, pw, bytes(expect), 4096)
+    return expect
 
 
 def sha(path) -> str:

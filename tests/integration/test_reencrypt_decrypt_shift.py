@@ -15,7 +15,6 @@ compared with cryptsetup's for copies of one volume (salts and digests left out)
 from __future__ import annotations
 
 import hashlib
-import os
 import signal
 import subprocess
 import time
@@ -24,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from conftest import MiB, assert_no_panic, cb, require_binary
-from nbd_client import NBDClient
 from test_luks import FAST_PBKDF2, cryptsetup, luks_format, need
-from test_reencrypt import IMAGE, active_segments, header_json, volume_with_plaintext
+from test_reencrypt import IMAGE, active_segments, header_json, read_all, volume_with_plaintext
+from test_reencrypt_datashift import write_while_it_runs
 from test_reencrypt_init import metadata, without_random
 from test_reencrypt_online import wait_for
 
@@ -178,21 +177,9 @@ def test_a_decryption_is_served_while_it_runs(ws):
     tail = old_tail(img)
     cs_decrypt(img, hdr, pw, "--init-only")
     b = ws.serve(img, pw, cipher=None, extra=("--type", "luks", "--header", str(hdr), "--reencrypt", "--reencrypt-rate", "16M"))
-    expect = bytearray(plain)
-    with NBDClient(b.uri) as c:
-        c.connect()
-        assert c.size == len(plain)
-        for i in range(32):
-            off = (i * 1237 * 4096) % (len(plain) - 8192)
-            data = os.urandom(8192)
-            c.write(off, data)
-            c.flush()
-            expect[off : off + 8192] = data
-        assert b"".join(c.read(o, min(4 * MiB, len(plain) - o)) for o in range(0, len(plain), 4 * MiB)) == bytes(expect)
+    expect = write_while_it_runs(b.uri, plain)
     wait_for(lambda: "reencryption finished" in b.stderr(), 120, "the decryption to finish")
-    with NBDClient(b.uri) as c:
-        c.connect()
-        assert b"".join(c.read(o, min(4 * MiB, len(plain) - o)) for o in range(0, len(plain), 4 * MiB)) == bytes(expect)
+    assert read_all(b.uri, len(plain)) == bytes(expect)
     assert b.stop() == 0
     check_decrypted(img, hdr, bytes(expect), tail)
 

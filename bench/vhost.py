@@ -23,6 +23,13 @@ no VM, one queue unless --queues), which keeps the same number of requests in fl
 block size, random offsets aligned to it, and the same runtime and ramp. Neither client is
 counted: the figures are the bridge's.
 
+The vhost-user client waits for completions the way fio's nbd engine does, asleep until the
+server tells it (its completion eventfd; fio sleeps in poll(2) on the socket), so every batch of
+replies costs the bridge a wake-up of the client in both. --client-poll gives it libblkio's poll
+queues instead (vhost_blk_bench --poll): it spins on the used ring and asks for no notifications,
+as a guest's polled virtio-blk queues or SPDK's initiator do; NBD has no such mode, so a run with
+it compares a polling vhost-user client with a sleeping NBD one, and its report says so.
+
 Profiles: SEQ1M Q8T1 read / write, RND4K Q32T1 read / write (MB/s = 10^6 B/s).
 
 Every repeat runs each profile on all four servers, in an order that alternates the front ends
@@ -188,10 +195,12 @@ def children_cpu() -> float:
 
 
 def blkio_job(client: Path, sock: Path, prof: Profile, size: int, runtime: float, ramp: float, queues: int,
-              out_json: Path, server_pid: int | None) -> dict:
+              out_json: Path, server_pid: int | None, poll: bool = False) -> dict:
     """One vhost_blk_bench run; a sample shaped as bridge.py's fio_job returns it."""
     argv = [client, sock, "--bs", prof.bs, "--iodepth", prof.iodepth, "--rw", prof.rw, "--size", size,
             "--runtime", f"{runtime:g}", "--ramp", f"{ramp:g}", "--queues", queues]
+    if poll:
+        argv.append("--poll")
     if prof.rwmixread is not None:
         argv += ["--rwmixread", prof.rwmixread]
     cpu0, srv0 = machine_cpu_ticks(), process_cpu_seconds(server_pid)
@@ -283,6 +292,9 @@ def markdown(state: dict, args) -> str:
          f"{state['config']['runtime_s']:g} s + {state['config']['ramp_s']:g} s ramp per job, export "
          f"{human_size(state['config']['size'])} in the page cache, vhost-user queues {state['config']['queues']}; "
          f"fio: {state['versions'].get('fio')}."
+         + (" **vhost-user client polling** (libblkio poll queues, no used-ring notifications); the NBD client "
+            "(fio) sleeps in poll(2) as always." if state['config'].get('client_poll') else
+            " vhost-user client waiting on its completion eventfd (interrupt mode), as fio waits on its socket.")
          + (f" Baseline (\"-base\" rows): `{state['baseline']['binary']}`." if state.get("baseline") else ""), "",
          "**MB/s, IOPS, bridge CPU s/GiB (medians over repeats)**", "",
          "| Profile | " + " | ".join(LABELS[k] for k in SERVERS) + " |",
@@ -335,6 +347,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=None, help="repeats, medians reported (default 3; quick 1)")
     ap.add_argument("--size", default=None, help="export size (default 1G; quick 128M)")
     ap.add_argument("--queues", type=int, default=1, help="vhost-user queues (server --queues and client)")
+    ap.add_argument("--client-poll", action="store_true",
+                    help="vhost-user client on libblkio poll queues (vhost_blk_bench --poll; see above)")
     ap.add_argument("--profiles", default=None,
                     help="comma list of profiles to run (default all): " + ",".join(p.key for p in PROFILES))
     ap.add_argument("--quick", action="store_true", help="smoke run: short jobs, 1 repeat, small file")
@@ -387,7 +401,7 @@ def main() -> int:
         "benchmark": "vhost",
         "command": shjoin(["python3", "bench/vhost.py", *sys.argv[1:]]),
         "config": {"runtime_s": args.runtime, "ramp_s": args.ramp, "repeats": args.repeats, "size": size,
-                   "queues": args.queues, "quick": q, "servers": SERVERS, "profiles": [p.key for p in PROFILES]},
+                   "queues": args.queues, "client_poll": args.client_poll, "quick": q, "servers": SERVERS, "profiles": [p.key for p in PROFILES]},
         "units": "MB/s = 1e6 bytes/s; CPU s/GiB = bridge utime+stime per 2^30 bytes moved; medians over repeats",
         "environment": environment(args.binary),
         "baseline": None if not args.baseline else {"binary": str(args.baseline),
@@ -430,7 +444,8 @@ def main() -> int:
                         pid = srv.proc.pid if srv.proc else None
                         c0 = children_cpu()
                         if key.startswith("vhost"):
-                            s = blkio_job(args.client, sock, prof, size, args.runtime, args.ramp, args.queues, out, pid)
+                            s = blkio_job(args.client, sock, prof, size, args.runtime, args.ramp, args.queues, out, pid,
+                                          args.client_poll)
                         else:
                             s = fio_job(srv.uri, prof, size, args.runtime, args.ramp, out, pid)
                         client_s = children_cpu() - c0

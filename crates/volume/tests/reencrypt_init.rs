@@ -16,10 +16,9 @@ use cryptbridge_volume::{Header, ReadAt};
 
 const SIZE: u64 = 32 << 20;
 
-fn volume(dir: &std::path::Path, key_bytes: usize, sector_size: usize) -> (File, Luks2Header) {
-    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(dir.join("v.img")).unwrap();
-    f.set_len(SIZE).unwrap();
-    let p = FormatParams {
+/// LUKS2 aes-xts-plain64 with PBKDF2 at 1000 iterations: fast to unlock in a test.
+fn fast_params(key_bytes: usize, sector_size: usize, data_offset: Option<u64>) -> FormatParams {
+    FormatParams {
         version: 2,
         cipher: "aes-xts-plain64".into(),
         key_bytes,
@@ -28,9 +27,15 @@ fn volume(dir: &std::path::Path, key_bytes: usize, sector_size: usize) -> (File,
         hash: Hash::Sha256,
         digest_iterations: 1000,
         label: String::new(),
-        data_offset: None,
+        data_offset,
         detached: false,
-    };
+    }
+}
+
+fn volume(dir: &std::path::Path, key_bytes: usize, sector_size: usize) -> (File, Luks2Header) {
+    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(dir.join("v.img")).unwrap();
+    f.set_len(SIZE).unwrap();
+    let p = fast_params(key_bytes, sector_size, None);
     format(&f, "v.img", SIZE, &p, b"pass").unwrap();
     let Header::Luks2(h) = Header::read(&f).unwrap() else { panic!("LUKS2") };
     (f, h)
@@ -157,18 +162,7 @@ fn an_encryption_with_a_data_shift_starts_as_cryptsetup_starts_it() {
     f.set_len(size).unwrap();
     let layout = ShiftLayout::new(size, 8 * MIB, 512, 64).unwrap();
     assert_eq!(layout, ShiftLayout { shift: 4 * MIB, data_size: 14 * MIB, moved_offset: 18 * MIB });
-    let p = FormatParams {
-        version: 2,
-        cipher: "aes-xts-plain64".into(),
-        key_bytes: 64,
-        sector_size: 512,
-        kdf: Kdf::Pbkdf2 { hash: Hash::Sha256, iterations: 1000 },
-        hash: Hash::Sha256,
-        digest_iterations: 1000,
-        label: String::new(),
-        data_offset: Some(4 * MIB),
-        detached: false,
-    };
+    let p = fast_params(64, 512, Some(4 * MIB));
     let written = encrypt_with_shift(&f, "p.img", layout, &p, b"pass").unwrap();
     let mut moved = vec![0u8; (4 * MIB) as usize];
     ReadAt::read_exact_at(&f, &mut moved, 18 * MIB).unwrap();
@@ -218,18 +212,7 @@ fn a_decryption_moving_the_header_out_starts_as_cryptsetup_starts_it() {
     let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
     let size = 22 * MIB; // 4 MiB of header, 18 MiB of data: not a whole number of shifts
     f.set_len(size).unwrap();
-    let p = FormatParams {
-        version: 2,
-        cipher: "aes-xts-plain64".into(),
-        key_bytes: 64,
-        sector_size: 4096,
-        kdf: Kdf::Pbkdf2 { hash: Hash::Sha256, iterations: 1000 },
-        hash: Hash::Sha256,
-        digest_iterations: 1000,
-        label: String::new(),
-        data_offset: Some(4 * MIB),
-        detached: false,
-    };
+    let p = fast_params(64, 4096, Some(4 * MIB));
     format(&f, "v.img", size - 4 * MIB, &p, b"pass").unwrap();
     let ciphertext: Vec<u8> = (0..18 * MIB).map(|i| (i * 13 % 251) as u8).collect();
     f.write_all_at(&ciphertext, 4 * MIB).unwrap();

@@ -111,6 +111,10 @@ test-portable:
 # Cross-build the whole workspace for aarch64 (libraries, binaries, tests and examples, in one build
 # that the test run reuses) and run all its tests under qemu-aarch64, whose default CPU model
 # (`max`) has AES and PMULL, so the `aes` crate's ARMv8 back end (aese/aesd) is what XTS runs.
+# One test is left to test-rust: the exhaustive flip of every bit of a 512- and a 4096-byte sector
+# for each wide-block scheme (tes_properties), some 300,000 encryptions that took half of this
+# stage under emulation; its random-bit property test still runs here.
+AARCH64_SKIP ?= --skip every_bit_of_a_sector_changes_almost_every_block
 test-aarch64:
 	@if [ "$(HOST_ARCH)" != x86_64 ]; then echo "test-aarch64: SKIPPED (host is $(HOST_ARCH), not x86_64; test-rust tests this CPU)"; exit 0; fi; \
 	if [ -n "$(AARCH64_MISSING)" ]; then \
@@ -119,11 +123,12 @@ test-aarch64:
 	fi; \
 	set -e; t0=$$(date +%s); set -x; \
 	RUSTFLAGS="$(AARCH64_WARNFLAGS)" $(CARGO) build --profile $(TEST_PROFILE) --locked --workspace --all-targets --target $(AARCH64); \
-	RUSTFLAGS="$(AARCH64_WARNFLAGS)" $(CARGO) test --profile $(TEST_PROFILE) --locked --workspace --target $(AARCH64); \
+	{ set +x; } 2>/dev/null; echo "test-aarch64: left to test-rust (not run under emulation): $(AARCH64_SKIP)"; set -x; \
+	RUSTFLAGS="$(AARCH64_WARNFLAGS)" $(CARGO) test --profile $(TEST_PROFILE) --locked --workspace --target $(AARCH64) -- $(AARCH64_SKIP); \
 	{ set +x; } 2>/dev/null; echo "test-aarch64: ok ($$(( $$(date +%s) - t0 ))s)"
 
 test-integration: build
-	@t0=$$(date +%s); set -e; set -x; $(PYTHON) -m pytest -q tests/integration; \
+	@t0=$$(date +%s); set -e; set -x; $(PYTHON) -m pytest -q --durations=15 tests/integration; \
 	{ set +x; } 2>/dev/null; echo "test-integration: ok ($$(( $$(date +%s) - t0 ))s)"
 
 # Crash campaign (tests/integration/crash_campaign.py; not part of make test): 20 rounds of kill -9 of

@@ -54,7 +54,7 @@ def test_bench_client_completes_every_request_in_both_wait_modes(ws, poll):
     ws.bridges.append(b)
     b.start()
     args = [bench, sock, "--rw", "randrw", "--bs", "4k", "--iodepth", "16", "--runtime", "0.5", "--ramp", "0"]
-    for run in range(2):
+    for _ in range(2):
         p = subprocess.run([*map(str, args), *(["--poll"] if poll else [])], capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, p.stdout + p.stderr
         out = json.loads(p.stdout)

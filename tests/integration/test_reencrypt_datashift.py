@@ -152,7 +152,7 @@ def write_while_it_runs(uri: str, plain: bytes) -> bytearray:
             c.write(off, data)
             c.flush()
             expect[off : off + 8192] = data
-        assert b"".join(c.read(o, min(4 * MiB, len(plain) - o)) for o in range(0, len(plain), 4 * MiB)) == bytes(expect)
+    assert read_all(uri, len(plain)) == bytes(expect)
     return expect
 
 

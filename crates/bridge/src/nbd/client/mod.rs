@@ -84,11 +84,32 @@ impl Default for ClientOptions {
             connections: None,
             handshake_limit: Duration::from_secs(10),
             reply_timeout: Duration::from_secs(30),
-            // Five attempts over about ten seconds: enough for an upstream that restarts.
-            retry_delays: [100, 500, 1500, 3000, 5000].into_iter().map(Duration::from_millis).collect(),
+            retry_delays: retry_delays_within(DEFAULT_RECONNECT_DELAY),
             own_connections: true,
         }
     }
+}
+
+/// How long requests lost with an upstream connection are resent before they fail (qemu's
+/// `reconnect-delay`): enough for an upstream that restarts.
+pub const DEFAULT_RECONNECT_DELAY: Duration = Duration::from_secs(10);
+
+/// The pauses before each resend, within `budget` in all: quick at first (a connection that
+/// broke under a live upstream is back at once), then further apart, as the upstream may be
+/// restarting. An empty budget: no resend.
+pub fn retry_delays_within(budget: Duration) -> Vec<Duration> {
+    const RAMP_MS: [u64; 5] = [100, 500, 1500, 3000, 5000];
+    let mut left = budget;
+    let mut delays = Vec::new();
+    for step in RAMP_MS.iter().map(|&ms| Duration::from_millis(ms)).chain(std::iter::repeat(Duration::from_secs(5))) {
+        if left.is_zero() {
+            break;
+        }
+        let delay = step.min(left);
+        delays.push(delay);
+        left -= delay;
+    }
+    delays
 }
 
 fn protocol_error(msg: impl Into<String>) -> io::Error {
@@ -493,5 +514,22 @@ mod test_util {
             preferred_block: 4096,
             max_block: 1 << 16,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(v: &[u64]) -> Vec<Duration> {
+        v.iter().map(|&m| Duration::from_millis(m)).collect()
+    }
+
+    #[test]
+    fn resends_fit_the_reconnect_delay() {
+        assert_eq!(retry_delays_within(DEFAULT_RECONNECT_DELAY), ms(&[100, 500, 1500, 3000, 4900]));
+        assert_eq!(retry_delays_within(Duration::ZERO), ms(&[]), "no budget: no resend");
+        assert_eq!(retry_delays_within(Duration::from_secs(1)), ms(&[100, 500, 400]));
+        assert_eq!(retry_delays_within(Duration::from_secs(20)), ms(&[100, 500, 1500, 3000, 5000, 5000, 4900]));
     }
 }

@@ -357,6 +357,12 @@ def test_read_write_flush_fua_cache(ws, sector_size, key_bytes, iv_large):
         c.flush()
         assert read_backing(v.backing, 16 * ss, 8 * ss) == expect_disk(v.key, a, ss, 16, iv_large)
         assert read_backing(v.backing, 40 * ss, 4 * ss) == expect_disk(v.key, b, ss, 40, iv_large)
+        # A large write is encrypted piece by piece as it is received (128 KiB pieces): every
+        # piece at its own sectors.
+        big = os.urandom(320 * 1024)
+        c.write(MiB, big)
+        c.flush()
+        assert read_backing(v.backing, MiB, len(big)) == expect_disk(v.key, big, ss, MiB // ss, iv_large)
         # never written sectors stay as they were (zeros on disk, i.e. *not* encrypted zeros)
         assert read_backing(v.backing, 0, 16 * ss) == bytes(16 * ss)
         # reading them returns the decryption of the zero ciphertext

@@ -174,9 +174,16 @@ impl Core {
         if request.op == Op::Write {
             match self.mapping.buffer(request.len as usize) {
                 Ok(mut buf) => {
-                    if let Err(e) = source.read_payload(&mut buf) {
-                        tracing::info!(conn = client.id(), "connection lost inside a write payload: {e}");
-                        return Intake::Ended;
+                    let sealed = match self.take_payload(&mut buf, source, request.offset, plan.crypto) {
+                        Ok(sealed) => sealed,
+                        Err(e) => {
+                            tracing::info!(conn = client.id(), "connection lost inside a write payload: {e}");
+                            return Intake::Ended;
+                        }
+                    };
+                    if let Err(e) = sealed {
+                        tracing::error!(conn = client.id(), ?request, "I/O error: {e}");
+                        return Intake::Answered(client.reply(Outcome::done(request, Err(e), permit)));
                     }
                     payload = Some(buf);
                 }
@@ -210,6 +217,24 @@ impl Core {
             }
             (_, payload, held) => Intake::Apart(Apart { request, plan, payload, permit, held }),
         }
+    }
+
+    /// Reads a WRITE's payload into `buf`, encrypted piece by piece as it comes where the plan
+    /// says ([`Crypto::OnReceipt`]). The outer error: the client is gone; the inner one: the
+    /// payload was read but not encrypted.
+    fn take_payload(&self, buf: &mut [u8], source: &mut dyn Source, offset: u64, crypto: Crypto) -> io::Result<io::Result<()>> {
+        if crypto != Crypto::OnReceipt {
+            return source.read_payload(buf).map(Ok);
+        }
+        let piece = self.mapping.seal_piece();
+        let mut sealed = Ok(());
+        for (i, chunk) in buf.chunks_mut(piece).enumerate() {
+            source.read_payload(chunk)?;
+            if sealed.is_ok() {
+                sealed = self.mapping.seal_sectors(offset + (i * piece) as u64, chunk);
+            }
+        }
+        Ok(sealed)
     }
 
     /// Runs a request handed back by [`Core::intake`] to its end, on this thread: a write sent

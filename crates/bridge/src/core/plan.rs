@@ -116,6 +116,18 @@ pub(crate) fn uses_session(tls: bool) -> bool {
     !tls
 }
 
+/// Whether a WRITE's payload is encrypted as it is taken from the client ([`Crypto::OnReceipt`]):
+/// whole sectors on a page-cache back end, outside TLS, with one key for the whole export. A
+/// page-cache back end leaves the CPU as the limit, and the payload is then encrypted while
+/// each piece is still in this core's cache, rather than in a pass over the whole buffer after
+/// it has been handed to another thread (split over the pool, more hand-offs). Under TLS the
+/// reading thread is the busiest of the machine already; on an O_DIRECT back end the disk is
+/// the limit and the pool's cores are free; on a split export a sector's key is known only
+/// under its range lock.
+fn seals_on_receipt(r: &Request, caps: &Caps, ctx: Context) -> bool {
+    !caps.direct && !ctx.tls && !caps.split && caps.whole_sectors(r.offset, r.len)
+}
+
 /// The plan for `r`.
 pub(crate) fn plan(r: &Request, caps: &Caps, ctx: Context) -> Plan {
     let t = &THRESHOLDS;
@@ -142,6 +154,7 @@ pub(crate) fn plan(r: &Request, caps: &Caps, ctx: Context) -> Plan {
         Op::Write if writes_async => (Route::AsyncWrite { inline: !ctx.session && r.len <= t.async_inline_max }, Crypto::Pool),
         Op::Read if (caps.direct || ctx.tls || ctx.in_memory) && r.len >= t.streamed_min => (Route::Apart, Crypto::Streamed),
         Op::Read => (Route::Apart, Crypto::Pool),
+        Op::Write if seals_on_receipt(r, caps, ctx) => (Route::Apart, Crypto::OnReceipt),
         Op::Write | Op::WriteZeroes => (Route::Apart, write_crypto),
         _ => (Route::Apart, Crypto::Pool),
     };
@@ -152,9 +165,9 @@ pub(crate) fn plan(r: &Request, caps: &Caps, ctx: Context) -> Plan {
 mod tests {
     use super::*;
 
-    const FILE: Caps = Caps { direct: false, sector_size: 4096, max_async_read: 0, max_async_write: 0, max_async_write_fua: 0 };
+    const FILE: Caps = Caps { direct: false, sector_size: 4096, max_async_read: 0, max_async_write: 0, max_async_write_fua: 0, split: false };
     const DIRECT: Caps = Caps { direct: true, ..FILE };
-    const REMOTE: Caps = Caps { direct: true, sector_size: 4096, max_async_read: 32 << 20, max_async_write: 32 << 20, max_async_write_fua: 0 };
+    const REMOTE: Caps = Caps { direct: true, sector_size: 4096, max_async_read: 32 << 20, max_async_write: 32 << 20, max_async_write_fua: 0, split: false };
     const PLAIN: Context = Context { tls: false, session: false, in_memory: false };
     const SESSION: Context = Context { tls: false, session: true, in_memory: false };
     const TLS: Context = Context { tls: true, session: false, in_memory: false };
@@ -196,7 +209,10 @@ mod tests {
     fn writes_keep_tls_clients_cores_free() {
         let w = req(Op::Write, 0, 1 << 20, false);
         assert_eq!(plan(&w, &FILE, TLS).crypto, Crypto::Caller);
-        assert_eq!(plan(&w, &FILE, PLAIN).crypto, Crypto::PoolWhenIdle);
+        assert_eq!(plan(&w, &FILE, PLAIN).crypto, Crypto::OnReceipt);
+        assert_eq!(plan(&w, &FILE, MEMORY).crypto, Crypto::OnReceipt);
+        assert_eq!(plan(&req(Op::Write, 512, 1 << 20, false), &FILE, PLAIN).crypto, Crypto::PoolWhenIdle, "partial sectors: read-modify-write");
+        assert_eq!(plan(&w, &Caps { split: true, ..FILE }, PLAIN).crypto, Crypto::PoolWhenIdle, "a key per region");
         assert_eq!(plan(&w, &DIRECT, PLAIN).crypto, Crypto::Pool);
     }
 

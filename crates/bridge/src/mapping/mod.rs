@@ -162,6 +162,9 @@ pub(crate) struct Caps {
     /// The largest write sent without waiting, without and with FUA (0: none).
     pub(crate) max_async_write: usize,
     pub(crate) max_async_write_fua: usize,
+    /// The export spans regions under different keys (an online reencryption): a sector's
+    /// encryption is known only under its range lock.
+    pub(crate) split: bool,
 }
 
 /// Where a request's sectors are encrypted or decrypted: the core's plan says, the mapping
@@ -178,12 +181,16 @@ pub(crate) enum Crypto {
     PoolWhenIdle,
     /// A READ decrypted a piece at a time, each as soon as the reply before it is sent.
     Streamed,
+    /// A WRITE of whole sectors encrypted a piece at a time as its payload is taken from the
+    /// client ([`Mapping::seal_sectors`]), on the thread that takes it: each piece is encrypted
+    /// while it is still in this core's cache, and the payload is ciphertext from then on.
+    OnReceipt,
 }
 
 /// The engine's spread for a plan's crypto placement.
 fn spread(crypto: Crypto) -> Spread {
     match crypto {
-        Crypto::Caller | Crypto::Streamed => Spread::Caller,
+        Crypto::Caller | Crypto::Streamed | Crypto::OnReceipt => Spread::Caller,
         Crypto::Pool | Crypto::PoolWhenIdle => Spread::Pool,
     }
 }
@@ -375,6 +382,7 @@ impl Mapping {
             max_async_read: if split { 0 } else { self.backing.max_async_read() },
             max_async_write: if split { 0 } else { self.backing.max_async_write(false) },
             max_async_write_fua: if split { 0 } else { self.backing.max_async_write(true) },
+            split,
         }
     }
 
@@ -606,6 +614,12 @@ impl Mapping {
         self.crypt(Direction::Encrypt, offset / self.sector_size, data, Spread::Caller)
     }
 
+    /// The pieces [`Crypto::OnReceipt`] encrypts a payload in: whole sectors.
+    pub(crate) fn seal_piece(&self) -> usize {
+        let ss = self.sector_size as usize;
+        OPEN_PIECE.div_ceil(ss) * ss
+    }
+
     /// Writes `sealed` (ciphertext from [`Mapping::seal_sectors`]) at `offset`, through the
     /// backing's own retries: a write lost with a connection the caller owned. The caller still
     /// holds its range.
@@ -736,6 +750,10 @@ impl Mapping {
         if aligned && direct_ok {
             return self.write_sectors(start, data, fua, crypto);
         }
+        if crypto == Crypto::OnReceipt {
+            // The plan seals only whole sectors on a back end without alignment needs.
+            return Err(io::Error::other("an encrypted payload that does not cover whole sectors"));
+        }
         let mut buf = self.pool.get((end - start) as usize)?;
         let head_partial = offset != start;
         let tail_partial = offset + data.len() as u64 != end;
@@ -767,7 +785,9 @@ impl Mapping {
             Crypto::PoolWhenIdle if busy => Spread::Caller,
             crypto => spread(crypto),
         };
-        self.crypt(Direction::Encrypt, offset / self.sector_size, buf, spread)?;
+        if crypto != Crypto::OnReceipt {
+            self.crypt(Direction::Encrypt, offset / self.sector_size, buf, spread)?;
+        }
         if fua {
             self.back_write(buf, offset, true)
         } else {

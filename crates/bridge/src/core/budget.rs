@@ -14,7 +14,6 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Instant;
 
 use crate::metrics;
 
@@ -153,13 +152,13 @@ pub(crate) struct Permit {
     bytes: u64,
     task: bool,
     /// When the request was admitted (its latency runs from here).
-    pub(crate) admitted: Instant,
+    pub(crate) admitted: quanta::Instant,
 }
 
 impl Permit {
     fn new(flow: &Arc<Flow>, global: &Arc<Budget>, bytes: u64, task: bool) -> Self {
         metrics::global().admitted();
-        Self { flow: Arc::clone(flow), global: Arc::clone(global), bytes, task, admitted: Instant::now() }
+        Self { flow: Arc::clone(flow), global: Arc::clone(global), bytes, task, admitted: quanta::Instant::now() }
     }
 }
 

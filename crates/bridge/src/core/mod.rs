@@ -112,6 +112,9 @@ pub(crate) struct Core {
 
 impl Core {
     pub(crate) fn new(mapping: Arc<Mapping>, budget: Arc<Budget>, pool: Arc<Pool>, limits: FlowLimits) -> Self {
+        // The clock requests are timed with calibrates itself on first use (milliseconds):
+        // here, rather than in the first client's request.
+        let _ = quanta::Instant::now();
         Self { mapping, budget, pool, limits }
     }
 

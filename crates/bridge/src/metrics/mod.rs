@@ -5,12 +5,18 @@
 //! its outcome is made ([`Metrics::completed`]); a request its front end refuses before the core
 //! sees it is recorded by that front end ([`Metrics::refused`]). The Prometheus text is made
 //! only when scraped, by `prometheus-client` from a snapshot of the atomics.
+//!
+//! The per-request counters are split into [`SHARDS`] shards, each on cache lines of its own,
+//! and a thread adds to its own shard; a scrape sums them. With one set, the threads that end
+//! requests (a vring worker, I/O threads, reply readers) took the same cache lines from one
+//! another's cores at every request, which at a few hundred thousand requests a second cost
+//! measurable speed (docs/bench/2026-11-29-metrics-shards.md).
 
 pub mod http;
 
 use std::collections::BTreeMap;
 use std::io;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
@@ -62,6 +68,30 @@ const BUCKET_NANOS: [u64; 16] = {
     n
 };
 
+/// Shards of the per-request counters: more than the threads that end requests on a machine of
+/// a few cores; threads beyond that share them (still correct, only contended again).
+const SHARDS: usize = 16;
+
+/// One thread's share of the per-request counters, alone on its cache lines (128 bytes: the
+/// pair of lines the adjacent-line prefetcher fetches together).
+#[derive(Default)]
+#[repr(align(128))]
+struct Shard {
+    ops: [OpStats; OPS.len()],
+    /// Admitted minus released on this shard: a request may be released on another thread than
+    /// the one that admitted it, so only the sum over shards means anything.
+    in_flight: AtomicI64,
+}
+
+/// The shard of the calling thread: threads take shards in turn as they first count.
+fn shard_index() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static INDEX: usize = NEXT.fetch_add(1, Relaxed) % SHARDS;
+    }
+    INDEX.with(|i| *i)
+}
+
 #[derive(Default)]
 struct OpStats {
     completed: AtomicU64,
@@ -82,10 +112,9 @@ pub struct ExportInfo {
 }
 
 pub struct Metrics {
-    ops: [OpStats; OPS.len()],
+    shards: Box<[Shard; SHARDS]>,
     /// Failed requests by kind and errno name: rare, so a lock is cheap enough.
     errors: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
-    in_flight: AtomicI64,
     connections: AtomicI64,
     connections_total: AtomicU64,
     reconnects: AtomicU64,
@@ -100,22 +129,25 @@ pub struct Metrics {
 /// The process's counters.
 pub fn global() -> &'static Metrics {
     static METRICS: OnceLock<Metrics> = OnceLock::new();
-    METRICS.get_or_init(|| Metrics {
-        ops: Default::default(),
-        errors: Mutex::default(),
-        in_flight: AtomicI64::new(0),
-        connections: AtomicI64::new(0),
-        connections_total: AtomicU64::new(0),
-        reconnects: AtomicU64::new(0),
-        reconnect_failures: AtomicU64::new(0),
-        own_connections_lost: AtomicU64::new(0),
-        reencrypt_done: AtomicU64::new(0),
-        reencrypt_size: AtomicU64::new(0),
-        info: OnceLock::new(),
-    })
+    METRICS.get_or_init(Metrics::new)
 }
 
 impl Metrics {
+    fn new() -> Self {
+        Self {
+            shards: Box::default(),
+            errors: Mutex::default(),
+            connections: AtomicI64::new(0),
+            connections_total: AtomicU64::new(0),
+            reconnects: AtomicU64::new(0),
+            reconnect_failures: AtomicU64::new(0),
+            own_connections_lost: AtomicU64::new(0),
+            reencrypt_done: AtomicU64::new(0),
+            reencrypt_size: AtomicU64::new(0),
+            info: OnceLock::new(),
+        }
+    }
+
     /// Names the export in every metric; the first call wins.
     pub fn describe(&self, info: ExportInfo) {
         let _ = self.info.set(info);
@@ -124,7 +156,7 @@ impl Metrics {
     /// A request ended: `bytes` moved (READ/WRITE) or covered (TRIM, WRITE_ZEROES), `took`
     /// since it was admitted.
     pub(crate) fn completed(&self, op: OpKind, bytes: u64, took: Duration, result: Result<(), &io::Error>) {
-        let s = &self.ops[op as usize];
+        let s = &self.shards[shard_index()].ops[op as usize];
         s.completed.fetch_add(1, Relaxed);
         s.bytes.fetch_add(bytes, Relaxed);
         let nanos = took.as_nanos().min(u128::from(u64::MAX)) as u64;
@@ -147,11 +179,11 @@ impl Metrics {
     }
 
     pub(crate) fn admitted(&self) {
-        self.in_flight.fetch_add(1, Relaxed);
+        self.shards[shard_index()].in_flight.fetch_add(1, Relaxed);
     }
 
     pub(crate) fn released(&self) {
-        self.in_flight.fetch_sub(1, Relaxed);
+        self.shards[shard_index()].in_flight.fetch_sub(1, Relaxed);
     }
 
     pub(crate) fn connection_opened(&self) {
@@ -182,13 +214,18 @@ impl Metrics {
     /// A number that changes whenever clients make requests (requests completed plus those in
     /// flight): what a background job compares from one look to the next to yield to clients.
     pub fn client_activity(&self) -> u64 {
-        let completed: u64 = self.ops.iter().map(|s| s.completed.load(Relaxed)).sum();
-        completed.wrapping_add(self.in_flight.load(Relaxed).max(0) as u64)
+        let completed: u64 = OPS.iter().map(|&op| self.op_sum(op, |s| &s.completed)).sum();
+        completed.wrapping_add(self.in_flight().max(0) as u64)
     }
 
     /// Requests admitted whose reply is not yet sent.
     pub fn in_flight(&self) -> i64 {
-        self.in_flight.load(Relaxed)
+        self.shards.iter().map(|s| s.in_flight.load(Relaxed)).sum()
+    }
+
+    /// One counter of `op`, summed over the shards.
+    fn op_sum(&self, op: OpKind, counter: impl Fn(&OpStats) -> &AtomicU64) -> u64 {
+        self.shards.iter().map(|s| counter(&s.ops[op as usize]).load(Relaxed)).sum()
     }
 
     /// The Prometheus text exposition of every metric, now.
@@ -247,20 +284,19 @@ impl Collector for Snapshot {
         let m = self.0;
         let info = m.info.get().cloned().unwrap_or_default();
         let export = info.export.as_str();
-        let per_op = |f: &dyn Fn(&OpStats) -> u64| -> Vec<(Vec<(&str, &str)>, u64)> {
-            OPS.iter().map(|&op| (vec![("export", export), ("op", op.label())], f(&m.ops[op as usize]))).collect()
+        let per_op = |f: &dyn Fn(&OpStats) -> &AtomicU64| -> Vec<(Vec<(&str, &str)>, u64)> {
+            OPS.iter().map(|&op| (vec![("export", export), ("op", op.label())], m.op_sum(op, f))).collect()
         };
-        counter(&mut e, "requests", "Requests completed (answered, with or without an error).", None, &per_op(&|s| s.completed.load(Relaxed)))?;
-        counter(&mut e, "request", "Bytes of the requests completed: moved for read and write, covered for trim and zero.", Some(&Unit::Bytes), &per_op(&|s| s.bytes.load(Relaxed)))?;
+        counter(&mut e, "requests", "Requests completed (answered, with or without an error).", None, &per_op(&|s| &s.completed))?;
+        counter(&mut e, "request", "Bytes of the requests completed: moved for read and write, covered for trim and zero.", Some(&Unit::Bytes), &per_op(&|s| &s.bytes))?;
 
         let mut h = e.encode_descriptor("request_duration", "Time from a request's admission to its outcome.", Some(&Unit::Seconds), MetricType::Histogram)?;
         for &op in &OPS {
-            let s = &m.ops[op as usize];
             // Per bucket, as the encoder wants them (it makes them cumulative and adds +Inf);
             // the count from the same loads, so that no bucket exceeds it.
-            let per_bucket: Vec<(f64, u64)> = BUCKETS.iter().enumerate().map(|(i, &bound)| (bound, s.buckets[i].load(Relaxed))).collect();
-            let count = per_bucket.iter().map(|b| b.1).sum::<u64>() + s.buckets[BUCKETS.len()].load(Relaxed);
-            let sum = s.nanos.load(Relaxed) as f64 / 1e9;
+            let per_bucket: Vec<(f64, u64)> = BUCKETS.iter().enumerate().map(|(i, &bound)| (bound, m.op_sum(op, |s| &s.buckets[i]))).collect();
+            let count = per_bucket.iter().map(|b| b.1).sum::<u64>() + m.op_sum(op, |s| &s.buckets[BUCKETS.len()]);
+            let sum = m.op_sum(op, |s| &s.nanos) as f64 / 1e9;
             let labels = vec![("export", export), ("op", op.label())];
             h.encode_family(&labels)?.encode_histogram::<NoLabelSet>(sum, count, &per_bucket, None)?;
         }
@@ -273,7 +309,7 @@ impl Collector for Snapshot {
             .map(|(&(op, errno), &v)| (vec![("export", export), ("op", op), ("errno", errno)], v))
             .collect();
         counter(&mut e, "request_errors", "Requests answered with an error, by errno (including those refused by the front end).", None, &errors)?;
-        gauge(&mut e, "requests_in_flight", "Requests admitted whose reply is not yet sent.", &[("export", export)], m.in_flight.load(Relaxed))?;
+        gauge(&mut e, "requests_in_flight", "Requests admitted whose reply is not yet sent.", &[("export", export)], m.in_flight())?;
         gauge(&mut e, "connections", "Client connections open now.", &[("export", export)], m.connections.load(Relaxed))?;
         counter(&mut e, "connections_accepted", "Client connections accepted.", None, &[(vec![("export", export)], m.connections_total.load(Relaxed))])?;
         counter(
@@ -300,6 +336,34 @@ impl Collector for Snapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_from_many_threads_add_up() {
+        let m: &'static Metrics = Box::leak(Box::new(Metrics::new()));
+        // More threads than shards, so that some share one; every request is released on
+        // another thread than the one that admitted it, as a reply sent elsewhere is.
+        let threads: Vec<_> = (0..2 * SHARDS + 3)
+            .map(|_| {
+                std::thread::spawn(move || {
+                    for _ in 0..1000 {
+                        m.admitted();
+                        m.completed(OpKind::Read, 4096, Duration::from_micros(80), Ok(()));
+                    }
+                })
+            })
+            .collect();
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        let n = (2 * SHARDS + 3) as u64 * 1000;
+        assert_eq!(m.in_flight(), n as i64);
+        std::thread::spawn(move || (0..n).for_each(|_| m.released())).join().unwrap();
+        assert_eq!(m.in_flight(), 0);
+        assert_eq!(m.client_activity(), n);
+        let text = m.render();
+        let r = "{export=\"\",op=\"read\"}";
+        assert!(text.contains(&format!("cryptbridge_requests_total{r} {n}\n")), "{text}");
+        assert!(text.contains(&format!("cryptbridge_request_bytes_total{r} {}\n", n * 4096)), "{text}");
+        assert!(text.contains(&format!("cryptbridge_request_duration_seconds_bucket{{export=\"\",op=\"read\",le=\"0.0001\"}} {n}\n")), "{text}");
+    }
 
     #[test]
     fn the_text_has_every_family_and_counts_requests() {

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use cryptbridge_bridge::backing::{retry_delays_within, IoEngine, RemoteOptions};
+use cryptbridge_bridge::backing::{IoEngine, RemoteOptions, DEFAULT_RECONNECT_DELAY};
 use cryptbridge_bridge::metrics::ExportInfo;
 use cryptbridge_bridge::nbd::uri::{self, NbdUri};
 use cryptbridge_bridge::{raise_open_file_limit, Backing, BackingOptions, Listener, Mapping, Server, ServerConfig, TlsMode, TlsPolicy};
@@ -85,7 +85,7 @@ pub struct Args {
     /// With an NBD URI as --backing: seconds during which requests lost with an upstream
     /// connection (closed, reset, a broken reply) are resent over new connections before they
     /// fail with EIO; 0 fails them at once (qemu's reconnect-delay).
-    #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(0..=3600))]
+    #[arg(long, value_name = "SECS", default_value_t = DEFAULT_RECONNECT_DELAY.as_secs(), value_parser = clap::value_parser!(u64).range(0..=3600))]
     backing_reconnect_delay: u64,
     /// Size of a new backing file: bytes, or a number with K/M/G/T (binary units).
     #[arg(long, value_parser = size::parse_size)]
@@ -440,7 +440,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 connections: args.backing_connections.map(|n| n as usize),
                 own_connections: !args.backing_shared,
                 reply_timeout: std::time::Duration::from_secs(args.backing_timeout),
-                retry_delays: retry_delays_within(std::time::Duration::from_secs(args.backing_reconnect_delay)),
+                reconnect_delay: std::time::Duration::from_secs(args.backing_reconnect_delay),
                 ..RemoteOptions::default()
             };
             Backing::connect(uri, &backing_opts, &opts)?

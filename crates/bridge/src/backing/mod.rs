@@ -22,7 +22,7 @@ use std::time::Duration;
 use thiserror::Error;
 
 pub use file::CREATED_FILE_MODE;
-pub use crate::nbd::client::{retry_delays_within, ClientOptions as RemoteOptions};
+pub use crate::nbd::client::{ClientOptions as RemoteOptions, DEFAULT_RECONNECT_DELAY};
 
 use crate::aligned::PooledBuf;
 use crate::nbd::client::Export;

@@ -71,9 +71,9 @@ pub struct ClientOptions {
     /// A connection on which requests wait this long without a byte of reply is cut, and those
     /// requests fail (EIO) without being resent.
     pub reply_timeout: Duration,
-    /// Pauses before each resend of requests lost with a connection; their number is the retry
-    /// budget, after which the request fails with EIO.
-    pub retry_delays: Vec<Duration>,
+    /// How long requests lost with a connection are resent ([`retry_delay`]) before they fail
+    /// with EIO.
+    pub reconnect_delay: Duration,
     /// Whether [`Client::own_connection`] opens connections for threads to own.
     pub own_connections: bool,
 }
@@ -84,7 +84,7 @@ impl Default for ClientOptions {
             connections: None,
             handshake_limit: Duration::from_secs(10),
             reply_timeout: Duration::from_secs(30),
-            retry_delays: retry_delays_within(DEFAULT_RECONNECT_DELAY),
+            reconnect_delay: DEFAULT_RECONNECT_DELAY,
             own_connections: true,
         }
     }
@@ -94,22 +94,15 @@ impl Default for ClientOptions {
 /// `reconnect-delay`): enough for an upstream that restarts.
 pub const DEFAULT_RECONNECT_DELAY: Duration = Duration::from_secs(10);
 
-/// The pauses before each resend, within `budget` in all: quick at first (a connection that
-/// broke under a live upstream is back at once), then further apart, as the upstream may be
-/// restarting. An empty budget: no resend.
-pub fn retry_delays_within(budget: Duration) -> Vec<Duration> {
+/// The pause before resend number `attempt` (from 0), the pauses within `budget` in all: quick
+/// at first (a connection that broke under a live upstream is back at once), then further
+/// apart, as the upstream may be restarting. `None` once the budget is spent (at once for an
+/// empty one: no resend).
+fn retry_delay(budget: Duration, attempt: usize) -> Option<Duration> {
     const RAMP_MS: [u64; 5] = [100, 500, 1500, 3000, 5000];
-    let mut left = budget;
-    let mut delays = Vec::new();
-    for step in RAMP_MS.iter().map(|&ms| Duration::from_millis(ms)).chain(std::iter::repeat(Duration::from_secs(5))) {
-        if left.is_zero() {
-            break;
-        }
-        let delay = step.min(left);
-        delays.push(delay);
-        left -= delay;
-    }
-    delays
+    let step = |i: usize| Duration::from_millis(RAMP_MS.get(i).copied().unwrap_or(5000));
+    let left = budget.saturating_sub((0..attempt).map(step).sum());
+    (!left.is_zero()).then(|| step(attempt).min(left))
 }
 
 fn protocol_error(msg: impl Into<String>) -> io::Error {
@@ -329,11 +322,11 @@ impl Client {
             if lost.is_empty() {
                 return Ok(());
             }
-            let Some(delay) = self.opts.retry_delays.get(attempt) else {
+            let Some(delay) = retry_delay(self.opts.reconnect_delay, attempt) else {
                 tracing::error!("upstream {}: {} requests still unanswered after {attempt} retries; failing them with EIO", self.uri, lost.len());
                 return Err(io::Error::from_raw_os_error(libc::EIO));
             };
-            std::thread::sleep(*delay);
+            std::thread::sleep(delay);
             todo = lost;
         }
         unreachable!("the retry loop returns")
@@ -525,11 +518,16 @@ mod tests {
         v.iter().map(|&m| Duration::from_millis(m)).collect()
     }
 
+    /// Every pause the retry loop takes within `budget`, in order.
+    fn schedule(budget: Duration) -> Vec<Duration> {
+        (0..).map_while(|attempt| retry_delay(budget, attempt)).collect()
+    }
+
     #[test]
     fn resends_fit_the_reconnect_delay() {
-        assert_eq!(retry_delays_within(DEFAULT_RECONNECT_DELAY), ms(&[100, 500, 1500, 3000, 4900]));
-        assert_eq!(retry_delays_within(Duration::ZERO), ms(&[]), "no budget: no resend");
-        assert_eq!(retry_delays_within(Duration::from_secs(1)), ms(&[100, 500, 400]));
-        assert_eq!(retry_delays_within(Duration::from_secs(20)), ms(&[100, 500, 1500, 3000, 5000, 5000, 4900]));
+        assert_eq!(schedule(DEFAULT_RECONNECT_DELAY), ms(&[100, 500, 1500, 3000, 4900]));
+        assert_eq!(schedule(Duration::ZERO), ms(&[]), "no budget: no resend");
+        assert_eq!(schedule(Duration::from_secs(1)), ms(&[100, 500, 400]));
+        assert_eq!(schedule(Duration::from_secs(20)), ms(&[100, 500, 1500, 3000, 5000, 5000, 4900]));
     }
 }

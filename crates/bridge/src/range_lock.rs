@@ -21,6 +21,10 @@ struct State {
     /// `(id, start, end)` in the order reserved.
     entries: Vec<(u64, u64, u64)>,
     next_id: u64,
+    /// Threads blocked in [`RangeGuard::wait`]. A release wakes them only when there are some:
+    /// the condition variable's wake is a system call even with no one to wake, and most
+    /// ranges are released with no one waiting (one per write on an upstream export).
+    waiters: usize,
 }
 
 impl State {
@@ -76,6 +80,10 @@ impl RangeGuard {
     /// Blocks until the range is held.
     pub(crate) fn wait(&self) {
         let mut st = self.locks.state();
+        if st.granted(self.id) {
+            return;
+        }
+        st.waiters += 1;
         while !st.granted(self.id) {
             st = self
                 .locks
@@ -83,6 +91,7 @@ impl RangeGuard {
                 .wait(st)
                 .unwrap_or_else(|e| e.into_inner());
         }
+        st.waiters -= 1;
     }
 }
 
@@ -92,8 +101,11 @@ impl Drop for RangeGuard {
         if let Some(i) = st.entries.iter().position(|e| e.0 == self.id) {
             st.entries.remove(i); // keeps the order of the others
         }
+        let wake = st.waiters > 0;
         drop(st);
-        self.locks.released.notify_all();
+        if wake {
+            self.locks.released.notify_all();
+        }
     }
 }
 

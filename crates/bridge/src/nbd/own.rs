@@ -292,6 +292,11 @@ impl<T> OwnConn<T> {
     /// liveness probe is due (`nbd/liveness.rs`) it is queued here, for the owner's next
     /// [`OwnConn::send`].
     pub fn timed_out(&mut self) -> bool {
+        // Silence is counted from the last byte at the latest: while that is recent, neither
+        // the probe nor the timeout can be due, and the requests in flight need no look.
+        if !liveness::probe_due(self.progress.elapsed(), self.reply_timeout) {
+            return false;
+        }
         let Some(oldest) = self.flights.values().map(|f| f.sent).min() else { return false };
         let silent = self.progress.max(oldest).elapsed();
         if silent >= self.reply_timeout {

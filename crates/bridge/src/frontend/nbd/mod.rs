@@ -152,6 +152,12 @@ struct Outbox {
     /// The writer is the connection's own writer thread (see `Connection::deliver`): the socket
     /// was full, so no one else writes or waits to write until it ends.
     own_writer: bool,
+    /// Bytes the socket surely takes without waiting: what [`Socket::send_room`] last said,
+    /// less what has been sent since. The client's reading only adds room, so replies that fit
+    /// need not ask the kernel again (two system calls) before each send.
+    ///
+    /// [`Socket::send_room`]: crate::transport::Socket::send_room
+    room: usize,
 }
 
 /// An NBD reply, holding the request's permit until it is sent or dropped.
@@ -653,13 +659,18 @@ impl Connection {
     fn write_queued<'a>(&'a self, mut out: MutexGuard<'a, Outbox>, own: bool) {
         let mut sending = VecDeque::new();
         loop {
-            if !own && out.queue.iter().map(Reply::wire_len).sum::<usize>() > self.stream.send_room() {
-                out.own_writer = true;
-                drop(out);
-                self.write_turn.notify_all(); // waiters queue theirs for the new writer
-                self.start_own_writer();
-                return;
+            let queued = out.queue.iter().map(Reply::wire_len).sum::<usize>();
+            if !own && queued > out.room {
+                out.room = self.stream.send_room();
+                if queued > out.room {
+                    out.own_writer = true;
+                    drop(out);
+                    self.write_turn.notify_all(); // waiters queue theirs for the new writer
+                    self.start_own_writer();
+                    return;
+                }
             }
+            out.room = out.room.saturating_sub(queued);
             std::mem::swap(&mut sending, &mut out.queue);
             drop(out);
             let result = self.write_replies(self.core.mapping(), &mut sending);
@@ -693,8 +704,13 @@ impl Connection {
                 if out.queue.capacity() == 0 {
                     out.queue = sending; // keep the allocation
                 }
+                // Only threads waiting for their turn need a wake (a wake is a system call even
+                // with no one to wake); the own writer is this thread, or there is none.
+                let wake = out.waiters > 0;
                 drop(out);
-                self.write_turn.notify_all();
+                if wake {
+                    self.write_turn.notify_all();
+                }
                 return;
             }
         }

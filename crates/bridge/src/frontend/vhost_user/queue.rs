@@ -370,8 +370,13 @@ impl Client for Queue {
         if done > 0 {
             let mut tally = self.lock_tally();
             tally.delivering = tally.delivering.saturating_sub(done);
+            // Only `stop` waits, and it marks the queue broken before it takes the tally: a
+            // wake is a system call even with no one to wake, so none while the queue runs.
+            let stopping = self.broken.load(Ordering::SeqCst);
             drop(tally);
-            self.settled.notify_all();
+            if stopping {
+                self.settled.notify_all();
+            }
         }
     }
 

@@ -29,10 +29,6 @@ pub(crate) struct Thresholds {
     /// every such request two hand-offs between threads and a pass over the whole buffer
     /// between the decryption and the copy (docs/bench/2026-11-28-vhost-seq.md).
     pub(crate) streamed_min: u32,
-    /// A READ answered by an upstream's reply reader is decrypted while it is sent when it is
-    /// larger than one piece of [`crate::mapping`]'s streamed decryption; a smaller one is
-    /// decrypted whole, so that the replies to a burst go to the client in one writev.
-    pub(crate) streamed_async_min: u32,
     /// Upstream WRITEs up to this size are encrypted and sent by the reading thread itself;
     /// larger ones on an I/O thread, so that their encryption runs beside the reading of the
     /// next request rather than before it.
@@ -48,7 +44,6 @@ pub(crate) struct Thresholds {
 pub(crate) const THRESHOLDS: Thresholds = Thresholds {
     quick_max: 16 * 1024,
     streamed_min: 256 * 1024,
-    streamed_async_min: crate::mapping::OPEN_PIECE as u32 + 1,
     async_inline_max: 16 * 1024,
     session_max: 64 * 1024,
 };
@@ -145,10 +140,12 @@ pub(crate) fn plan(r: &Request, caps: &Caps, ctx: Context) -> Plan {
     };
     let (route, crypto) = match r.op {
         Op::Read if reads_async && ctx.session && r.len <= t.session_max => (Route::Session, Crypto::Caller),
-        Op::Read if reads_async => {
-            let crypto = if r.len >= t.streamed_async_min { Crypto::Streamed } else { Crypto::Caller };
-            (Route::AsyncRead, crypto)
-        }
+        // Decrypted whole by the upstream connection's reply reader as it arrives, while it is
+        // still in that core's cache, whatever its size: the reply readers of a burst of large
+        // reads decrypt side by side. Decrypted while sent instead, it was decrypted by whoever
+        // sent it, which under load is the client connection's one writer thread (its socket
+        // full), after the data had crossed cores (docs/bench/2026-11-29-syscalls.md).
+        Op::Read if reads_async => (Route::AsyncRead, Crypto::Caller),
         _ if quick => (Route::Inline, Crypto::Caller),
         Op::Write if writes_async && ctx.session && r.len <= t.session_max => (Route::Session, Crypto::Caller),
         Op::Write if writes_async => (Route::AsyncWrite { inline: !ctx.session && r.len <= t.async_inline_max }, Crypto::Pool),
@@ -221,7 +218,7 @@ mod tests {
         let small_read = plan(&req(Op::Read, 0, 4096, false), &REMOTE, PLAIN);
         assert_eq!((small_read.route, small_read.crypto), (Route::AsyncRead, Crypto::Caller));
         let big_read = plan(&req(Op::Read, 0, 1 << 20, false), &REMOTE, PLAIN);
-        assert_eq!((big_read.route, big_read.crypto), (Route::AsyncRead, Crypto::Streamed));
+        assert_eq!((big_read.route, big_read.crypto), (Route::AsyncRead, Crypto::Caller), "decrypted by the reply reader");
         let small_write = plan(&req(Op::Write, 0, 4096, false), &REMOTE, PLAIN);
         assert_eq!(small_write.route, Route::AsyncWrite { inline: true });
         assert!(small_write.ordered);

@@ -461,9 +461,9 @@ impl Mapping {
         self.backing.read_async(buf, self.at(start), cork, Box::new(move |r, burst| done(r.map(|buf| SealedRead { buf, first_sector, start: at, len, opened: false }), burst)));
     }
 
-    /// Decrypts `sealed` whole, on this thread: for a read small enough that decrypting it
-    /// while it is sent would gain nothing ([`Mapping::open_into`]), and whose reply can then
-    /// share one send with others.
+    /// Decrypts `sealed` whole, on this thread: for a read that gains nothing from being
+    /// decrypted while it is sent ([`Mapping::open_into`]): a small one, whose reply can then
+    /// share one send with others, or an upstream's, decrypted by its reply reader.
     pub fn open(&self, sealed: SealedRead) -> io::Result<ReadData> {
         let SealedRead { mut buf, first_sector, start, len, opened } = sealed;
         if !opened {

@@ -164,7 +164,8 @@ impl Core {
         let Some(permit) = permit else { return Intake::Ended };
         source.accept();
         if plan.route == Route::AsyncRead {
-            self.read_async(client, request, plan, permit, cork);
+            debug_assert_eq!(plan.crypto, Crypto::Caller, "an upstream read is decrypted by its reply reader");
+            self.read_async(client, request, permit, cork);
             return Intake::Started;
         }
         if plan.route == Route::Session {
@@ -302,16 +303,15 @@ impl Core {
         }
     }
 
-    /// A READ sent to the back end without waiting: the thread that receives the answer makes
-    /// and sends the reply (decrypting as it sends, when the plan streams it), so no I/O thread
-    /// sleeps on the network and the reading thread goes on reading.
-    fn read_async<C: Client>(&self, client: &Arc<C>, request: Request, plan: Plan, permit: Permit, cork: &mut Cork) {
+    /// A READ sent to the back end without waiting: the thread that receives the answer
+    /// decrypts it (the plan's `Crypto::Caller` for this route) and makes the reply, so no I/O
+    /// thread sleeps on the network and the reading thread goes on reading.
+    fn read_async<C: Client>(&self, client: &Arc<C>, request: Request, permit: Permit, cork: &mut Cork) {
         let conn = Arc::clone(client);
         let mapping = Arc::clone(&self.mapping);
         let pool = Arc::clone(&self.pool);
         self.mapping.read_sealed_async(request.offset, request.len as usize, cork, move |result, burst| {
             let result = match result {
-                Ok(sealed) if plan.crypto == Crypto::Streamed => Ok(Body::Sealed(sealed)),
                 Ok(sealed) => mapping.open(sealed).map(Body::Data),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {
                     // Lost with its upstream connection: read again, with the back end's

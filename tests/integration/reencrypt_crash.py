@@ -39,6 +39,7 @@ package; --power-loss needs a C compiler.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -98,14 +99,33 @@ def cryptsetup(*args, timeout: float = 300, check: bool = True) -> subprocess.Co
 
 
 def header_json(img: Path):
-    """The primary header's JSON, read directly (no lock: the other tool may be rewriting it, so a
-    torn read is reported as None)."""
+    """The JSON of the header copy a LUKS2 tool would use: the valid copy (sha256 checksum) with the
+    higher sequence id, read directly, without the lock. cryptsetup writes a copy in three steps
+    (binary header without checksum, JSON, checksum), so the other tool may be stopped between
+    them; a torn primary then falls back to the secondary, as cryptsetup and cryptbridge do. None
+    when no copy is valid."""
+    best = None
     with open(img, "rb") as f:
-        binary = f.read(4096)
-        hdr_size = struct.unpack(">Q", binary[8:16])[0]
-        area = f.read(hdr_size - 4096)
+        primary = f.read(4096)
+        hdr_size = struct.unpack(">Q", primary[8:16])[0] if len(primary) == 4096 else 0
+        for offset in sorted({0, hdr_size if 16384 <= hdr_size <= 4 << 20 else 16384}):
+            f.seek(offset)
+            binary = f.read(4096)
+            if len(binary) < 4096 or binary[:6] not in (b"LUKS\xba\xbe", b"SKUL\xba\xbe"):
+                continue
+            size = struct.unpack(">Q", binary[8:16])[0]
+            if not 16384 <= size <= 4 << 20:
+                continue
+            area = f.read(size - 4096)
+            if hashlib.sha256(binary[:448] + bytes(64) + binary[512:] + area).digest() != binary[448:480]:
+                continue
+            seqid = struct.unpack(">Q", binary[16:24])[0]
+            if best is None or seqid > best[0]:
+                best = (seqid, area)
+    if best is None:
+        return None
     try:
-        return json.loads(area.split(b"\0", 1)[0])
+        return json.loads(best[1].split(b"\0", 1)[0])
     except ValueError:
         return None
 

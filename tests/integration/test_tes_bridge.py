@@ -135,10 +135,13 @@ def test_one_byte_changes_the_whole_sector_on_disk(ws):
         b = ws.serve(backing, kf, cipher=name, key_size=8 * klen, sector_size=4096)
         with NBDClient(b.uri) as c:
             c.connect()
-            c.write(0, os.urandom(256 * 1024))
+            plain = os.urandom(256 * 1024)
+            c.write(0, plain)
             c.flush()
             before = backing.read_bytes()
-            c.write(4096 * 3 + 1000, b"\x42")
+            edit_at = 4096 * 3 + 1000
+            # A byte that differs from the one there (a fixed byte would match it once in 256 runs).
+            c.write(edit_at, bytes([plain[edit_at] ^ 0x42]))
             c.flush()
         after = backing.read_bytes()
         changed = [i // 16 for i in range(0, len(before), 16) if before[i : i + 16] != after[i : i + 16]]

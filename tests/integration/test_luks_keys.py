@@ -250,7 +250,7 @@ def test_a_locked_header_is_refused(ws):
         fcntl.flock(holder, fcntl.LOCK_UN)
     assert img.read_bytes() == before
     # Two of ours at once: the second is refused while the first (a slow KDF) holds the lock.
-    slow = subprocess.Popen([str(require_binary()), "luks", "add-key", str(img), "-d", str(pw), str(new), "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "4000000"],
+    slow = subprocess.Popen([str(require_binary()), "luks", "add-key", str(img), "-d", str(pw), str(new), "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "10000000"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
         time.sleep(0.5)
@@ -338,7 +338,7 @@ def test_cryptsetup_waits_for_our_lock(ws):
     luks_format(img, pw, "--type", "luks2", "--pbkdf", "pbkdf2", *FAST_PBKDF2)
     ours_new = write_file(ws.tmp / "ours", b"ours")
     theirs_new = write_file(ws.tmp / "theirs", b"theirs")
-    slow = subprocess.Popen([str(require_binary()), "luks", "add-key", str(img), "-d", str(pw), str(ours_new), "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "4000000"],
+    slow = subprocess.Popen([str(require_binary()), "luks", "add-key", str(img), "-d", str(pw), str(ours_new), "--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "10000000"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
         time.sleep(0.5)
@@ -359,7 +359,7 @@ def test_cryptsetup_waits_for_our_lock(ws):
                 p.kill()
     assert cs_slots(img) == [0, 1, 2]
     # Ours took the lock first, so it wrote keyslot 1 and cryptsetup, after waiting, keyslot 2:
-    # --key-slot 2 spares cryptsetup trying theirs on keyslot 1 (4M PBKDF2 iterations, seconds).
+    # --key-slot 2 spares cryptsetup trying theirs on keyslot 1 (10M PBKDF2 iterations, ~10 s).
     assert opens(img, ours_new) and opens(img, theirs_new, "--key-slot", "2") and opens(img, pw)
 
 

@@ -102,6 +102,14 @@ pub(crate) struct Apart {
     held: Option<RangeGuard>,
 }
 
+/// Why a WRITE's payload was not taken whole and encrypted.
+enum PayloadError {
+    /// Reading it failed: the client is gone, or out of step.
+    ClientGone(io::Error),
+    /// It was read whole, but not encrypted: the request fails, the connection goes on.
+    NotSealed(io::Error),
+}
+
 /// The core, shared by every connection.
 pub(crate) struct Core {
     mapping: Arc<Mapping>,
@@ -178,18 +186,17 @@ impl Core {
         if request.op == Op::Write {
             match self.mapping.buffer(request.len as usize) {
                 Ok(mut buf) => {
-                    let sealed = match self.take_payload(&mut buf, source, request.offset, plan.crypto) {
-                        Ok(sealed) => sealed,
-                        Err(e) => {
+                    match self.take_payload(&mut buf, source, request.offset, plan.crypto) {
+                        Ok(()) => payload = Some(buf),
+                        Err(PayloadError::ClientGone(e)) => {
                             tracing::info!(conn = client.id(), "connection lost inside a write payload: {e}");
                             return Intake::Ended;
                         }
-                    };
-                    if let Err(e) = sealed {
-                        tracing::error!(conn = client.id(), ?request, "I/O error: {e}");
-                        return Intake::Answered(client.reply(Outcome::done(request, Err(e), permit)));
+                        Err(PayloadError::NotSealed(e)) => {
+                            tracing::error!(conn = client.id(), ?request, "I/O error: {e}");
+                            return Intake::Answered(client.reply(Outcome::done(request, Err(e), permit)));
+                        }
                     }
-                    payload = Some(buf);
                 }
                 Err(e) => {
                     tracing::error!(conn = client.id(), ?request, "no memory for the write payload: {e}");
@@ -224,21 +231,21 @@ impl Core {
     }
 
     /// Reads a WRITE's payload into `buf`, encrypted piece by piece as it comes where the plan
-    /// says ([`Crypto::OnReceipt`]). The outer error: the client is gone; the inner one: the
-    /// payload was read but not encrypted.
-    fn take_payload(&self, buf: &mut [u8], source: &mut dyn Source, offset: u64, crypto: Crypto) -> io::Result<io::Result<()>> {
+    /// says ([`Crypto::OnReceipt`]). The whole payload is read even when a piece fails to
+    /// encrypt, so the connection stays in step with the client.
+    fn take_payload(&self, buf: &mut [u8], source: &mut dyn Source, offset: u64, crypto: Crypto) -> Result<(), PayloadError> {
         if crypto != Crypto::OnReceipt {
-            return source.read_payload(buf).map(Ok);
+            return source.read_payload(buf).map_err(PayloadError::ClientGone);
         }
         let piece = self.mapping.seal_piece();
         let mut sealed = Ok(());
         for (i, chunk) in buf.chunks_mut(piece).enumerate() {
-            source.read_payload(chunk)?;
+            source.read_payload(chunk).map_err(PayloadError::ClientGone)?;
             if sealed.is_ok() {
                 sealed = self.mapping.seal_sectors(offset + (i * piece) as u64, chunk);
             }
         }
-        Ok(sealed)
+        sealed.map_err(PayloadError::NotSealed)
     }
 
     /// Runs a request handed back by [`Core::intake`] to its end, on this thread: a write sent

@@ -11,7 +11,8 @@ order flips every repeat); the export is filled through the bridge first, so bot
 allocated memory. The ratio per profile is the median over repeats of bridge / direct in the
 same pair (the machine is shared and drifts); the ratio of the medians is printed beside it.
 
-Profiles: SEQ1M Q8T1 read / write, RND4K Q32T1 read / write. Target: bridge >= 0.8 x direct.
+Profiles: SEQ1M Q8T1 read / write, RND4K Q32T1 read / write. Targets (issue 30): bridge >= 0.8 x
+direct on SEQ1M, >= 0.6 x on RND4K.
 
 With --proxy a third server joins the rotation: nbdkit's own NBD proxy (`nbdkit nbd
 socket=<upstream>`, no encryption) in front of the same upstream. It is the peer's cost of one
@@ -81,7 +82,8 @@ from _common import (  # noqa: E402
 from bridge import PASSPHRASE, PROFILES, create_luks1_image, fio_job, qemu_opt_escape  # noqa: E402
 
 MiB = 1 << 20
-TARGET = 0.8
+# Issue 30's targets for bridge / direct, by profile.
+TARGETS = {"seq1m": 0.8, "rnd4k": 0.6}
 PROFILE_KEYS = ["seq1m_q8t1_read", "seq1m_q8t1_write", "rnd4k_q32t1_read", "rnd4k_q32t1_write"]
 
 
@@ -291,8 +293,9 @@ def main() -> int:
         b = [s["mbps"] for s in res.get("bridge", []) if s["ok"]]
         pairs = [sb["mbps"] / sd["mbps"] for sd, sb in zip(res.get("direct", []), res.get("bridge", [])) if sd["ok"] and sb["ok"] and sd["mbps"] > 0]
         ratio, mratio = median(pairs), (median(b) / median(d) if d and b and median(d) else None)
-        summary[prof.key] = {"direct_mbps": median(d), "bridge_mbps": median(b), "ratio": ratio, "ratio_of_medians": mratio, "pairs": pairs}
-        lines.append(f"| {prof.label} | {fmt(median(d), 0)} | {fmt(median(b), 0)} | {fmt(ratio, 2)} | {fmt(mratio, 2)} | {TARGET} | {verdict(ratio, TARGET)} |")
+        target = TARGETS[prof.key.split("_")[0]]
+        summary[prof.key] = {"direct_mbps": median(d), "bridge_mbps": median(b), "ratio": ratio, "ratio_of_medians": mratio, "pairs": pairs, "target": target}
+        lines.append(f"| {prof.label} | {fmt(median(d), 0)} | {fmt(median(b), 0)} | {fmt(ratio, 2)} | {fmt(mratio, 2)} | {target} | {verdict(ratio, target)} |")
     if args.proxy:
         lines += [
             "",
